@@ -1,0 +1,27 @@
+# Two commands for a fresh clone: `make demo` and `make test`. Both create .venv and install the project.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-all clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	# No torch yet: take the CPU build that lies on this disk; a GPU user installs CUDA torch first (README).
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) -m experiments.demo
+
+test: setup
+	$(PY) -m pytest -m "not slow" -q
+
+test-all: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) outputs multirun .cache wandb
