@@ -1,0 +1,21 @@
+"""Shared fixtures: small random-weight LMs (exactness does not need a trained model) in float32."""
+
+import pytest
+import torch
+from x_transformers import Decoder, TransformerWrapper
+
+
+def make_lm(*, num_tokens: int = 97, dim: int = 32, depth: int = 2, heads: int = 2, max_seq_len: int = 96, seed: int = 0):
+    torch.manual_seed(seed)
+    model = TransformerWrapper(
+        num_tokens=num_tokens,
+        max_seq_len=max_seq_len,
+        use_abs_pos_emb=False,
+        attn_layers=Decoder(dim=dim, depth=depth, heads=heads, rotary_pos_emb=True),
+    )
+    return model.eval()
+
+
+@pytest.fixture
+def lm():
+    return make_lm()

@@ -1,0 +1,66 @@
+"""Plain autoregressive decoding: the baseline every speedup is measured against and the reference
+for every exactness test. One token per target forward, with the same cache and sampling transform
+the speculative loop uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from verify.sampling import SamplingConfig, sample_token
+from verify.stats import DecodeStats
+from verify.target import Target
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]  # new tokens per row, EOS included when it was emitted
+    stats: DecodeStats
+
+
+def check_max_new_tokens(max_new_tokens: int) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
+
+
+def rows_to_lists(out: Tensor, lengths: Tensor) -> list[list[int]]:
+    """(b, T) token buffer and (b,) lengths -> one list of ids per row (a single host transfer)."""
+    out, lengths = out.cpu().tolist(), lengths.cpu().tolist()
+    return [row[:n] for row, n in zip(out, lengths)]
+
+
+@torch.inference_mode()
+def plain_generate(
+    target: Target,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Decode each prompt token by token; a row stops at EOS or after max_new_tokens."""
+    check_max_new_tokens(max_new_tokens)
+    target.check_tokens(prompts, max_new_tokens=max_new_tokens)
+    b, device = len(prompts), target.device
+    stats = DecodeStats.zeros(b, device)
+    out = torch.zeros(b, max_new_tokens, dtype=torch.long, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    with stats.timed("total"):
+        with stats.timed("target"):
+            logits = target.prefill(prompts).logits[:, -1]  # (b, V)
+        for i in range(max_new_tokens):
+            nxt = sample_token(logits, sampling, generator)  # (b,)
+            out[:, i] = nxt
+            stats.tokens += ~done
+            stats.forwards += ~done
+            if eos_id is not None:
+                done |= nxt == eos_id
+            if i == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
+                break
+            with stats.timed("target"):
+                logits = target.extend(nxt[:, None]).logits[:, -1]
+    return Generation(tokens=rows_to_lists(out, stats.tokens), stats=stats)

@@ -1,0 +1,78 @@
+"""The one sampling transform: logits -> the distribution p that decoding samples from.
+
+Plain decoding, every drafter and every acceptance rule call `probs_from_logits` with the same
+`SamplingConfig`, so "lossless" is measured against exactly the distribution plain decoding uses.
+Temperature 0 means greedy: p is one-hot on the argmax (ties: the lowest token id, as torch.argmax).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int | None = None  # None = no top-k filter
+    top_p: float = 1.0  # 1 = no nucleus filter
+
+    def __post_init__(self) -> None:
+        # Validated here, once, so no decode loop starts with settings it cannot honour.
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r}: must be a number >= 0 (0 = greedy)")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 1, or None for no top-k")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _filter_top_k(logits: Tensor, k: int) -> Tensor:
+    k = min(k, logits.shape[-1])
+    kth = logits.topk(k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _filter_top_p(logits: Tensor, top_p: float) -> Tensor:
+    # Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one).
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def probs_from_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p."""
+    logits = logits.float()
+    if cfg.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    logits = logits / cfg.temperature
+    if cfg.top_k is not None:
+        logits = _filter_top_k(logits, cfg.top_k)
+    if cfg.top_p < 1:
+        logits = _filter_top_p(logits, cfg.top_p)
+    return logits.softmax(dim=-1)
+
+
+def sample_from_probs(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """(..., V) probabilities -> (...) sampled ids, vectorised over every leading dimension.
+
+    The exponential race (argmax of p / E with E ~ Exp(1)) draws exactly from p and, unlike
+    torch.multinomial, takes any number of leading dimensions in one call.
+    """
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample_token(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> Tensor:
+    """(..., V) logits -> (...) next tokens. Greedy skips the softmax (same result as one-hot p)."""
+    if cfg.greedy:
+        return logits.argmax(dim=-1)
+    return sample_from_probs(probs_from_logits(logits, cfg), generator)

@@ -1,0 +1,97 @@
+"""Decoding statistics with the project's fixed names (DESIGN §3).
+
+tau   = tokens emitted / target forward passes (bonus token included; the prefill counts as the
+        forward that produced the first token, so plain decoding has tau = 1 exactly)
+alpha = accepted draft tokens / proposed draft tokens
+Counters are per row tensors, updated without host syncs; timings are wall-clock seconds spent in
+the drafter, in the target and in total (the rest is the loop's own bookkeeping).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def _sync(device: torch.device) -> None:
+    # CUDA kernels run asynchronously: without a sync the time lands in whichever phase syncs next.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class DecodeStats:
+    tokens: Tensor  # (b,) tokens emitted per row
+    forwards: Tensor  # (b,) target forward passes while the row was active
+    proposed: Tensor  # (b,) draft tokens proposed to the row
+    accepted: Tensor  # (b,) draft tokens accepted
+    proposed_by_position: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # (gamma,)
+    accepted_by_position: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # (gamma,)
+    time_draft: float = 0.0
+    time_target: float = 0.0
+    time_total: float = 0.0
+    device: torch.device = torch.device("cpu")
+
+    @classmethod
+    def zeros(cls, batch: int, device: torch.device) -> "DecodeStats":
+        z = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
+        return cls(tokens=z(), forwards=z(), proposed=z(), accepted=z(), device=device)
+
+    @contextmanager
+    def timed(self, phase: str):
+        """Add the wall time of the block to `time_<phase>` (draft, target or total)."""
+        _sync(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            _sync(self.device)
+            setattr(self, f"time_{phase}", getattr(self, f"time_{phase}") + time.perf_counter() - t0)
+
+    def record_positions(self, proposed: Tensor, accepted: Tensor) -> None:
+        """Add per-position counts: proposed, accepted (k,) summed over rows (k may grow)."""
+        k = max(proposed.shape[0], self.proposed_by_position.shape[0])
+        self.proposed_by_position = _pad(self.proposed_by_position, k) + _pad(proposed.cpu(), k)
+        self.accepted_by_position = _pad(self.accepted_by_position, k) + _pad(accepted.cpu(), k)
+
+    @property
+    def tau(self) -> float:
+        return float(self.tokens.sum()) / max(float(self.forwards.sum()), 1.0)
+
+    @property
+    def alpha(self) -> float:
+        return float(self.accepted.sum()) / max(float(self.proposed.sum()), 1.0)
+
+    @property
+    def row_tau(self) -> list[float]:
+        return (self.tokens.float() / self.forwards.clamp(min=1).float()).tolist()
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return (self.accepted_by_position.float() / self.proposed_by_position.clamp(min=1).float()).tolist()
+
+    @property
+    def time_other(self) -> float:
+        return max(self.time_total - self.time_draft - self.time_target, 0.0)
+
+    def as_dict(self) -> dict:
+        return {
+            "tokens": int(self.tokens.sum()),
+            "target_forwards": int(self.forwards.max()) if self.forwards.numel() else 0,
+            "tau": self.tau,
+            "alpha": self.alpha,
+            "row_tau": self.row_tau,
+            "acceptance_by_position": self.acceptance_by_position,
+            "time_draft": self.time_draft,
+            "time_target": self.time_target,
+            "time_other": self.time_other,
+            "time_total": self.time_total,
+        }
+
+
+def _pad(t: Tensor, k: int) -> Tensor:
+    return torch.cat((t.long(), torch.zeros(k - t.shape[0], dtype=torch.long)))
