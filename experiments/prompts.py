@@ -1,0 +1,122 @@
+"""Prompts for generation and benchmarks: held out from the validation split, or a user's file.
+
+Held-out prompts matter because a base model continues text it was trained on too well: drafters then
+look better than they are (DESIGN.md section 7). Prompts come only from validation documents, never
+cross a document boundary (EOS), and are spread over as many different files as possible.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from tokenizers import Tokenizer
+
+if TYPE_CHECKING:  # data.py re-exports this module; a runtime import would be circular
+    from experiments.data import PreparedData
+
+SEPARATOR = "---"  # a line holding only this separates prompts in a plain-text prompts file
+
+
+# ---------------------------------------------------------------- held-out prompts
+
+
+def document_regions(ids: torch.Tensor, eos_id: int) -> list[tuple[int, int]]:
+    """[(start, end)) of every non-empty run of tokens between EOS tokens in a (N,) stream."""
+    eos = (ids == eos_id).nonzero().flatten().tolist()
+    bounds = [-1] + eos + [ids.numel()]
+    return [(a + 1, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a + 1]
+
+
+def _round_robin(order: list[int], capacity: list[int], num_prompts: int) -> list[tuple[int, int]]:
+    """(region, k) picks: one window per region per round, regions in `order`, until num_prompts.
+
+    The first len(order) prompts thus come from different files; a region gives at most capacity windows."""
+    picks: list[tuple[int, int]] = []
+    taken = [0] * len(capacity)
+    while len(picks) < num_prompts:
+        for r in order:
+            if taken[r] < capacity[r] and len(picks) < num_prompts:
+                picks.append((r, taken[r]))
+                taken[r] += 1
+    return picks
+
+
+def heldout_prompts(data: PreparedData, *, num_prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """num_prompts windows of prompt_len validation tokens, none containing EOS; deterministic in seed.
+
+    Files are visited in a seeded random order, one window per file per round. A file giving c windows
+    is cut into c equal slots and each window starts at a seeded random offset inside its slot, so the
+    windows of one file never overlap."""
+    if num_prompts < 1 or prompt_len < 1:
+        raise ValueError(f"num_prompts={num_prompts} and prompt_len={prompt_len} must both be at least 1")
+    regions = document_regions(data.val_ids, data.eos_id)
+    capacity = [(end - start) // prompt_len for start, end in regions]
+    if sum(capacity) < num_prompts:
+        raise ValueError(
+            f"num_prompts={num_prompts} with prompt_len={prompt_len} is too many: the validation split "
+            f"({data.val_ids.numel()} tokens, {len(regions)} files) holds only {sum(capacity)} such windows"
+        )
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(regions), generator=g).tolist()
+    picks = _round_robin(order, capacity, num_prompts)
+    counts = Counter(r for r, _ in picks)
+    prompts = []
+    for r, k in picks:
+        start, end = regions[r]
+        slot = (end - start) // counts[r]  # >= prompt_len since counts[r] <= capacity[r]
+        offset = int(torch.randint(0, slot - prompt_len + 1, (1,), generator=g))
+        first = start + k * slot + offset
+        prompts.append(data.val_ids[first : first + prompt_len].tolist())
+    return prompts
+
+
+# ---------------------------------------------------------------- a user's prompts file
+
+
+def _jsonl_prompts(lines: list[str], path: str) -> list[str]:
+    prompts = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n} is not valid JSON ({e.msg})") from None
+        if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            prompts.append(item["prompt"])
+        elif isinstance(item, str):
+            prompts.append(item)
+        else:
+            raise ValueError(f"{path}:{n} must be a JSON string or an object with a string field 'prompt'")
+    return prompts
+
+
+def _plain_prompts(lines: list[str]) -> list[str]:
+    """Blocks separated by `---` lines (blank lines at a block's ends trimmed, indentation kept);
+    without any `---`, one prompt per non-empty line."""
+    if not any(line.strip() == SEPARATOR for line in lines):
+        return [line for line in lines if line.strip()]
+    blocks: list[list[str]] = [[]]
+    for line in lines:
+        if line.strip() == SEPARATOR:
+            blocks.append([])
+        else:
+            blocks[-1].append(line)
+    texts = ["\n".join(block).strip("\n") for block in blocks]
+    return [t for t in texts if t.strip()]
+
+
+def load_prompts(path: str, tokenizer: Tokenizer) -> list[list[int]]:
+    """Token ids of the prompts in a `.jsonl` file or a plain-text file (see _plain_prompts)."""
+    path = str(path)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"prompts file {path!r} does not exist")
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    texts = _jsonl_prompts(lines, path) if path.endswith(".jsonl") else _plain_prompts(lines)
+    if not texts:
+        raise ValueError(f"prompts file {path!r} holds no prompts")
+    return [enc.ids for enc in tokenizer.encode_batch(texts, add_special_tokens=False)]
