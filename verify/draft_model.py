@@ -1,0 +1,58 @@
+"""An independent small draft model (Leviathan et al., Chen et al.): a smaller LM on the target's
+tokenizer drafts gamma tokens autoregressively with its own KV cache.
+
+Cache discipline: the draft LM is a `Target` too, so it has the one cache owner and the one rollback.
+After a step its cache holds everything up to, but not including, the last accepted token; the two
+uncached tokens (that token and the new pending one) open the next draft forward. No token that is
+still in the cache is ever fed again, and no rejected token stays in it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from verify.drafter import Draft, Verdict
+from verify.sampling import SamplingConfig, probs_from_logits, sample_from_probs
+from verify.target import Target, TargetOutput
+
+
+class DraftModelDrafter:
+    def __init__(self, model: nn.Module, *, pad_id: int = 0):
+        self.lm = Target(model, pad_id=pad_id)
+        self.vocab_size = self.lm.vocab_size
+
+    def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
+        self.lm.prefill(prompts)
+        self.uncached = pending[:, None]  # (b, u) context tokens not yet in the draft cache
+        self.fed = 0  # slots the last propose added to the draft cache
+
+    @torch.inference_mode()
+    def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        x, tokens, qs = self.uncached, [], []
+        for _ in range(gamma):
+            logits = self.lm.extend(x).logits[:, -1]  # (b, V)
+            if sampling.greedy:
+                token = logits.argmax(dim=-1)
+            else:
+                q = probs_from_logits(logits, sampling)
+                token = sample_from_probs(q, generator)
+                qs.append(q)
+            tokens.append(token)
+            x = token[:, None]
+        self.fed = self.uncached.shape[1] + gamma - 1
+        q = torch.stack(qs, dim=1) if qs else None
+        return Draft(tokens=torch.stack(tokens, dim=1), q=q)
+
+    def commit(self, verdict: Verdict) -> None:
+        u = self.uncached.shape[1]
+        if self.fed == 0:  # no draft this step (budget): the new pending token just joins the queue
+            self.uncached = torch.cat((self.uncached, verdict.pending[:, None]), dim=1)
+            return
+        # Added slots: [uncached (u), d1 .. d_{k-1}]. Keep the first u - 1 + a of them, so that the last
+        # accepted token (the old pending token when a = 0) and the new pending token stay uncached.
+        keep = torch.arange(self.fed, device=verdict.accepted.device) < (u - 1 + verdict.accepted)[:, None]
+        self.lm.commit(keep)
+        last_accepted = torch.cat((self.uncached[:, -1:], verdict.tokens), dim=1).gather(1, verdict.accepted[:, None])
+        self.uncached = torch.cat((last_accepted, verdict.pending[:, None]), dim=1)
+        self.fed = 0

@@ -1,0 +1,57 @@
+"""What the one speculative loop needs from a drafter: a small structural protocol and two records.
+
+A drafter proposes; the loop verifies, accepts, rolls the target back and then tells the drafter what
+happened (`Verdict`) so it can roll back its own state. Drafters never touch the target's cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from verify.sampling import SamplingConfig
+from verify.target import TargetOutput
+
+
+@dataclass
+class Draft:
+    tokens: Tensor  # (b, k) proposed tokens, k >= 0
+    q: Tensor | None = None  # (b, k, V) distribution each token was drawn from; None = chosen deterministically (q one-hot)
+    parents: Tensor | None = None  # (k,) or (b, k) tree parents, -1 = child of the pending token; None = a chain
+
+    @property
+    def length(self) -> int:
+        return self.tokens.shape[1]
+
+    @staticmethod
+    def empty(batch: int, device: torch.device) -> "Draft":
+        return Draft(tokens=torch.zeros(batch, 0, dtype=torch.long, device=device))
+
+
+@dataclass
+class Verdict:
+    """The outcome of one verification step, for every row of the batch."""
+
+    accepted: Tensor  # (b,) draft tokens accepted (0..k); 0 for rows that were already finished
+    tokens: Tensor  # (b, k + 1) the step's tokens: accepted drafts, then the new pending token at index `accepted`
+    pending: Tensor  # (b,) the new pending token (emitted, not yet in the target's cache)
+    target: TargetOutput  # the verification forward over [old pending, draft...]: logits and hidden (b, k + 1, .)
+    path: Tensor  # (b, k + 1) indices into that forward of [old pending, accepted nodes...] (a chain: 0, 1, 2, ...)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    vocab_size: int
+
+    def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
+        """Start a batch: the prompts, the target's prefill outputs (b, L, .) (left-padded like the
+        prompts) and the first pending token (b,)."""
+
+    def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        """Draft up to `gamma` tokens per row (a chain), or a tree of draft nodes."""
+
+    def commit(self, verdict: Verdict) -> None:
+        """Roll the drafter's own state to the accepted tokens plus the new pending token."""

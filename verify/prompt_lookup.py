@@ -1,0 +1,76 @@
+"""Prompt lookup (n-gram) drafting: propose the continuation of the latest earlier occurrence of the
+context's last n tokens. Training-free, strong on code, deterministic (q is one-hot).
+
+The search is vectorised over rows and window positions: one comparison of every length-n window
+with the row's suffix, per n, from `max_ngram` down to `min_ngram`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from verify.drafter import Draft, Verdict
+from verify.sampling import SamplingConfig
+from verify.target import TargetOutput
+
+
+class PromptLookupDrafter:
+    def __init__(self, *, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"min_ngram={min_ngram}, max_ngram={max_ngram}: need 1 <= min_ngram <= max_ngram")
+        self.vocab_size = vocab_size
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
+        device = pending.device
+        width = max(len(p) for p in prompts) + 64
+        self.ctx = torch.zeros(len(prompts), width, dtype=torch.long, device=device)  # (b, T) right-padded
+        for i, prompt in enumerate(prompts):
+            self.ctx[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        self.lengths = torch.tensor([len(p) for p in prompts], device=device)
+        self._append(pending[:, None], torch.ones_like(self.lengths))
+
+    def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        start = self._find_continuation()  # (b,) index of the first continuation token
+        index = start[:, None] + torch.arange(gamma, device=start.device)
+        # Past the context's end there is nothing to copy: repeat the last token (likely rejected, still valid).
+        index = torch.minimum(index, (self.lengths - 1)[:, None])
+        return Draft(tokens=self.ctx.gather(1, index))
+
+    def commit(self, verdict: Verdict) -> None:
+        self._append(verdict.tokens, verdict.accepted + 1)
+
+    def _find_continuation(self) -> Tensor:
+        """(b,) start of the continuation after the latest earlier match of the longest n-gram suffix."""
+        b, width = self.ctx.shape
+        found = torch.zeros(b, dtype=torch.bool, device=self.ctx.device)
+        start = self.lengths - 1  # no match: point at the last token
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if width < n + 1:
+                continue
+            windows = self.ctx.unfold(1, n, 1)  # (b, W, n), window i covers [i, i + n)
+            suffix_index = (self.lengths - n).clamp(min=0)[:, None] + torch.arange(n, device=self.ctx.device)
+            suffix = self.ctx.gather(1, suffix_index)  # (b, n)
+            i = torch.arange(windows.shape[1], device=self.ctx.device)
+            # An earlier occurrence, not the suffix itself, with at least one token after it.
+            valid = (i[None] + n < self.lengths[:, None]) & (self.lengths[:, None] > n)
+            match = (windows == suffix[:, None, :]).all(-1) & valid
+            latest = torch.where(match, i[None], -1).amax(dim=1)
+            hit = (latest >= 0) & ~found
+            start = torch.where(hit, latest + n, start)
+            found |= hit
+        return start
+
+    def _append(self, tokens: Tensor, counts: Tensor) -> None:
+        """Append each row's first counts[b] tokens of tokens (b, k) to its context."""
+        k = tokens.shape[1]
+        needed = int((self.lengths + counts).max())
+        if needed > self.ctx.shape[1]:
+            grown = torch.zeros(self.ctx.shape[0], 2 * needed, dtype=torch.long, device=self.ctx.device)
+            grown[:, : self.ctx.shape[1]] = self.ctx
+            self.ctx = grown
+        index = (self.lengths[:, None] + torch.arange(k, device=tokens.device)).clamp(max=self.ctx.shape[1] - 1)
+        keep = torch.arange(k, device=tokens.device) < counts[:, None]
+        self.ctx.scatter_(1, index, torch.where(keep, tokens, self.ctx.gather(1, index)))
+        self.lengths = self.lengths + counts
