@@ -39,7 +39,8 @@ class Verdict:
     tokens: Tensor  # (b, k + 1) the step's tokens: accepted drafts, then the new pending token at index `accepted`
     pending: Tensor  # (b,) the new pending token (emitted, not yet in the target's cache)
     target: TargetOutput  # the verification forward over [old pending, draft...]: logits and hidden (b, k + 1, .)
-    path: Tensor  # (b, k + 1) indices into that forward of [old pending, accepted nodes...] (a chain: 0, 1, 2, ...)
+    path: Tensor  # (b, D + 1) indices into that forward of [old pending, accepted nodes...], padded by repeating
+    #               the last accepted node (a chain: 0, 1, .., accepted, accepted, ..)
 
 
 @runtime_checkable

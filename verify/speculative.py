@@ -19,6 +19,7 @@ from verify.plain import Generation, check_max_new_tokens, rows_to_lists
 from verify.sampling import SamplingConfig, probs_from_logits, sample_token
 from verify.stats import DecodeStats
 from verify.target import Target
+from verify.tree import tree_sampling_accept, tree_typical_accept, verify_parents
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,33 @@ def check_drafter(target: Target, drafter: Drafter) -> None:
         )
 
 
-def _accept(p: Tensor, draft: Draft, rule: str, spec: SpecConfig, generator) -> tuple[Tensor, Tensor]:
+def _verify_chain(target: Target, pending: Tensor, draft: Draft, rule: str, spec: SpecConfig, sampling, generator):
+    """One target forward over [pending, d_1 .. d_k]; returns (forward, accepted (b,), path (b, k+1), next (b,))."""
+    verified = target.extend(torch.cat((pending[:, None], draft.tokens), dim=1))
+    p = probs_from_logits(verified.logits, sampling)  # (b, k + 1, V)
     if rule == "greedy":
-        return greedy_accept(p, draft.tokens)
+        accepted, nxt = greedy_accept(p, draft.tokens)
+    elif rule == "typical":
+        accepted, nxt = typical_accept(p, draft.tokens, epsilon=spec.typical_epsilon, alpha=spec.typical_alpha, generator=generator)
+    else:
+        accepted, nxt = speculative_accept(p, draft.q, draft.tokens, delta=spec.delta, generator=generator)
+    path = torch.minimum(torch.arange(draft.length + 1, device=pending.device), accepted[:, None])
+    return verified, accepted, path, nxt
+
+
+def _verify_tree(target: Target, pending: Tensor, draft: Draft, rule: str, spec: SpecConfig, sampling, generator):
+    """One target forward over [pending, tree nodes] with tree attention; returns as `_verify_chain`."""
+    b = pending.shape[0]
+    parents = verify_parents(draft.parents.expand(b, -1).to(pending.device))  # (b, k + 1)
+    tokens = torch.cat((pending[:, None], draft.tokens), dim=1)
+    verified = target.extend(tokens, parents=parents)
+    p = probs_from_logits(verified.logits, sampling)
     if rule == "typical":
-        return typical_accept(p, draft.tokens, epsilon=spec.typical_epsilon, alpha=spec.typical_alpha, generator=generator)
-    return speculative_accept(p, draft.q, draft.tokens, delta=spec.delta, generator=generator)
+        accepted, path, nxt = tree_typical_accept(p, tokens, parents, epsilon=spec.typical_epsilon, alpha=spec.typical_alpha, generator=generator)
+    else:  # greedy is the same walk with one-hot p: exact acceptance of the target's argmax
+        q = None if draft.q is None else torch.cat((torch.zeros_like(draft.q[:, :1]), draft.q), dim=1)
+        accepted, path, nxt = tree_sampling_accept(p, tokens, parents, q, generator)
+    return verified, accepted, path, nxt
 
 
 def _next_gamma(gamma: int, accepted: Tensor, k: int, active: Tensor, spec: SpecConfig) -> int:
@@ -108,35 +130,35 @@ def speculative_generate(
             k = min(gamma, left - 1)
             with stats.timed("draft"):
                 draft = drafter.propose(k, sampling, generator) if k > 0 else Draft.empty(b, device)
-            if draft.parents is not None:
-                raise NotImplementedError("tree drafts need tree verification (verify/tree.py)")
-            k = draft.length
+            verify = _verify_chain if draft.parents is None else _verify_tree
             with stats.timed("target"):
-                verified = target.extend(torch.cat((pending[:, None], draft.tokens), dim=1))
-            p = probs_from_logits(verified.logits, sampling)  # (b, k + 1, V)
-            accepted, nxt = _accept(p, draft, rule, spec, generator)
+                verified, accepted, path, nxt = verify(target, pending, draft, rule, spec, sampling, generator)
             accepted = torch.where(active, accepted, torch.zeros_like(accepted))
-            step = torch.cat((draft.tokens, torch.zeros_like(nxt)[:, None]), dim=1)
-            step[rows, accepted] = nxt  # (b, k + 1): accepted drafts, then the target's token
+            # step (b, D + 1): the accepted draft tokens along the path, then the target's own token
+            step = torch.cat((draft.tokens.gather(1, (path[:, 1:] - 1).clamp(min=0)), torch.zeros_like(nxt)[:, None]), dim=1)
+            step[rows, accepted] = nxt
             _emit(out, stats, step, accepted + 1, active, done, eos_id)
-            stats.forwards += active
-            stats.proposed += active * k
-            stats.accepted += accepted
-            positions = torch.arange(k, device=device)
-            stats.record_positions(
-                (active[:, None] & (positions < k)).sum(0), (active[:, None] & (positions < accepted[:, None])).sum(0)
-            )
-            positions_kept = torch.arange(k + 1, device=device) < torch.where(active, accepted + 1, 0)[:, None]
-            target.commit(positions_kept)
+            depth = path.shape[1] - 1  # draft tokens a row could accept: k for a chain, the depth for a tree
+            if depth > k:  # the budget keeps every row within max_new_tokens and max_seq_len
+                raise RuntimeError(f"{type(drafter).__name__} drafted {depth} tokens deep; the budget was {k}")
+            _record(stats, active, accepted, depth)
+            kept = torch.zeros(b, draft.length + 1, dtype=torch.bool, device=device)
+            kept.scatter_(1, path, True)  # a path is padded by repeating its last accepted node
+            target.commit(kept & active[:, None])
             pending = torch.where(active, nxt, pending)
             with stats.timed("draft"):
-                drafter.commit(Verdict(accepted, step, pending, verified, _chain_path(b, k, device)))
-            gamma = _next_gamma(gamma, accepted, k, active, spec)
+                drafter.commit(Verdict(accepted, step, pending, verified, path))
+            gamma = _next_gamma(gamma, accepted, depth, active, spec)
     return Generation(tokens=rows_to_lists(out, stats.tokens), stats=stats)
 
 
-def _chain_path(b: int, k: int, device: torch.device) -> Tensor:
-    return torch.arange(k + 1, device=device).expand(b, -1)
+def _record(stats: DecodeStats, active: Tensor, accepted: Tensor, depth: int) -> None:
+    """Count proposals and acceptances per row and per position (for a tree: per depth)."""
+    stats.forwards += active
+    stats.proposed += active * depth
+    stats.accepted += accepted
+    positions = torch.arange(depth, device=active.device)
+    stats.record_positions(active.sum().expand(depth), (active[:, None] & (positions < accepted[:, None])).sum(0))
 
 
 def _emit(out: Tensor, stats: DecodeStats, step: Tensor, count: Tensor, active: Tensor, done: Tensor, eos_id) -> None:

@@ -1,0 +1,153 @@
+"""Draft trees: static trees from rank paths, growth from accuracies, exact greedy tree decoding, and
+lossless multi-candidate tree sampling (chi-square, with a biased rule as the negative control)."""
+
+import random
+
+import pytest
+import torch
+
+from tests.conftest import make_lm
+from tests.test_lossless import CASES, NEW, PROMPT, TRIALS, VOCAB, chi_square, exact_joint, sharp_lm
+from verify.drafter import Draft
+from verify.plain import plain_generate
+from verify.sampling import SamplingConfig
+from verify.speculative import SpecConfig, speculative_generate
+from verify.target import Target, tree_attention
+from verify.tree import grow_tree, leaf_paths, sort_paths, tree_from_paths, verify_parents
+
+SIX = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+def test_design_six_path_example():
+    parents, depth = tree_from_paths(SIX)
+    vp = verify_parents(parents[None])[0]
+    _, d = tree_attention(vp[None])
+    assert d[0].tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert sorted(leaf_paths(vp)) == sorted([[0, 1, 3, 6], [0, 2, 5], [0, 1, 4]])
+    assert depth.tolist() == [1, 1, 2, 2, 2, 3]
+
+
+def test_paths_must_form_a_tree():
+    with pytest.raises(ValueError, match=r"prefix \(1,\) is not in the tree"):
+        sort_paths([(0,), (1, 0)])
+    with pytest.raises(ValueError, match="budget=0"):
+        grow_tree([[0.5]], 0)
+
+
+def test_grow_tree_takes_the_most_likely_nodes():
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.1], [0.4]]
+    assert grow_tree(acc, 3) == [(0,), (1,), (0, 0)]  # 0.6, 0.3, 0.2
+    tree = grow_tree(acc, 6)
+    assert tree == [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)] or len(tree) == 6
+    sort_paths(tree)  # a valid tree
+
+
+class OracleTreeStub:
+    """A static tree whose rank-r node at depth d is right iff r equals a random 'right rank' for that
+    depth (per row and step); other nodes carry wrong tokens. Knows the plain greedy continuation."""
+
+    def __init__(self, continuation, paths, seed=0, vocab_size=97):
+        self.cont, self.vocab_size, self.rng = continuation, vocab_size, random.Random(seed)
+        self.paths = sort_paths(paths)
+        self.parents, _ = tree_from_paths(self.paths)
+
+    def begin(self, prompts, prefill, pending):
+        self.pos = [1] * len(prompts)
+
+    def propose(self, gamma, sampling, generator):
+        keep = [i for i, p in enumerate(self.paths) if len(p) <= gamma]  # no deeper than gamma
+        paths = [self.paths[i] for i in keep]
+        rows = []
+        for i, cont in enumerate(self.cont):
+            right = [self.rng.randrange(3) for _ in range(8)]
+            row = []
+            for path in paths:
+                d = len(path)
+                truth = cont[self.pos[i] + d - 1] if self.pos[i] + d - 1 < len(cont) else 0
+                ok = all(path[j] == right[j] for j in range(d))
+                row.append(truth if ok else (truth + 1 + path[-1]) % self.vocab_size)
+            rows.append(row)
+        parents, _ = tree_from_paths(paths)
+        return Draft(tokens=torch.tensor(rows), parents=parents)
+
+    def commit(self, verdict):
+        for i, a in enumerate(verdict.accepted.tolist()):
+            self.pos[i] += a + 1
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4], [9, 9, 9]]
+TREE = SIX + [(2,), (1, 1), (2, 0), (0, 2), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0)]
+
+
+@pytest.mark.parametrize("gamma", [1, 2, 4])
+@pytest.mark.parametrize("rule", ["auto", "typical"])
+def test_greedy_tree_decoding_equals_plain(lm, gamma, rule):
+    ref = plain_generate(Target(lm), PROMPTS, max_new_tokens=30).tokens
+    out = speculative_generate(
+        Target(lm), OracleTreeStub(ref, TREE), PROMPTS, max_new_tokens=30, spec=SpecConfig(gamma=gamma, rule=rule)
+    )
+    assert out.tokens == ref
+    assert out.stats.tau > 1.2  # siblings other than rank 0 were accepted too
+
+
+class RandomTreeStub:
+    """Proposes a fixed-shape tree of random candidates: deterministic picks (q=None) or i.i.d. draws
+    from a random per-node-parent distribution q (SpecInfer's multi-candidate case)."""
+
+    def __init__(self, sampled: bool, seed=0):
+        self.sampled, self.vocab_size = sampled, VOCAB
+        self.parents, _ = tree_from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)])
+        self.g = torch.Generator().manual_seed(seed)
+
+    def begin(self, prompts, prefill, pending):
+        self.b = len(prompts)
+
+    def propose(self, gamma, sampling, generator):
+        if gamma < 2:  # the last step of a row may only be one token deep
+            return self._propose(gamma, sampling, generator, depth_one=True)
+        return self._propose(gamma, sampling, generator, depth_one=False)
+
+    def _propose(self, gamma, sampling, generator, depth_one):
+        draft = self._full()
+        if depth_one:
+            keep = torch.tensor([0, 1, 2])
+            return Draft(tokens=draft.tokens[:, keep], q=None if draft.q is None else draft.q[:, keep], parents=draft.parents[keep])
+        return draft
+
+    def _full(self):
+        k = len(self.parents)
+        if not self.sampled:  # distinct siblings: a random permutation's head for each sibling group
+            perm = torch.stack([torch.randperm(VOCAB, generator=self.g) for _ in range(self.b)])
+            tokens = torch.stack([perm[:, 0], perm[:, 1], perm[:, 2], perm[:, 3], perm[:, 4], perm[:, 5]], 1)
+            return Draft(tokens=tokens, parents=self.parents)
+        # one q per parent group: root's children share q_root, node 0's children share q_0, node 1's q_1
+        q_groups = torch.softmax(2 * torch.randn(self.b, 3, VOCAB, generator=self.g), -1)
+        group = torch.tensor([0, 0, 0, 1, 1, 2])
+        q = q_groups[:, group]  # (b, k, V)
+        tokens = torch.multinomial(q.reshape(-1, VOCAB), 1, generator=self.g).reshape(self.b, k)
+        return Draft(tokens=tokens, q=q, parents=self.parents)
+
+    def commit(self, verdict):
+        pass
+
+
+def run_tree(drafter, rule="auto"):
+    target_lm = sharp_lm(0)
+    sampling = SamplingConfig(temperature=1.0)
+    out = speculative_generate(
+        Target(target_lm), drafter, [PROMPT] * TRIALS, max_new_tokens=NEW + 1,  # the first step may draft gamma deep
+        spec=SpecConfig(gamma=2, rule=rule), sampling=sampling, generator=torch.Generator().manual_seed(0),
+    )
+    return chi_square([t[:NEW] for t in out.tokens], exact_joint(target_lm, sampling)), out.stats
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_tree_sampling_reproduces_the_target_distribution(sampled):
+    (stat, critical), stats = run_tree(RandomTreeStub(sampled))
+    assert 0 < stats.alpha < 1
+    assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}"
+
+
+def test_tree_negative_control_typical_is_detected():
+    (stat, critical), _ = run_tree(RandomTreeStub(False), rule="typical")
+    assert stat > critical, f"typical acceptance (biased) passed: chi2 {stat:.1f} < {critical:.1f}"
