@@ -4,7 +4,8 @@ ragged rows equal rows run alone, tree nodes equal their paths run alone."""
 import pytest
 import torch
 
-from verify.target import Target, tree_attention
+from verify.cache import tree_attention
+from verify.target import Target
 
 TOL = 1e-5
 
@@ -20,7 +21,7 @@ def test_extend_by_k_equals_full_forward(lm):
     for a, b in [(10, 11), (11, 15), (15, 23), (23, 30)]:
         out.append(target.extend(torch.tensor([seq[a:b]])).logits[0])
     assert torch.allclose(torch.cat(out), full_logits(lm, seq), atol=TOL)
-    assert target.length == 30
+    assert target.cache.length == 30
 
 
 def test_rollback_then_continue_equals_never_drafting(lm):

@@ -12,7 +12,8 @@ from verify.drafter import Draft
 from verify.plain import plain_generate
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target, tree_attention
+from verify.cache import tree_attention
+from verify.target import Target
 from verify.tree import grow_tree, leaf_paths, sort_paths, tree_from_paths, verify_parents
 
 SIX = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]

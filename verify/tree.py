@@ -20,7 +20,7 @@ from einops import rearrange
 from torch import Tensor
 
 from verify.sampling import sample_from_probs
-from verify.target import tree_attention
+from verify.cache import tree_attention
 
 Path = tuple[int, ...]
 
