@@ -41,40 +41,6 @@ log = logging.getLogger(__name__)
 LN2 = math.log(2.0)
 
 
-# --------------------------------------------------------------------------------------------- loggers
-
-
-class NullLogger:
-    """logger=none: metrics go to metrics.jsonl only."""
-
-    def __init__(self, *, dir: str | None = None, run_config: dict | None = None) -> None:
-        pass
-
-    def log(self, metrics: dict[str, float], *, step: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
-
-
-class WandbLogger:
-    """logger=wandb: offline by default, files under <out_dir>/wandb (upload later with `wandb sync`)."""
-
-    def __init__(self, *, project: str, mode: str = "offline", name: str | None = None,
-                 dir: str, run_config: dict | None = None) -> None:
-        import wandb  # imported here: slow to import, and not needed with logger=none
-
-        Path(dir).mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=project, mode=mode, name=name, dir=dir, config=run_config,
-                              settings=wandb.Settings(silent=True))
-
-    def log(self, metrics: dict[str, float], *, step: int) -> None:
-        self.run.log(metrics, step=step)
-
-    def finish(self) -> None:
-        self.run.finish()
-
-
 # ---------------------------------------------------------------------------------------------- config
 
 
@@ -310,7 +276,7 @@ class Trainer:
         extra = {
             "kind": "base_lm", "tokens_seen": self.state.tokens_seen, "elapsed_s": self.elapsed(),
             "metrics": metrics,
-            "data": {"cache_key": data.cache_key, "train_tokens": data.train_ids.numel(),
+            "data": {"config": OmegaConf.to_container(cfg.data, resolve=True), "cache_key": data.cache_key, "train_tokens": data.train_ids.numel(),
                      "val_tokens": data.val_ids.numel(), "train_bytes": data.train_bytes,
                      "val_bytes": data.val_bytes, "eos_id": data.eos_id, "vocab_size": data.vocab_size},
             "train": {"seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
