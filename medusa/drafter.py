@@ -1,0 +1,87 @@
+"""The Medusa drafter: proposes a chain or a static tree from the heads, for the one speculative loop.
+
+State is one vector per row: the target's final hidden state at the last accepted position, the state
+whose own projection chose the pending token. Head k reads it and guesses the token k steps after the
+pending one. It comes for free from the target's forwards: the prefill's last position at `begin`, the
+last accepted node of the verification forward at `commit`. The drafter never runs the target.
+
+A step is one heads forward on (b, 1, d) and one top-k; the tree's shape (which head and rank each node
+reads, and its parent) is a table computed once per depth limit, so proposing has no Python loop over
+tokens or rows. Picks are deterministic (q = None): the loop's lossless rules treat q as one-hot, and its
+tree sampling tries siblings in turn, so a static tree stays lossless at any temperature.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import repeat
+from torch import Tensor
+
+from medusa.heads import MedusaHeads
+from medusa.trees import RANKS, default_tree, node_table
+from verify.drafter import Draft, Verdict
+from verify.sampling import SamplingConfig
+from verify.target import TargetOutput
+from verify.tree import Path, sort_paths
+
+MODES = ("chain", "tree")
+
+
+def check_tree(tree: list, vocab_size: int) -> list[Path]:
+    """Config rank paths (lists of ints) -> sorted tuples; one-line errors for anything else."""
+    if len(tree) == 0:
+        raise ValueError("tree=[]: a tree needs at least one rank path, or null for the default tree")
+    paths = [tuple(p) for p in tree]
+    for p in paths:
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in p):
+            raise ValueError(f"tree path {list(p)}: ranks must be integers")
+        if any(r >= vocab_size for r in p):
+            raise ValueError(f"tree path {list(p)}: ranks must be below the vocabulary size {vocab_size}")
+    return sort_paths(paths)
+
+
+class MedusaDrafter:
+    def __init__(self, heads: MedusaHeads, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
+        if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
+            raise ValueError(f"tree_nodes={tree_nodes!r}: must be an integer >= 1")
+        self.heads, self.mode = heads, mode
+        self.vocab_size: int = heads.vocab_size
+        self.dtype = next(heads.parameters()).dtype
+        self._tables: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        if mode == "chain":
+            if tree is not None:
+                raise ValueError("tree is given but mode='chain': a tree needs mode='tree'")
+            self.paths, self.max_depth = [], heads.num_heads
+            return
+        if tree is None:  # tree_nodes only sizes the default tree; a given tree is used as it is
+            tree = default_tree(heads.num_heads, tree_nodes, ranks=min(RANKS, self.vocab_size))
+        self.paths = check_tree(tree, self.vocab_size)
+        self.ranks = max(max(p) for p in self.paths) + 1  # top-k width: the largest rank any node reads
+        self.max_depth = min(heads.num_heads, max(map(len, self.paths)))  # deeper nodes have no head
+
+    def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
+        self.hidden = prefill.hidden[:, -1]  # (b, d): prompts are left-padded, so -1 is every row's last token
+
+    @torch.inference_mode()
+    def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        depth = min(gamma, self.max_depth)  # never deeper than the loop's budget or the number of heads
+        logits = self.heads(self.hidden[:, None].to(self.dtype))[:, 0]  # (b, K, V)
+        if self.mode == "chain":
+            return Draft(tokens=logits[:, :depth].argmax(dim=-1))  # (b, depth): head k's top-1 at k
+        top = logits.topk(self.ranks, dim=-1).indices  # (b, K, R)
+        parents, head, rank = self._table(depth, top.device)
+        return Draft(tokens=top[:, head, rank], parents=parents)  # (b, k), (k,)
+
+    def commit(self, verdict: Verdict) -> None:
+        # path[:, a] is the verify index of the last accepted node (the old pending token when a = 0)
+        last = verdict.path.gather(1, verdict.accepted[:, None])  # (b, 1)
+        hidden = verdict.target.hidden  # (b, k + 1, d)
+        self.hidden = hidden.gather(1, repeat(last, "b 1 -> b 1 d", d=hidden.shape[-1]))[:, 0]
+
+    def _table(self, depth: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """(parents, head, rank) of the tree's nodes no deeper than `depth`, built once per depth."""
+        if depth not in self._tables:
+            self._tables[depth] = tuple(t.to(device) for t in node_table(self.paths, depth))
+        return self._tables[depth]
