@@ -1,0 +1,199 @@
+"""Drafting with the prophet: chains (EAGLE-1) and dynamic trees (EAGLE-2), on the prophet's own KV cache.
+
+The cache holds one entry per accepted context position t: the pair (f_t, x_{t+1}) of the base's TRUE
+feature and the next token; the last entry pairs the last accepted feature with the pending token,
+and its output, `self.feature`, is the predicted feature at the pending position (whose logits give the
+first draft token). Drafting appends entries made from predicted features; `commit` removes all of
+them and appends the true pairs of the accepted path, read from the verification forward's hidden
+states. So every cycle starts from the base's own features, never from a stale predicted state (a
+public version keeps the drafted state and loses acceptance), at the cost of one prophet forward per
+cycle that also yields the next first draft token.
+
+Modes. "chain": gamma tokens, gamma - 1 one-entry forwards; at temperature > 0 each token is sampled
+from the prophet's distribution after the shared sampling transform and q is returned, else argmax.
+"tree": EAGLE-2's dynamic tree with deterministic candidates (q None), one forward per level over the
+whole frontier of every row; growth stops early once no deeper node can make the final cut.
+Per-step Python work is kept small: no per-row or per-node loops anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange, repeat
+from torch import Tensor
+
+from prophet.model import Prophet
+from verify.cache import KVCache
+from verify.drafter import Draft, Verdict
+from verify.sampling import SamplingConfig, probs_from_logits, sample_from_probs
+from verify.target import TargetOutput
+
+MODES = ("chain", "tree")
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+
+
+class ProphetDrafter:
+    def __init__(self, prophet: Prophet, *, mode: str = "tree", top_k: int = 4, depth: int = 5, tree_nodes: int = 16):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
+        for name, value in dict(top_k=top_k, depth=depth, tree_nodes=tree_nodes).items():
+            _check_positive_int(name, value)
+        if top_k > prophet.vocab_size:
+            raise ValueError(f"top_k={top_k}: must be at most the vocabulary size {prophet.vocab_size}")
+        self.prophet = prophet.eval()  # drafting is inference; a training loop switches back with .train()
+        self.vocab_size = prophet.vocab_size
+        self.mode, self.top_k, self.depth, self.tree_nodes = mode, top_k, depth, tree_nodes
+        self.cache = KVCache()
+        self.drafted = 0  # cache entries the last propose added (from predicted features)
+
+    @torch.inference_mode()
+    def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
+        """Seed the cache with (f_t, x_{t+1}) for every prompt position, the last pairing f_{L-1} with `pending`."""
+        b, width = prefill.hidden.shape[:2]
+        tokens = torch.zeros(b, width, dtype=torch.long, device=pending.device)  # left-padded like the prefill
+        for i, prompt in enumerate(prompts):
+            tokens[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        next_tokens = torch.cat((tokens[:, 1:], pending[:, None]), dim=1)  # (b, L)
+        self.cache.reset(torch.tensor([width - len(p) for p in prompts], device=pending.device))
+        self.feature = self.prophet.step(prefill.hidden, next_tokens, self.cache)[:, -1]  # (b, d_base)
+        self.drafted = 0
+
+    @torch.inference_mode()
+    def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        _check_positive_int("gamma", gamma)
+        if self.mode == "chain":
+            return self._chain(gamma, sampling, generator)
+        return self._tree(min(self.depth, gamma))
+
+    @torch.inference_mode()
+    def commit(self, verdict: Verdict) -> None:
+        """Drop the drafted entries; append the true pairs along the accepted path (a + 1 per row).
+
+        Entry i pairs the base's feature at path node i with the token after it: the next accepted
+        draft token, or the new pending token at i = a. Rows that have finished get placeholder entries
+        that nothing reads."""
+        if self.drafted:
+            self.cache.commit(torch.zeros(verdict.accepted.shape[0], self.drafted, dtype=torch.bool))
+            self.drafted = 0
+        width = verdict.path.shape[1]  # rows accept different counts: feed the padded block, keep a + 1
+        out = self.prophet.step(self._seed_features(verdict), verdict.tokens[:, :width], self.cache)  # (b, w, d)
+        self.cache.commit(torch.arange(width, device=out.device) < (verdict.accepted + 1)[:, None])
+        rows = torch.arange(out.shape[0], device=out.device)
+        self.feature = out[rows, verdict.accepted]  # predicted feature at the new pending position
+
+    def _seed_features(self, verdict: Verdict) -> Tensor:
+        """The base's features at the accepted path nodes [old pending, accepted drafts...]: (b, D + 1, d_base)."""
+        hidden = verdict.target.hidden
+        return hidden.gather(1, repeat(verdict.path, "b n -> b n d", d=hidden.shape[-1]))
+
+    def _chain(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        """gamma autoregressive steps in feature space: gamma - 1 one-entry forwards."""
+        feature, tokens, qs = self.feature, [], []
+        for j in range(gamma):
+            if j > 0:
+                feature = self.prophet.step(feature[:, None], tokens[-1][:, None], self.cache)[:, 0]
+            logits = self.prophet.logits(feature)  # (b, V)
+            if sampling.greedy:
+                tokens.append(logits.argmax(dim=-1))
+            else:  # the same transform the target's p goes through, so p / q compare like with like
+                qs.append(probs_from_logits(logits, sampling))
+                tokens.append(sample_from_probs(qs[-1], generator))
+        self.drafted = gamma - 1
+        return Draft(tokens=torch.stack(tokens, dim=1), q=torch.stack(qs, dim=1) if qs else None)
+
+    def _tree(self, levels: int) -> Draft:
+        """EAGLE-2's dynamic tree: grow `levels` levels of top-k children from the best k frontier nodes,
+        scoring each node by its path's cumulative log-probability; keep the best `tree_nodes` of all.
+
+        The pool lists every expanded node in level order: scores, tokens and parents (pool-indexed,
+        -1 = child of the pending token), each (b, P). Candidates are deterministic (q None).
+        """
+        b, k = self.feature.shape[0], self.top_k
+        score, token = self.prophet.logits(self.feature).float().log_softmax(-1).topk(k, dim=-1)  # (b, k)
+        pool = [(score, token, torch.full_like(token, -1))]
+        frontier = dict(score=score, token=token, pool=repeat(torch.arange(k, device=token.device), "k -> b k", b=b),
+                        feature=repeat(self.feature, "b d -> b k d", k=k), entry=torch.full_like(token, -1))
+        ancestors = torch.zeros(b, 0, 0, dtype=torch.bool, device=token.device)  # among drafted entries
+        length0, size = self.cache.length, k
+        for _ in range(levels - 1):  # level 1 came from self.feature without a forward
+            if _settled(pool, frontier["score"], self.tree_nodes):
+                break  # no deeper node can make the final cut: the same tree, fewer forwards
+            # One forward over the frontier: entry i pairs frontier node i's parent feature with its token.
+            attn, ancestors = _level_attention(frontier["entry"], ancestors, length0)
+            entries = self.cache.length - length0  # index of this level's first entry among drafted entries
+            feature = self.prophet.step(frontier["feature"], frontier["token"], self.cache, attn)  # (b, k, d)
+            logp, child = self.prophet.logits(feature).float().log_softmax(-1).topk(k, dim=-1)  # (b, k, k)
+            cand_score = rearrange(frontier["score"][..., None] + logp, "b p c -> b (p c)")
+            cand_token = rearrange(child, "b p c -> b (p c)")
+            cand_parent = repeat(frontier["pool"], "b p -> b (p c)", c=k)
+            pool.append((cand_score, cand_token, cand_parent))
+            best = cand_score.topk(k, dim=-1).indices  # (b, k): the next frontier among k * k candidates
+            parent = best // k  # which frontier node (= which entry of this forward) each one extends
+            frontier = dict(score=cand_score.gather(1, best), token=cand_token.gather(1, best), pool=size + best,
+                            feature=feature.gather(1, repeat(parent, "b k -> b k d", d=feature.shape[-1])),
+                            entry=entries + parent)
+            size += k * k
+        self.drafted = self.cache.length - length0
+        scores, tokens, parents = (torch.cat(x, dim=1) for x in zip(*pool))
+        return _best_subtree(scores, tokens, parents, self.tree_nodes)
+
+
+def _settled(pool: list[tuple[Tensor, Tensor, Tensor]], frontier_score: Tensor, budget: int) -> bool:
+    """True when, in every row, no descendant of the frontier (b, k) can enter the best `budget` pool nodes.
+
+    Descendants never outscore their frontier ancestor, and a tie loses to the earlier pool node, so
+    once the best frontier score is at most the budget-th best score, growing further changes nothing.
+    Costs one host sync per level, against a prophet forward saved when a row's drafts are unsure.
+    """
+    scores = torch.cat([score for score, _, _ in pool], dim=1)  # (b, P)
+    if scores.shape[1] < budget:
+        return False
+    cutoff = scores.topk(budget, dim=-1).values[:, -1]
+    return bool((frontier_score.amax(dim=-1) <= cutoff).all())
+
+
+def _level_attention(parent: Tensor, ancestors: Tensor, length0: int) -> tuple[dict, Tensor]:
+    """Attention for one tree level of n new entries after m drafted ones (m / n levels) and `length0` cached slots.
+
+    parent (b, n): each new entry's parent among drafted entries (-1 = the cached prefix);
+    ancestors (b, m, m): ancestor-or-self among drafted entries. A new entry sees the cached prefix
+    (slots < length0), its drafted ancestors and itself, at position length0 + its depth among drafted
+    entries (its position in a chain), as `KVCache.tree_kwargs` does for a single-forward tree. Returns the forward's
+    attn_bias/pos and the ancestor matrix grown to (b, m + n, m + n).
+    """
+    b, n = parent.shape
+    m, device = ancestors.shape[1], parent.device
+    old = torch.zeros(b, n, m, dtype=torch.bool, device=device)  # which drafted entries each new one sees
+    if m:
+        # the parent's ancestor-or-self row is exactly the drafted entries the child may see
+        old = ancestors.gather(1, repeat(parent.clamp(min=0), "b n -> b n m", m=m))
+        old &= rearrange(parent >= 0, "b n -> b n 1")
+    new = repeat(torch.eye(n, dtype=torch.bool, device=device), "i j -> b i j", b=b)  # self only, not siblings
+    visible = torch.cat((torch.ones(b, n, length0, dtype=torch.bool, device=device), old, new), dim=-1)
+    bias = torch.zeros(visible.shape, device=device).masked_fill(~visible, float("-inf"))
+    prefix = torch.arange(length0, device=device)
+    depth = torch.arange(m + n, device=device) // n  # every level adds n entries, one level deeper
+    pos = torch.cat((prefix, length0 + depth))
+    grown = torch.cat((torch.cat((ancestors, torch.zeros(b, m, n, dtype=torch.bool, device=device)), -1),
+                       torch.cat((old, new), -1)), dim=1)
+    return dict(attn_bias=rearrange(bias, "b i j -> b 1 i j"), pos=repeat(pos, "l -> b l", b=b)), grown
+
+
+def _best_subtree(scores: Tensor, tokens: Tensor, parents: Tensor, budget: int) -> Draft:
+    """Keep the best `budget` pool nodes per row, in topological order, as a draft tree.
+
+    A child's score is its parent's plus a log-probability <= 0, so it never beats its parent; the
+    stable sort breaks ties by pool order, where parents come first. So the kept set is a tree.
+    """
+    n = min(budget, scores.shape[1])
+    best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
+    keep = best.sort(dim=1).values  # pool order is level order: parents before children
+    draft_index = torch.full_like(scores, -1, dtype=torch.long).scatter_(
+        1, keep, repeat(torch.arange(n, device=keep.device), "n -> b n", b=keep.shape[0]))
+    parent = parents.gather(1, keep)
+    parent = torch.where(parent >= 0, draft_index.gather(1, parent.clamp(min=0)), parent)
+    return Draft(tokens=tokens.gather(1, keep), parents=parent)

@@ -1,0 +1,166 @@
+"""The prophet: a small x-transformers decoder that drafts in the frozen base's feature space (DESIGN §6).
+
+At position t it reads the base's final hidden state f_t (after the final norm) fused with the
+embedding of the next token x_{t+1}, and predicts f_{t+1}; logits come from the frozen base output
+layer. Drafting feeds predicted features back in (EAGLE), so the prophet learns a feature dynamics
+rather than a token distribution.
+
+The base's embedding and output layer are reused frozen. They are kept in `FrozenHead`, a plain
+object and not an nn.Module, so they are neither parameters nor state_dict entries of the prophet, and
+they are applied with detached weights, so no gradient ever reaches the base.
+
+Three forwards share one network:
+- `forward(features, next_tokens)`: teacher forcing on true features (training step 1);
+- `unroll(features, next_tokens, steps)`: EAGLE-3's training-time test, step j reading the prophet's own
+  predictions of the j - 1 previous steps, with exactly the attention a draft chain sees;
+- `step(features, next_tokens, cache, attn=None)`: decoding on top of a `verify.cache.KVCache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+from torch import Tensor, nn
+from x_transformers import Decoder
+
+from verify.cache import KVCache
+
+
+@dataclass(eq=False)
+class FrozenHead:
+    """The base's token embedding and output layer, borrowed: used frozen, never registered, never saved."""
+
+    embedding: nn.Embedding
+    to_logits: nn.Linear
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """(..., n) ids -> (..., n, d_base) embeddings; detached weights keep the base out of autograd."""
+        return F.embedding(tokens, self.embedding.weight.detach())
+
+    def logits(self, features: Tensor) -> Tensor:
+        """(..., d_base) features -> (..., V) logits through the base's own output layer."""
+        bias = None if self.to_logits.bias is None else self.to_logits.bias.detach()
+        return F.linear(features, self.to_logits.weight.detach(), bias)
+
+    def __deepcopy__(self, memo: dict) -> "FrozenHead":
+        return self  # borrowed: a copy of the prophet (e.g. an EMA) shares the base, never clones it
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}={value!r}: must be a positive integer")
+
+
+class Prophet(nn.Module):
+    def __init__(
+        self,
+        *,
+        head: FrozenHead,
+        dim: int,
+        depth: int = 1,
+        heads: int = 4,
+        attn_dim_head: int | None = None,
+        ff_mult: int = 4,
+    ):
+        super().__init__()
+        for name, value in dict(dim=dim, depth=depth, heads=heads, ff_mult=ff_mult).items():
+            _check_positive_int(name, value)
+        if attn_dim_head is None and dim % heads != 0:
+            raise ValueError(f"dim={dim} is not divisible by heads={heads}: pass attn_dim_head or change them")
+        dim_head = attn_dim_head if attn_dim_head is not None else dim // heads
+        _check_positive_int("attn_dim_head", dim_head)
+        if dim_head < 2:
+            raise ValueError(f"attn_dim_head={dim_head}: rotary positions need at least 2")
+        self.head = head  # a plain object: not a submodule, not in state_dict
+        base_dim = head.to_logits.in_features
+        self.base_dim, self.vocab_size = base_dim, head.to_logits.out_features
+        self.fuse = nn.Linear(2 * base_dim, dim)  # [f_t ; emb(x_{t+1})] -> prophet width (EAGLE's fc)
+        self.decoder = Decoder(
+            dim=dim, depth=depth, heads=heads, attn_dim_head=dim_head, ff_mult=ff_mult,
+            rotary_pos_emb=True,  # rotary only: tree drafting needs explicit `pos` and an additive attn_bias
+            verbose=False,
+        )
+        self.out = nn.Linear(dim, base_dim)  # back to the base width, where the frozen output layer reads
+
+    @classmethod
+    def from_base(cls, base: nn.Module, *, dim: int, depth: int = 1, heads: int = 4, **kwargs) -> "Prophet":
+        """A prophet for an x-transformers TransformerWrapper `base` (embedding and output layer borrowed)."""
+        head = FrozenHead(embedding=base.token_emb.emb, to_logits=base.to_logits)
+        prophet = cls(head=head, dim=dim, depth=depth, heads=heads, **kwargs)
+        return prophet.to(base.to_logits.weight.device)
+
+    def logits(self, features: Tensor) -> Tensor:
+        """(..., d_base) predicted features -> (..., V) logits (frozen base output layer)."""
+        return self.head.logits(features)
+
+    def fused(self, features: Tensor, next_tokens: Tensor) -> Tensor:
+        """features (b, n, d_base), next_tokens (b, n) -> decoder inputs (b, n, dim)."""
+        return self.fuse(torch.cat((features, self.head.embed(next_tokens)), dim=-1))
+
+    def forward(self, features: Tensor, next_tokens: Tensor) -> Tensor:
+        """Teacher forcing: features f_t (B, T, d_base) and tokens x_{t+1} (B, T) -> predicted f_{t+1} (B, T, d_base)."""
+        return self.out(self.decoder(self.fused(features, next_tokens)))
+
+    def unroll(self, features: Tensor, next_tokens: Tensor, steps: int) -> list[Tensor]:
+        """EAGLE-3's training-time test: predictions (B, T, d_base) for steps 1..`steps`.
+
+        Step j at index t predicts f_{t+1} from the true features up to index t - j + 1 and the
+        prophet's own predictions for the j - 1 indices after it, as drafting step j does. Step j's input
+        at index t pairs step j - 1's prediction at t - 1 with x_{t+1}; indices t < j - 1 have no such
+        chain and are filler that no valid query sees. Each forward runs all steps so far side by side
+        with the attention mask of `unroll_attention`.
+        """
+        _check_positive_int("steps", steps)
+        t = features.shape[1]
+        emb = self.head.embed(next_tokens)
+        inputs, preds = [self.fuse(torch.cat((features, emb), dim=-1))], []
+        for j in range(1, steps + 1):
+            if j == 1:  # plain causal attention: no mask to build, x-transformers' own fast path
+                out = self.decoder(inputs[0])
+            else:
+                bias, pos = unroll_attention(j, t, features.device)
+                out = self.decoder(torch.cat(inputs, dim=1), attn_bias=bias, pos=pos)
+            preds.append(self.out(out[:, -t:]))
+            if j < steps:  # not detached: step j's loss also trains the steps whose predictions it reads
+                shifted = torch.cat((features[:, :1], preds[-1][:, :-1]), dim=1)  # index t <- prediction at t - 1
+                inputs.append(self.fuse(torch.cat((shifted, emb), dim=-1)))
+        return preds
+
+    def step(self, features: Tensor, next_tokens: Tensor, cache: KVCache, attn: dict | None = None) -> Tensor:
+        """Decoding: n new entries (b, n, d_base), (b, n) on top of `cache` -> predicted features (b, n, d_base).
+
+        `attn` (attn_bias and pos, e.g. from `KVCache.tree_kwargs`) turns the new entries into a tree;
+        without it they form a chain after the cached prefix. The cache takes the new entries.
+        """
+        n = next_tokens.shape[1]
+        out, inter = self.decoder(
+            self.fused(features, next_tokens), return_hiddens=True, **cache.forward_kwargs(n), **(attn or {})
+        )
+        cache.append(inter, n)
+        return self.out(out)
+
+
+def unroll_attention(steps: int, t: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Additive attention bias (1, 1, S*T, S*T) and positions (S*T,) for `steps` = S unrolled steps side by side.
+
+    Step i's key at index s is visible to step j's query at index t iff i = 1 and s <= t - j + 1 (the
+    true-feature prefix), or 2 <= i <= j and s = t - j + i (the query's own chain of predictions).
+    Every entry at index s has position s, as in a draft chain, so all steps see the same distances.
+    """
+    step = torch.arange(1, steps + 1, device=device)
+    index = torch.arange(t, device=device)
+    qj, qt = (rearrange(x, "n -> n 1") for x in _grid(step, index))  # query step and index, (S*T, 1)
+    ki, ks = (rearrange(x, "n -> 1 n") for x in _grid(step, index))  # key step and index, (1, S*T)
+    visible = ((ki == 1) & (ks <= qt - qj + 1)) | ((ki >= 2) & (ki <= qj) & (ks == qt - qj + ki))
+    bias = torch.zeros(visible.shape, device=device).masked_fill(~visible, float("-inf"))
+    # A filler query (t < j - 1) may see nothing; let it see itself so softmax stays finite.
+    bias.diagonal().zero_()
+    return rearrange(bias, "q k -> 1 1 q k"), repeat(index, "t -> (s t)", s=steps)
+
+
+def _grid(step: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """Step and index of every entry in step-major order: (S*T,), (S*T,)."""
+    return repeat(step, "s -> (s t)", t=index.shape[0]), repeat(index, "t -> (s t)", s=step.shape[0])

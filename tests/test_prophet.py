@@ -1,0 +1,398 @@
+"""The prophet drafter: training touches only the prophet; cached, tree and unrolled forwards equal their
+from-scratch counterparts; the drafter's state always follows the accepted context (a stale-state test
+with negative controls); greedy output equals plain decoding; dynamic trees are valid trees; sampling
+stays lossless (chi-square)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from einops import repeat
+from omegaconf import OmegaConf
+
+from experiments.lm import build_lm
+import prophet.drafter as drafter_module
+from prophet import train
+from prophet.drafter import ProphetDrafter, _settled
+from prophet.model import Prophet
+from tests.test_lossless import run, sharp_lm
+from verify.cache import KVCache, tree_attention
+from verify.plain import plain_generate
+from verify.sampling import SamplingConfig
+from verify.speculative import SpecConfig, speculative_generate
+from verify.target import Target
+from verify.tree import verify_parents
+
+V = 97
+CONF = Path(__file__).resolve().parents[1] / "conf" / "drafter" / "prophet.yaml"
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and lose several-fold when the cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_base(seed: int = 0):
+    torch.manual_seed(seed)
+    return build_lm(num_tokens=V, dim=32, depth=2, heads=2, max_seq_len=96).eval()
+
+
+def batch(base, b: int = 8, t: int = 16, seed: int = 1):
+    """A fixed batch and the frozen base's outputs for tokens[:, :-1], as the training loop provides them."""
+    tokens = torch.randint(0, V, (b, t + 1), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        logits, hidden = base(tokens[:, :-1], return_logits_and_embeddings=True)
+    return dict(tokens=tokens, hidden=hidden, logits=logits)
+
+
+def fit(base, prophet, data, steps: int, unroll: int = 1, lr: float = 1e-2) -> list[float]:
+    opt = torch.optim.AdamW(prophet.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss, _ = train.loss(prophet, base, **data, unroll=unroll)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A prophet trained briefly on the random base's own outputs: it drafts well enough to be accepted."""
+    base = tiny_base()
+    torch.manual_seed(0)
+    prophet = train.build(base, dim=32, depth=1, heads=2)
+    fit(base, prophet, batch(base, b=16, t=32), steps=60)
+    return base, prophet.eval()
+
+
+# ---------------------------------------------------------------- training
+
+
+def test_gradients_reach_the_prophet_only():
+    base = tiny_base()  # parameters still require grad: the prophet must detach them itself
+    prophet = train.build(base, dim=32, depth=2, heads=2)
+    loss, metrics = train.loss(prophet, base, **batch(base), unroll=2)
+    loss.backward()
+    assert {"step1_feature", "step1_ce", "step1_top1", "step2_feature", "loss"} <= set(metrics)
+    for name, p in prophet.named_parameters():
+        assert p.grad is not None and bool(p.grad.abs().sum() > 0), name
+    assert all(p.grad is None for p in base.parameters())
+    base_tensors = {base.token_emb.emb.weight.data_ptr(), base.to_logits.weight.data_ptr()}
+    state = prophet.state_dict()
+    assert not any("token_emb" in k or "to_logits" in k or k.startswith("head") for k in state)
+    assert not base_tensors & {v.data_ptr() for v in state.values()}
+    assert not base_tensors & {p.data_ptr() for p in prophet.parameters()}
+
+
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_loss_drops(unroll):
+    base = tiny_base()
+    torch.manual_seed(0)
+    prophet = train.build(base, dim=32, depth=1, heads=2)
+    data = batch(base)
+    first, _ = train.loss(prophet, base, **data, unroll=unroll)
+    losses = fit(base, prophet, data, steps=60, unroll=unroll)
+    assert losses[-1] < 0.7 * first.item(), (first.item(), losses[-1])
+    before = train.evaluate(train.build(base, dim=32, depth=1, heads=2), base, **data, eval_steps=3)
+    after = train.evaluate(prophet, base, **data, eval_steps=3)
+    assert list(after) == ["step1_top1", "step2_top1", "step3_top1"]
+    assert after["step1_top1"] > before["step1_top1"] + 0.2
+
+
+# ---------------------------------------------------------------- forwards
+
+
+def test_cached_and_tree_forwards_equal_full_forwards():
+    base = tiny_base()
+    prophet = train.build(base, dim=32, depth=2, heads=2).eval()
+    data = batch(base, b=2, t=10)
+    hidden, nxt = data["hidden"], data["tokens"][:, 1:]
+    with torch.no_grad():
+        full = prophet(hidden, nxt)
+        cache = KVCache()
+        cache.reset(torch.zeros(2, dtype=torch.long))  # commit needs row starts
+        parts = [prophet.step(hidden[:, a:b], nxt[:, a:b], cache) for a, b in [(0, 4), (4, 5), (5, 10)]]
+        assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5)
+        # a tree of new entries in one forward: every node equals its path run alone
+        cache.commit(torch.zeros(2, 5, dtype=torch.bool))  # roll back to the first 5 entries
+        feats, toks = torch.randn(2, 4, hidden.shape[-1]), torch.randint(0, V, (2, 4))
+        parents = torch.tensor([[-1, 0, -1, 1]] * 2)
+        tree = prophet.step(feats, toks, cache, cache.tree_kwargs(parents))
+        for node, path in [(0, [0]), (1, [0, 1]), (2, [2]), (3, [0, 1, 3])]:
+            alone = prophet(torch.cat((hidden[:, :5], feats[:, path]), 1), torch.cat((nxt[:, :5], toks[:, path]), 1))
+            assert torch.allclose(tree[:, node], alone[:, -1], atol=1e-5)
+
+
+def test_unroll_step_j_is_a_draft_chain():
+    """Step j at index t = true entries up to t - j + 1, then j - 1 entries fed the prophet's own predictions."""
+    base = tiny_base()
+    prophet = train.build(base, dim=32, depth=2, heads=2).eval()
+    data = batch(base, b=2, t=10)
+    hidden, nxt = data["hidden"], data["tokens"][:, 1:]
+    with torch.no_grad():
+        steps = prophet.unroll(hidden, nxt, 3)
+        assert torch.equal(steps[0], prophet(hidden, nxt))
+        for j in (2, 3):
+            for t in (j - 1, 5, 9):
+                cache = KVCache()
+                cache.reset(torch.zeros(2, dtype=torch.long))  # commit needs row starts
+                out = prophet.step(hidden[:, : t - j + 2], nxt[:, : t - j + 2], cache)[:, -1:]
+                for i in range(t - j + 2, t + 1):
+                    out = prophet.step(out, nxt[:, i : i + 1], cache)
+                assert torch.allclose(steps[j - 1][:, t], out[:, 0], atol=1e-5), (j, t)
+
+
+# ---------------------------------------------------------------- drafting follows the accepted context
+
+
+def chain_reference(base, prophet):
+    """From scratch on the true context: the base's features, then the prophet autoregressively."""
+
+    def reference(ctx, gamma):
+        x = torch.tensor([ctx])
+        _, hidden = base(x, return_logits_and_embeddings=True)
+        feats, toks, out = hidden[:, :-1], x[:, 1:], []  # the pending token's feature is not known yet
+        for _ in range(gamma):
+            f = prophet(feats, toks)[:, -1:]
+            d = prophet.logits(f).argmax(-1)
+            feats, toks = torch.cat((feats, f), 1), torch.cat((toks, d), 1)
+            out.append(int(d))
+        return out
+
+    return reference
+
+
+def tree_reference(base, prophet, *, top_k, depth, tree_nodes):
+    """EAGLE-2's dynamic tree, naively: every node's feature from a full forward of its own path."""
+
+    def reference(ctx, gamma):
+        x = torch.tensor([ctx])
+        _, hidden = base(x, return_logits_and_embeddings=True)
+
+        def children(path):  # top-k (log-prob, token) after the pending token and `path`
+            feats, toks = hidden[:, :-1], x[:, 1:]
+            f = prophet(feats, toks)[:, -1:]
+            for tok in path:
+                feats, toks = torch.cat((feats, f), 1), torch.cat((toks, torch.tensor([[tok]])), 1)
+                f = prophet(feats, toks)[:, -1:]
+            s, t = prophet.logits(f[0, 0]).log_softmax(-1).topk(top_k)
+            return zip(s.tolist(), t.tolist())
+
+        pool = [(s, t, -1, [t]) for s, t in children([])]  # (score, token, parent, path)
+        frontier = list(range(len(pool)))
+        for _ in range(min(depth, gamma) - 1):
+            cands = []
+            for node in frontier:
+                for s, t in children(pool[node][3]):
+                    pool.append((pool[node][0] + s, t, node, pool[node][3] + [t]))
+                    cands.append(len(pool) - 1)
+            frontier = [cands[i] for i in torch.tensor([pool[c][0] for c in cands]).topk(top_k).indices.tolist()]
+        best = sorted(sorted(range(len(pool)), key=lambda i: -pool[i][0])[:tree_nodes])
+        where = {node: i for i, node in enumerate(best)}
+        return [(pool[i][1], where.get(pool[i][2], -1)) for i in best]
+
+    return reference
+
+
+class Spy:
+    """Like tests/test_speculative.py's ContextSpy, for chains and trees (a tree row is compared as its
+    (token, parent) pairs), checking only rows still within their budget: a finished row's verdicts
+    carry placeholder tokens that the target never took."""
+
+    def __init__(self, inner, reference, max_new_tokens):
+        self.inner, self.reference, self.vocab_size, self.checked = inner, reference, inner.vocab_size, 0
+        self.max_new_tokens = max_new_tokens
+
+    def begin(self, prompts, prefill, pending):
+        self.ctx = [p + [t] for p, t in zip(prompts, pending.tolist())]
+        self.left = [self.max_new_tokens - 1] * len(prompts)
+        self.inner.begin(prompts, prefill, pending)
+
+    def propose(self, gamma, sampling, generator):
+        draft = self.inner.propose(gamma, sampling, generator)
+        for i, ctx in enumerate(self.ctx):
+            if self.left[i] <= 0:
+                continue
+            got = draft.tokens[i].tolist()
+            if draft.parents is not None:
+                got = list(zip(got, draft.parents[i].tolist()))
+            assert got == self.reference(ctx, gamma), f"stale drafter state in row {i}"
+            self.checked += 1
+        return draft
+
+    def commit(self, verdict):
+        for i, a in enumerate(verdict.accepted.tolist()):
+            if self.left[i] > 0:
+                self.ctx[i] += verdict.tokens[i, : a + 1].tolist()
+                self.left[i] -= a + 1
+        self.inner.commit(verdict)
+
+
+TREE = dict(top_k=3, depth=3, tree_nodes=8)  # grows every level
+PRUNED = dict(top_k=3, depth=4, tree_nodes=4)  # often stops growing early (`_settled`): must give the same tree
+
+
+def run_spy(base, drafter, reference, gamma):
+    spy = Spy(drafter, reference, max_new_tokens=20)
+    with torch.no_grad():
+        out = speculative_generate(Target(base), spy, PROMPTS, max_new_tokens=20, spec=SpecConfig(gamma=gamma))
+    return out, spy
+
+
+@pytest.mark.parametrize("mode, gamma, tree", [("chain", 2, None), ("chain", 4, None), ("tree", 2, TREE),
+                                               ("tree", 4, TREE), ("tree", 4, PRUNED)])
+def test_drafter_follows_the_accepted_context(trained, monkeypatch, mode, gamma, tree):
+    base, prophet = trained
+    settled = []
+    monkeypatch.setattr(drafter_module, "_settled", lambda *a: settled.append(_settled(*a)) or settled[-1])
+    if mode == "chain":
+        drafter, reference = ProphetDrafter(prophet, mode="chain"), chain_reference(base, prophet)
+    else:
+        drafter, reference = ProphetDrafter(prophet, mode="tree", **tree), tree_reference(base, prophet, **tree)
+    out, spy = run_spy(base, drafter, reference, gamma)
+    assert out.tokens == plain_generate(Target(base), PROMPTS, max_new_tokens=20).tokens
+    assert spy.checked > 10 and 0 < out.stats.alpha < 1 and len(set(out.stats.accepted.tolist())) > 1
+    assert any(settled) == (tree is PRUNED)
+
+
+class StaleFeatures(ProphetDrafter):
+    """Negative control: re-seeds from its own previous prediction instead of the base's verified features."""
+
+    def _seed_features(self, verdict):
+        return repeat(self.feature, "b d -> b n d", n=verdict.path.shape[1])
+
+
+class KeepsDrafts(ProphetDrafter):
+    """Negative control: never removes the entries it drafted from predicted features."""
+
+    def commit(self, verdict):
+        self.drafted = 0
+        super().commit(verdict)
+
+
+@pytest.mark.parametrize("stale", [StaleFeatures, KeepsDrafts])
+def test_stale_state_is_detected(trained, stale):
+    base, prophet = trained
+    with pytest.raises(AssertionError, match="stale drafter state"):
+        run_spy(base, stale(prophet, mode="chain"), chain_reference(base, prophet), 3)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_greedy_equals_plain(trained, mode, gamma, rows):
+    base, prophet = trained
+    prompts = PROMPTS[-rows:]
+    ref = plain_generate(Target(base), prompts, max_new_tokens=24).tokens
+    out = speculative_generate(Target(base), ProphetDrafter(prophet, mode=mode), prompts, max_new_tokens=24,
+                               spec=SpecConfig(gamma=gamma))
+    assert out.tokens == ref
+
+
+@pytest.mark.parametrize("mode, gamma, least", [("chain", 3, 1.2), ("tree", 4, 1.5)])
+def test_trained_prophet_is_accepted(trained, mode, gamma, least):
+    base, prophet = trained
+    out = speculative_generate(Target(base), ProphetDrafter(prophet, mode=mode), PROMPTS, max_new_tokens=30,
+                               spec=SpecConfig(gamma=gamma))
+    assert out.stats.tau > least, out.stats.tau
+
+
+class TreeChecker:
+    """Wraps a drafter and checks every tree it proposes."""
+
+    def __init__(self, inner, tree_nodes):
+        self.inner, self.tree_nodes, self.vocab_size, self.depths = inner, tree_nodes, inner.vocab_size, []
+        self.begin, self.commit = inner.begin, inner.commit
+
+    def propose(self, gamma, sampling, generator):
+        draft = self.inner.propose(gamma, sampling, generator)
+        b, n = draft.tokens.shape
+        assert draft.parents.shape == (b, n) and 1 <= n <= self.tree_nodes and draft.q is None
+        node = torch.arange(n)
+        assert bool(((draft.parents >= -1) & (draft.parents < node)).all()), "a parent after its child"
+        _, depth = tree_attention(verify_parents(draft.parents))
+        assert int(depth.max()) <= gamma
+        self.depths.append(int(depth.max()))
+        same_parent = draft.parents[:, :, None] == draft.parents[:, None, :]
+        same_token = draft.tokens[:, :, None] == draft.tokens[:, None, :]
+        assert not bool((same_parent & same_token & ~torch.eye(n, dtype=torch.bool)).any()), "duplicate siblings"
+        return draft
+
+
+@pytest.mark.parametrize("top_k, depth, tree_nodes", [(4, 5, 16), (2, 4, 16), (3, 6, 10), (1, 3, 2)])
+def test_dynamic_trees_are_valid(trained, top_k, depth, tree_nodes):
+    base, prophet = trained
+    checker = TreeChecker(ProphetDrafter(prophet, mode="tree", top_k=top_k, depth=depth, tree_nodes=tree_nodes), tree_nodes)
+    for gamma in (1, 3, 6):
+        out = speculative_generate(Target(base), checker, PROMPTS, max_new_tokens=16, spec=SpecConfig(gamma=gamma))
+        assert out.tokens == plain_generate(Target(base), PROMPTS, max_new_tokens=16).tokens
+    if top_k == 2:  # a pool of 2 + 4 + 4 + 4 nodes fits the budget: the whole grown tree is kept
+        assert max(checker.depths) == 4
+
+
+# ---------------------------------------------------------------- losslessness
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_sampling_reproduces_the_target_distribution(mode):
+    torch.manual_seed(0)
+    prophet = Prophet.from_base(sharp_lm(0), dim=16, depth=1, heads=2)  # sharp_lm(0) is the target `run` builds
+    drafter = ProphetDrafter(prophet, mode=mode, top_k=2, depth=2, tree_nodes=4)
+    (stat, critical), stats = run(drafter, SamplingConfig(temperature=1.0))
+    assert 0 < stats.alpha < 1
+    assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}"
+
+
+# ---------------------------------------------------------------- config and arguments
+
+
+def test_config_drives_the_four_functions():
+    cfg = OmegaConf.to_container(OmegaConf.load(CONF))
+    assert cfg["package"] == "prophet" and set(cfg) == {"package", "module", "loss", "decode"}
+    base = tiny_base()
+    module = train.build(base, **cfg["module"])
+    data = batch(base, b=2, t=8)
+    loss, metrics = train.loss(module, base, **data, **cfg["loss"])
+    assert torch.isfinite(loss) and set(metrics) == {"step1_feature", "step1_ce", "step1_top1", "loss"}
+    assert set(train.evaluate(module, base, **data)) == {f"step{j}_top1" for j in range(1, 6)}
+    drafter = train.drafter(module, base, **cfg["decode"])
+    out = speculative_generate(Target(base), drafter, PROMPTS, max_new_tokens=8, spec=SpecConfig(gamma=5))
+    assert out.tokens == plain_generate(Target(base), PROMPTS, max_new_tokens=8).tokens
+
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda b, p: ProphetDrafter(p, mode="beam"), "mode='beam'"),
+        (lambda b, p: ProphetDrafter(p, top_k=0), "top_k=0"),
+        (lambda b, p: ProphetDrafter(p, top_k=V + 1), f"top_k={V + 1}"),
+        (lambda b, p: ProphetDrafter(p, depth=0), "depth=0"),
+        (lambda b, p: ProphetDrafter(p, tree_nodes=1.5), "tree_nodes=1.5"),
+        (lambda b, p: ProphetDrafter(p).propose(0, SamplingConfig(), None), "gamma=0"),
+        (lambda b, p: train.build(b, dim=30, heads=4), "dim=30 is not divisible by heads=4"),
+        (lambda b, p: train.build(b, dim=32, depth=0), "depth=0"),
+        (lambda b, p: train.loss(p, b, **batch(b), unroll=0), "unroll=0"),
+        (lambda b, p: train.loss(p, b, **batch(b), ce_weight=-1), "ce_weight=-1"),
+        (lambda b, p: train.loss(p, b, **batch(b, t=3), unroll=3), "unroll=3 needs sequences of at least 4"),
+        (lambda b, p: train.evaluate(p, b, **batch(b, t=4), eval_steps=5), "eval_steps=5 needs"),
+        (lambda b, p: train.loss(p, tiny_base(1), **batch(b)), "built on another base"),
+        (lambda b, p: train.drafter(p, b, mode="x"), "mode='x'"),
+    ],
+)
+def test_bad_arguments_raise_one_line_errors(make, match):
+    base = tiny_base()
+    prophet = train.build(base, dim=32, depth=1, heads=2)
+    with pytest.raises(ValueError, match=match) as err:
+        make(base, prophet)
+    assert "\n" not in str(err.value)
