@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(PY) -m experiments.demo
+	$(PY) -m experiments.benchmark experiment=demo
 
 test: setup
 	$(PY) -m pytest -m "not slow" -q

@@ -86,15 +86,15 @@ class KVCache:
         and right-aligns them (one host sync for the new width).
         """
         b, k = keep.shape
-        device = self.start.device
-        keep = keep.to(device)
+        device = keep.device
+        start = self.start if self.start is not None else torch.zeros(b, dtype=torch.long, device=device)
         counts = keep.sum(dim=1)
         is_prefix = keep.cumsum(dim=1) == torch.arange(1, k + 1, device=device)
         if bool((is_prefix == keep).all() & (counts == counts[0]).all()):
             self._edit(lambda t: t[..., : self.length - k + int(counts[0]), :], self.length - k + int(counts[0]))
             return
         slots = torch.arange(self.length - k, device=device)
-        valid = torch.cat((slots >= rearrange(self.start, "b -> b 1"), keep), dim=1)
+        valid = torch.cat((slots >= rearrange(start, "b -> b 1"), keep), dim=1)
         n_valid = valid.sum(dim=1)
         width = int(n_valid.max())
         # Stable sort puts dropped slots first and kept slots last, each in original order.

@@ -39,6 +39,7 @@ class Verdict:
     tokens: Tensor  # (b, k + 1) the step's tokens: accepted drafts, then the new pending token at index `accepted`
     pending: Tensor  # (b,) the new pending token (emitted, not yet in the target's cache)
     target: TargetOutput  # the verification forward over [old pending, draft...]: logits and hidden (b, k + 1, .)
+    active: Tensor  # (b,) rows that were still generating; finished rows carry placeholders in every field
     path: Tensor  # (b, D + 1) indices into that forward of [old pending, accepted nodes...], padded by repeating
     #               the last accepted node (a chain: 0, 1, .., accepted, accepted, ..)
 

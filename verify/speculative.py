@@ -147,7 +147,7 @@ def speculative_generate(
             target.commit(kept & active[:, None])
             pending = torch.where(active, nxt, pending)
             with stats.timed("draft"):
-                drafter.commit(Verdict(accepted, step, pending, verified, path))
+                drafter.commit(Verdict(accepted, step, pending, verified, active, path))
             gamma = _next_gamma(gamma, accepted, depth, active, spec)
     return Generation(tokens=rows_to_lists(out, stats.tokens), stats=stats)
 

@@ -1,0 +1,64 @@
+"""Trained artifacts cached by config: a second run with the same recipe reuses the checkpoint.
+
+`ensure(kind, overrides)` composes the entry point's config (train_base or train_drafter) with the
+given Hydra overrides, names the result by a hash of the resolved config, and trains only when
+`<root>/<kind>-<hash>/checkpoint` does not exist yet. Training happens in-process through the same
+plain `train(cfg)` functions the command-line entry points wrap, so the cache cannot drift from them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from hydra import compose
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf, open_dict
+
+from experiments.checkpoint import checkpoint_exists
+
+log = logging.getLogger(__name__)
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+ENTRY = {"base": "train_base", "draft": "train_base", "medusa": "train_drafter", "prophet": "train_drafter"}
+
+
+def _compose(config_name: str, overrides: list[str]):
+    if GlobalHydra.instance().is_initialized():  # inside a @hydra.main app or a test's initialize()
+        return compose(config_name=config_name, overrides=overrides)
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+def recipe_key(cfg) -> str:
+    """Hash of everything that changes the trained weights (not where they are written, not logging)."""
+    recipe = OmegaConf.to_container(cfg, resolve=False)
+    for key in ("out_dir", "logger", "hydra", "threads", "device"):
+        recipe.pop(key, None)
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def ensure(kind: str, overrides: list[str], *, root: str | Path = "artifacts") -> Path:
+    """Checkpoint directory of the `kind` artifact trained with `overrides`; trains it when missing."""
+    if kind not in ENTRY:
+        raise ValueError(f"artifact kind={kind!r}: must be one of {', '.join(ENTRY)}")
+    cfg = _compose(ENTRY[kind], list(overrides))
+    out_dir = Path(root) / f"{kind}-{recipe_key(cfg)}"
+    ckpt = out_dir / "checkpoint"
+    if checkpoint_exists(ckpt):
+        log.info("reusing %s artifact %s", kind, out_dir)
+        return ckpt
+    with open_dict(cfg):
+        cfg.out_dir = str(out_dir)
+    log.info("training %s artifact %s (%s)", kind, out_dir, " ".join(overrides))
+    if ENTRY[kind] == "train_base":
+        from experiments.train_base import train
+    else:
+        from experiments.train_drafter import train
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = train(cfg)
+    (out_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    return ckpt

@@ -1,0 +1,83 @@
+"""Benchmark results as files people read: results.json, a markdown table and PNG plots.
+
+Columns (DESIGN §3): tau = tokens emitted per target forward (bonus included; plain = 1);
+alpha = accepted / proposed draft tokens (for a tree: accepted depth / tree depth);
+speedup = median over rounds of method tokens/s over plain tokens/s in the same round;
+efficiency = speedup / tau (the share of the algorithmic gain that survives drafting and verifying);
+draft % = share of wall time spent in the drafter; exact = token-identical to plain at temperature 0;
+lossless = the acceptance rule keeps the target's distribution (a lenient `delta` or typical acceptance does not).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+HEADER = "| method | T | rule | lossless | tau | alpha | tokens/s | speedup | efficiency | draft % | exact |"
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def markdown_table(results: dict) -> str:
+    """One row for plain decoding and one per method, per temperature."""
+    lines = [HEADER, "|" + "|".join(["---"] * 11) + "|"]
+    for plain in results["plain"]:
+        t = plain["temperature"]
+        lines.append(f"| plain | {t:g} | - | yes | 1.00 | - | {plain['tokens_per_s']:.1f} | 1.00 | 1.00 | 0 | - |")
+        for row in (r for r in results["methods"] if r["temperature"] == t):
+            lines.append(
+                f"| {row['name']} | {t:g} | {row['rule']} | {_fmt(row['lossless'])} | {row['tau']:.2f} | {row['alpha']:.2f} "
+                f"| {row['tokens_per_s']:.1f} | {row['speedup']:.2f} | {row['efficiency']:.2f} "
+                f"| {100 * row['draft_share']:.0f} | {_fmt(row['exact'])} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot_speedup_tau(results: dict, path: Path) -> None:
+    rows = results["methods"]
+    labels = [f"{r['name']}\nT={r['temperature']:g}" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, len(rows) * 1.1), 4))
+    for ax, key, title in zip(axes, ("speedup", "tau"), ("speedup over plain decoding", "tau (tokens per target forward)")):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=["C0" if r["lossless"] else "C3" for r in rows])
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_acceptance(results: dict, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results["methods"]:
+        acc = r["acceptance_by_position"]
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['name']} T={r['temperature']:g}")
+    ax.set_xlabel("draft position (tree: depth)")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(results: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out_dir / "results.md").write_text(markdown_table(results))
+    if results["methods"]:
+        plot_speedup_tau(results, out_dir / "speedup_tau.png")
+        plot_acceptance(results, out_dir / "acceptance_by_position.png")
