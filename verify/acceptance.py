@@ -44,7 +44,8 @@ def _accepted_prefix(ok: Tensor) -> Tensor:
 
 
 def greedy_accept(p: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
-    """p (b, k+1, V), draft (b, k): keep the longest prefix equal to the target's argmax, then add its argmax."""
+    """p (b, k+1, V) (or the logits: same argmax), draft (b, k): keep the longest prefix equal to the
+    target's argmax, then add its argmax."""
     choice = p.argmax(dim=-1)  # (b, k+1)
     accepted = _accepted_prefix(draft == choice[:, :-1])
     return accepted, choice.gather(1, accepted[:, None]).squeeze(1)

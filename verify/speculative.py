@@ -52,10 +52,11 @@ def check_drafter(target: Target, drafter: Drafter) -> None:
 def _verify_chain(target: Target, pending: Tensor, draft: Draft, rule: str, spec: SpecConfig, sampling, generator):
     """One target forward over [pending, d_1 .. d_k]; returns (forward, accepted (b,), path (b, k+1), next (b,))."""
     verified = target.extend(torch.cat((pending[:, None], draft.tokens), dim=1))
+    if rule == "greedy":  # argmax of the logits = argmax of the one-hot greedy p: skip building p
+        accepted, nxt = greedy_accept(verified.logits, draft.tokens)
+        return verified, accepted, torch.minimum(torch.arange(draft.length + 1, device=pending.device), accepted[:, None]), nxt
     p = probs_from_logits(verified.logits, sampling)  # (b, k + 1, V)
-    if rule == "greedy":
-        accepted, nxt = greedy_accept(p, draft.tokens)
-    elif rule == "typical":
+    if rule == "typical":
         accepted, nxt = typical_accept(p, draft.tokens, epsilon=spec.typical_epsilon, alpha=spec.typical_alpha, generator=generator)
     else:
         accepted, nxt = speculative_accept(p, draft.q, draft.tokens, delta=spec.delta, generator=generator)
