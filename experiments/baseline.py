@@ -1,0 +1,81 @@
+"""Plain decoding against x-transformers' own AutoregressiveWrapper.generate on the same weights and prompts.
+
+    python -m experiments.baseline base_checkpoint=outputs/reference/base_small/checkpoint
+
+Our plain decoding is the baseline of every speedup, so it must be at least as fast as the library's
+generate. Both run greedy with a KV cache, batch 1, one prompt at a time, interleaved over `repeats`
+rounds after a warm-up; the outputs must be identical. Prints one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from x_transformers import AutoregressiveWrapper
+
+from experiments.benchmark import checkpoint_for, get_prompts
+from experiments.checkpoint import load_lm
+from experiments.cli import exit_on_user_error
+from experiments.train_base import resolve_device
+from verify.plain import plain_generate
+from verify.target import Target
+
+
+def _ours(target: Target, prompts: list[list[int]], n: int) -> list[list[int]]:
+    return [plain_generate(target, [p], max_new_tokens=n).tokens[0] for p in prompts]
+
+
+def _theirs(wrapper: AutoregressiveWrapper, prompts: list[list[int]], n: int, device) -> list[list[int]]:
+    outs = []
+    for p in prompts:
+        x = torch.tensor([p], device=device)
+        outs.append(wrapper.generate(x, n, temperature=0.0, cache_kv=True)[0].tolist())
+    return outs
+
+
+def _timed(fn) -> tuple[list, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def compare(cfg: DictConfig) -> dict:
+    device = resolve_device(cfg.device)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    base, tokenizer, meta = load_lm(checkpoint_for(cfg, "base"), device=str(device))
+    prompts = get_prompts(cfg, tokenizer, meta)
+    n = cfg.decode.max_new_tokens
+    target, wrapper = Target(base), AutoregressiveWrapper(base)
+    with torch.inference_mode():
+        _ours(target, prompts[:1], n), _theirs(wrapper, prompts[:1], n, device)  # warm-up
+        ours_tps, theirs_tps = [], []
+        for _ in range(cfg.repeats):
+            ours, t_ours = _timed(lambda: _ours(target, prompts, n))
+            theirs, t_theirs = _timed(lambda: _theirs(wrapper, prompts, n, device))
+            ours_tps.append(len(prompts) * n / t_ours)
+            theirs_tps.append(len(prompts) * n / t_theirs)
+    if ours != theirs:
+        raise RuntimeError("plain greedy decoding differs from x-transformers' generate on the same weights")
+    ratios = [a / b for a, b in zip(ours_tps, theirs_tps)]
+    return {
+        "parameters": sum(p.numel() for p in base.parameters()), "prompts": len(prompts), "max_new_tokens": n,
+        "plain_tokens_per_s": statistics.median(ours_tps), "xtransformers_generate_tokens_per_s": statistics.median(theirs_tps),
+        "ratio": statistics.median(ratios), "ratios": ratios, "identical": True, "device": str(device),
+    }
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="benchmark")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    print(json.dumps(compare(cfg)), file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
