@@ -1,0 +1,311 @@
+"""Generate from a prompt with plain decoding and one drafter, side by side, with the statistics.
+
+    python -m experiments.generate 'prompt="def fib(n):"' method=prophet_tree   # quoted: Hydra's grammar
+    python -m experiments.generate interactive=true method=prompt_lookup   # one prompt a line from stdin
+    python -m experiments.generate base_checkpoint=... checkpoints.draft=... method=draft_model temperature=1
+
+A console tool in the spirit of the early public speculative decoding examples: the two outputs are
+shown in two panels, the speculative one with every accepted draft token in green (the target's own
+tokens, its corrections and bonus tokens, in the default colour), followed by tau, alpha, tokens/s,
+speedup, the draft/target time split and acceptance by position. One run per prompt (after a short
+warm-up): timings here are a demonstration; experiments.benchmark measures speedups properly. At
+temperature 0 a lossless rule must reproduce plain decoding token for token, or this fails loudly.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+from tokenizers import Tokenizer
+
+from experiments.benchmark import METHODS, ExactnessError, checkpoint_for, make_methods
+from experiments.checkpoint import load_lm
+from experiments.cli import USER_ERRORS, exit_on_user_error, one_line
+from experiments.train_base import resolve_device
+from verify.acceptance import check_rule, is_lossless
+from verify.drafter import Draft, Verdict
+from verify.plain import Generation, check_max_new_tokens, plain_generate
+from verify.sampling import SamplingConfig
+from verify.speculative import SpecConfig, speculative_generate
+from verify.target import Target, TargetOutput
+
+ACCEPTED_STYLE = "green"
+
+
+# ------------------------------------------------------------------------------------ what was accepted
+
+
+class RecordingDrafter:
+    """Any drafter, unchanged, plus a record of every verdict's row 0: (accepted, step tokens).
+
+    The tensors are cloned, not read, so recording adds no host sync to the timed loop."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+        self.vocab_size: int = drafter.vocab_size
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: torch.Tensor) -> None:
+        self.drafter.begin(prompts, prefill, pending)
+
+    def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        return self.drafter.propose(gamma, sampling, generator)
+
+    def commit(self, verdict: Verdict) -> None:
+        self.steps.append((verdict.accepted[0].clone(), verdict.tokens[0].clone()))
+        self.drafter.commit(verdict)
+
+
+def accepted_mask(tokens: list[int], steps: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """Per emitted token: True for an accepted draft token, False for the target's own token.
+
+    The first token comes from the prefill; each step then emits its `accepted` drafts and one token of
+    the target's (the last step may be cut by EOS or the budget)."""
+    mask, emitted = [False], tokens[:1]
+    for accepted, step in steps:
+        a = int(accepted)
+        mask += [True] * a + [False]
+        emitted += step[: a + 1].tolist()
+    if emitted[: len(tokens)] != tokens:  # the record and the loop's output must tell the same story
+        raise RuntimeError("the recorded verdicts do not reproduce the speculative output")
+    return mask[: len(tokens)]
+
+
+# ------------------------------------------------------------------------------------------- tokenizer
+
+
+def encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    # As in the data pipeline: a literal "<|endoftext|>" in a prompt is text, not a document boundary.
+    tokenizer.encode_special_tokens = True
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def token_pieces(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+    """The text each token adds; "".join(pieces) == tokenizer.decode(ids).
+
+    Byte-level tokens may split a multi-byte character: its text goes to the token that completes it."""
+    pieces, shown = [], 0
+    for i in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:i])
+        if text.endswith("\ufffd") and i < len(ids):  # an incomplete character: wait for its last byte
+            pieces.append("")
+            continue
+        pieces.append(text[shown:])
+        shown = len(text)
+    return pieces
+
+
+# --------------------------------------------------------------------------------------- configuration
+
+
+def check_config(cfg: DictConfig) -> tuple[SamplingConfig, SpecConfig, str]:
+    """One-line errors for bad settings before anything is loaded; (sampling, spec, resolved rule)."""
+    if cfg.method not in METHODS:
+        raise ValueError(f"method={cfg.method!r}: must be one of {', '.join(METHODS)}")
+    if not isinstance(cfg.interactive, bool):
+        raise ValueError(f"interactive={cfg.interactive!r}: must be true or false")
+    if not cfg.interactive:
+        check_prompt(cfg.prompt)
+    check_max_new_tokens(cfg.max_new_tokens)
+    if not isinstance(cfg.warmup_tokens, int) or cfg.warmup_tokens < 0:
+        raise ValueError(f"warmup_tokens={cfg.warmup_tokens!r}: must be an integer >= 0")
+    d = cfg.decode
+    sampling = SamplingConfig(temperature=cfg.temperature, top_k=d.top_k, top_p=d.top_p)
+    rule = check_rule(d.rule, delta=d.delta, temperature=cfg.temperature)
+    spec = SpecConfig(gamma=d.gamma, rule=d.rule, delta=d.delta, adaptive_gamma=d.adaptive_gamma,
+                      max_gamma=max(d.max_gamma, d.gamma))
+    return sampling, spec, rule
+
+
+def check_prompt(prompt: Any) -> str:
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"prompt={prompt!r}: give a non-empty text, e.g. 'prompt=\"def fib(n):\"'")
+    return prompt
+
+
+def methods_config(cfg: DictConfig) -> DictConfig:
+    """The keys make_methods reads, resolved, with the one chosen method."""
+    keys = ("checkpoints", "artifacts", "prompt_lookup", "medusa", "prophet")
+    resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in keys}
+    return OmegaConf.create({"methods": [cfg.method], **resolved})
+
+
+# ------------------------------------------------------------------------------------------- decoding
+
+
+@dataclass
+class Session:
+    """Everything loaded once and reused for every prompt."""
+
+    target: Target
+    factory: Callable[[], Any]  # a fresh drafter per generation
+    tokenizer: Tokenizer
+    eos_id: int | None
+    sampling: SamplingConfig
+    spec: SpecConfig
+    rule: str
+    cfg: DictConfig
+    warm: bool = False
+
+
+def load_session(cfg: DictConfig) -> Session:
+    sampling, spec, rule = check_config(cfg)
+    device = resolve_device(cfg.device)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    base_ckpt = checkpoint_for(cfg, "base")
+    base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
+    factory = make_methods(methods_config(cfg), base, base_meta, base_ckpt)[cfg.method]
+    eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
+    return Session(Target(base), factory, tokenizer, eos_id, sampling, spec, rule, cfg)
+
+
+def decode_both(s: Session, prompt: list[int], max_new_tokens: int) -> tuple[Generation, Generation, RecordingDrafter]:
+    """Plain decoding, then the drafter, on one prompt with the same seed and settings."""
+    kwargs = dict(max_new_tokens=max_new_tokens, sampling=s.sampling, eos_id=s.eos_id)
+    seeded = lambda: torch.Generator(device=s.target.device).manual_seed(s.cfg.seed)  # noqa: E731
+    plain = plain_generate(s.target, [prompt], generator=seeded(), **kwargs)
+    drafter = RecordingDrafter(s.factory())
+    spec = speculative_generate(s.target, drafter, [prompt], spec=s.spec, generator=seeded(), **kwargs)
+    return plain, spec, drafter
+
+
+def generate_one(s: Session, text: str) -> dict[str, Any]:
+    """Decode one prompt both ways; the result record (texts, accepted mask, statistics)."""
+    prompt = encode(s.tokenizer, check_prompt(text))
+    s.target.check_tokens([prompt], max_new_tokens=s.cfg.max_new_tokens)
+    if not s.warm and s.cfg.warmup_tokens:
+        decode_both(s, prompt, min(s.cfg.warmup_tokens, s.cfg.max_new_tokens))
+        s.warm = True
+    plain, spec, drafter = decode_both(s, prompt, s.cfg.max_new_tokens)
+    plain_ids, spec_ids = plain.tokens[0], spec.tokens[0]
+    lossless = is_lossless(s.rule, delta=s.spec.delta)
+    exact = plain_ids == spec_ids if s.sampling.greedy else None
+    if exact is False and lossless:
+        raise ExactnessError(f"{s.cfg.method} at temperature 0 differs from plain greedy decoding: "
+                             "a lossless rule must not")
+    return {
+        "prompt": text, "method": s.cfg.method,
+        "plain": s.tokenizer.decode(plain_ids), "speculative": s.tokenizer.decode(spec_ids),
+        "plain_ids": plain_ids, "speculative_ids": spec_ids,
+        "accepted_mask": accepted_mask(spec_ids, drafter.steps),
+        "stats": stats_of(plain, spec, rule=s.rule, lossless=lossless, exact=exact, temperature=s.sampling.temperature),
+    }
+
+
+def stats_of(plain: Generation, spec: Generation, **extra: Any) -> dict[str, Any]:
+    p, q = plain.stats, spec.stats
+    plain_tps, spec_tps = int(p.tokens.sum()) / p.time_total, int(q.tokens.sum()) / q.time_total
+    return {
+        **extra, "tau": q.tau, "alpha": q.alpha, "acceptance_by_position": q.acceptance_by_position,
+        "plain_tokens": int(p.tokens.sum()), "speculative_tokens": int(q.tokens.sum()),
+        "plain_forwards": int(p.forwards.sum()), "speculative_forwards": int(q.forwards.sum()),
+        "plain_tokens_per_s": plain_tps, "speculative_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps,
+        "plain_seconds": p.time_total, "speculative_seconds": q.time_total,
+        "time_draft": q.time_draft, "time_target": q.time_target, "time_other": q.time_other,
+        "draft_share": q.time_draft / q.time_total, "target_share": q.time_target / q.time_total,
+    }
+
+
+# ------------------------------------------------------------------------------------------- the view
+
+
+def render(console: Console, s: Session, result: dict[str, Any]) -> None:
+    """Two panels (plain | speculative, accepted drafts in green), then the statistics."""
+    plain = Text.assemble((result["prompt"], "dim"), result["plain"])
+    spec = Text.assemble((result["prompt"], "dim"))
+    for piece, accepted in zip(token_pieces(s.tokenizer, result["speculative_ids"]), result["accepted_mask"]):
+        spec.append(piece, style=ACCEPTED_STYLE if accepted else None)
+    side = Table.grid(expand=True, padding=(0, 1))
+    side.add_column(ratio=1, overflow="fold")  # long runs without spaces wrap, never "…"
+    side.add_column(ratio=1, overflow="fold")
+    side.add_row(Panel(plain, title="plain"), Panel(spec, title=f"speculative: {result['method']}"))
+    legend = Text.assemble(("green", ACCEPTED_STYLE), " = accepted draft tokens; default colour = the target's own "
+                           "tokens (corrections and bonus tokens); dim = the prompt")
+    console.print(Group(side, legend, stats_table(result["stats"]), verdict_line(result["stats"])))
+
+
+def stats_table(st: dict[str, Any]) -> Table:
+    table = Table(title=f"T={st['temperature']:g}, rule {st['rule']}", title_justify="left")
+    for name in ("", "plain", "speculative"):
+        table.add_column(name, justify="left" if not name else "right")
+    total = st["speculative_seconds"]
+    share = lambda t: f"{t:.3f} s ({t / total:.0%})"  # noqa: E731
+    table.add_row("tokens", str(st["plain_tokens"]), str(st["speculative_tokens"]))
+    table.add_row("target forwards", str(st["plain_forwards"]), str(st["speculative_forwards"]))
+    table.add_row("tau (tokens / forward)", "1.00", f"{st['tau']:.2f}")
+    table.add_row("alpha (accepted / proposed)", "-", f"{st['alpha']:.2f}")
+    table.add_row("tokens/s", f"{st['plain_tokens_per_s']:.1f}", f"{st['speculative_tokens_per_s']:.1f}")
+    table.add_row("speedup", "1.00x", f"{st['speedup']:.2f}x")
+    table.add_row("time", f"{st['plain_seconds']:.3f} s", f"{total:.3f} s")
+    split = " / ".join(share(st[k]) for k in ("time_draft", "time_target", "time_other"))
+    table.add_row("  drafter / target / other", "", split)
+    by_position = "  ".join(f"{i + 1}:{a:.2f}" for i, a in enumerate(st["acceptance_by_position"])) or "-"
+    table.add_row("acceptance by position", "", by_position)
+    return table
+
+
+def verdict_line(st: dict[str, Any]) -> Text:
+    if st["exact"]:
+        return Text(f"identical: at temperature 0 the {st['rule']} rule is lossless, and the outputs match "
+                    "token for token", style="bold green")
+    if not st["lossless"]:
+        return Text(f"the {st['rule']} rule is NOT lossless: the output may differ from plain decoding",
+                    style="bold yellow")
+    return Text(f"lossless {st['rule']} rule at temperature {st['temperature']:g}: both are samples of the target's "
+                "distribution, so the texts may differ by chance")
+
+
+# ---------------------------------------------------------------------------------------- entry point
+
+
+def read_prompts(stream) -> Iterator[str]:
+    """Prompts from a stream, one a line, until EOF or an empty line (yielded as they come)."""
+    while True:
+        if stream.isatty():
+            print("prompt> ", end="", flush=True)
+        line = stream.readline()
+        if not line.strip():
+            return
+        yield line.rstrip("\r\n")
+
+
+def generate(cfg: DictConfig, console: Console | None = None) -> dict[str, Any]:
+    """One-shot: the result record of cfg.prompt. Interactive: {"results": [one record per stdin prompt]}.
+
+    Prints the view of each prompt; in interactive mode a bad prompt prints a one-line error and the
+    session goes on."""
+    console = console or Console()
+    session = load_session(cfg)
+    if not cfg.interactive:
+        result = generate_one(session, cfg.prompt)
+        render(console, session, result)
+        return result
+    results = []
+    for text in read_prompts(sys.stdin):
+        try:
+            results.append(generate_one(session, text))
+        except USER_ERRORS as e:
+            console.print(Text(f"error: {one_line(e)}", style="red"))
+            continue
+        render(console, session, results[-1])
+    return {"results": results}
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    generate(cfg)
+
+
+if __name__ == "__main__":
+    main()
