@@ -1,0 +1,650 @@
+"""The experiments/ entry points end to end on a tiny base: every config composes, train_drafter trains on a
+frozen base and refuses another one, the artifact cache reuses by recipe, benchmark measures every method
+against plain decoding (and fails loudly on a non-exact lossless method), and summarize gathers a multirun.
+
+One tiny base (dim 32, depth 1, 512-token BPE on 30 stdlib files) and one Medusa and one prophet drafter are
+trained once per module and shared; everything else reuses them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from experiments import artifacts, benchmark as bench_mod, summarize as summ_mod, train_base, train_drafter
+from experiments.checkpoint import (
+    RESERVED_META_KEYS, CheckpointError, fingerprint, load_checkpoint, load_lm, save_checkpoint,
+)
+from experiments.lm import build_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+# The base's data: a 512-token BPE on 30 stdlib files (the tokenizer is trained once per module, in DATA's cache).
+DATA = ["data.max_files=30", "data.vocab_size=512"]
+BASE = ["base.dim=32", "base.depth=1", "base.heads=2", *DATA, "logger=none", "max_steps=20", "optim.warmup_steps=2",
+        "batch_size=4", "seq_len=64", "eval_blocks=2", "eval_every=10", "checkpoint_every=10"]
+DRAFTER = [*DATA, "logger=none", "max_steps=4", "eval_every=2", "log_every=1", "eval_blocks=2", "batch_size=2",
+           "seq_len=32", "optim.warmup_steps=1"]
+SMALL = {"medusa": [], "prophet": ["drafter.module.dim=32", "drafter.module.heads=2"]}  # a prophet as narrow as the base
+FAMILIES = ("medusa", "prophet")
+ROW_KEYS = {"name", "tau", "alpha", "speedup", "tokens_per_s", "exact", "lossless", "temperature"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a busy 2-core machine two threads spin against
+    each other (see tests/test_medusa.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_cfg(config_name: str, *overrides: str, hydra_node: bool = False) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name, overrides=list(overrides), return_hydra_config=hydra_node)
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("data_cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: str) -> Path:
+    """Checkpoint directory of a tiny base trained through experiments.train_base.train."""
+    out_dir = tmp_path_factory.mktemp("base")
+    result = train_base.train(make_cfg("train_base", *BASE, f"data.cache_dir={cache_dir}", f"out_dir={out_dir}"))
+    return Path(result["checkpoint"])
+
+
+def drafter_cfg(family: str, base: Path, cache_dir: str, out_dir: Path, *overrides: str) -> DictConfig:
+    return make_cfg("train_drafter", f"drafter={family}", f"base_checkpoint={base}", *DRAFTER, *SMALL[family],
+                    f"data.cache_dir={cache_dir}", f"out_dir={out_dir}", *overrides)
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory: pytest.TempPathFactory, tiny_base: Path, cache_dir: str) -> dict[str, dict]:
+    """Medusa and prophet trained on the tiny base: {family: {"result", "base" (the in-memory base the run
+    trained against, captured from load_lm), "out_dir"}}."""
+    trained = {}
+    for family in FAMILIES:
+        out_dir = tmp_path_factory.mktemp(family)
+        captured = []
+
+        def capturing_load_lm(*args, **kwargs):
+            loaded = load_lm(*args, **kwargs)
+            captured.append(loaded[0])
+            return loaded
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(train_drafter, "load_lm", capturing_load_lm)
+            result = train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, out_dir))
+        trained[family] = {"result": result, "base": captured[0], "out_dir": out_dir}
+    return trained
+
+
+def bench_overrides(tiny_base: Path, drafters: dict) -> list[str]:
+    """A benchmark fast dev run: the tiny base is also its own draft model (so alpha = 1 at T = 0)."""
+    return [
+        f"base_checkpoint={tiny_base}", f"checkpoints.draft={tiny_base}",
+        f"checkpoints.medusa={drafters['medusa']['result']['checkpoint']}",
+        f"checkpoints.prophet={drafters['prophet']['result']['checkpoint']}",
+        "prompts.num_prompts=2", "prompts.prompt_len=8", "decode.max_new_tokens=8", "repeats=1",
+        "decode.temperatures=[0,1]", "logger=none",
+    ]
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory, tiny_base: Path, drafters: dict) -> tuple[dict, Path]:
+    out_dir = tmp_path_factory.mktemp("bench")
+    summary = bench_mod.benchmark(make_cfg("benchmark", *bench_overrides(tiny_base, drafters), f"out_dir={out_dir}"))
+    return summary, out_dir
+
+
+# ------------------------------------------------------------------------------- 1. configs compose
+
+def experiment_entry(name: str) -> str:
+    """The entry point an experiment file is a delta of: a base recipe overrides /base, a drafter recipe
+    overrides /drafter, the rest are benchmark presets."""
+    defaults = " ".join(map(str, OmegaConf.load(CONF / "experiment" / f"{name}.yaml").get("defaults", [])))
+    return "train_base" if "override /base" in defaults else "train_drafter" if "override /drafter" in defaults \
+        else "benchmark"
+
+
+def assert_keys_exist(delta: dict, cfg: DictConfig, path: str = "") -> None:
+    """Every key an experiment file sets exists in its entry point's config (a file merge would add a typo)."""
+    for key, value in delta.items():
+        if key in ("defaults", "hydra"):
+            continue
+        assert key in cfg, f"{path}{key} is not a key of the entry point's config"
+        if isinstance(value, dict):
+            assert_keys_exist(value, cfg[key], f"{path}{key}.")
+
+
+def test_experiment_files_split_between_entry_points() -> None:
+    entries = {name: experiment_entry(name) for name in options("experiment")}
+    assert {"base_tiny", "base_small", "base_draft"} <= {n for n, e in entries.items() if e == "train_base"}
+    assert "demo" in {n for n, e in entries.items() if e == "benchmark"}
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_experiment_composes_for_its_entry_point(experiment: str) -> None:
+    entry = experiment_entry(experiment)
+    delta = OmegaConf.to_container(OmegaConf.load(CONF / "experiment" / f"{experiment}.yaml"))
+    assert_keys_exist(delta, make_cfg(entry, "seed=0" if entry == "train_base" else "base_checkpoint=/b"))
+    common = [f"experiment={experiment}", "out_dir=/tmp/unused", *(["base_checkpoint=/b"] * (entry == "train_drafter"))]
+    for job in sweep_ends(make_cfg(entry, *common, hydra_node=True)):
+        cfg = make_cfg(entry, *common, *job)
+        if entry == "train_base":
+            train_base.validate_config(cfg)
+        elif entry == "train_drafter":
+            train_drafter.validate_config(cfg)
+        else:
+            check_benchmark_cfg(cfg)
+
+
+def sweep_ends(cfg: DictConfig) -> list[list[str]]:
+    """The first and the last job's overrides of each parameter a preset sweep sets ([[]] for a single run)."""
+    jobs = []
+    for key, values in (cfg.hydra.sweeper.get("params") or {}).items():
+        values = str(values).split(",")
+        jobs += [[f"{key}={values[0]}"], [f"{key}={values[-1]}"]]
+    return jobs or [[]]
+
+
+@pytest.mark.parametrize("family", options("drafter"))
+def test_train_drafter_composes_with_each_drafter(family: str) -> None:
+    assert family in FAMILIES
+    cfg = make_cfg("train_drafter", f"drafter={family}", "base_checkpoint=/some/base", "out_dir=/tmp/unused")
+    assert cfg.drafter.package == family
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    train_drafter.validate_config(cfg)  # also imports <family>.train and checks its four functions
+
+
+def test_train_drafter_null_base_is_one_line_error() -> None:
+    with pytest.raises(ValueError, match="base_checkpoint is required"):
+        train_drafter.validate_config(make_cfg("train_drafter", "base_checkpoint=null", "out_dir=/tmp/unused"))
+
+
+@pytest.mark.xfail(strict=True, reason="train_drafter.validate_config reads cfg.base_checkpoint while it is still "
+                   "'???': OmegaConf raises MissingMandatoryValue (not a ValueError), so `python -m "
+                   "experiments.train_drafter` without base_checkpoint ends in a Hydra traceback with exit 1")
+def test_train_drafter_missing_base_is_one_line_error() -> None:
+    with pytest.raises(ValueError, match="base_checkpoint is required"):
+        train_drafter.validate_config(make_cfg("train_drafter", "out_dir=/tmp/unused"))
+
+
+def check_benchmark_cfg(cfg: DictConfig) -> None:
+    """What benchmark checks before work, plus: each artifact recipe composes and validates as ensure() would."""
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    assert set(cfg.methods) <= set(bench_mod.METHODS)
+    for t in cfg.decode.temperatures:
+        bench_mod.SamplingConfig(temperature=t, top_k=cfg.decode.top_k, top_p=cfg.decode.top_p)
+        bench_mod.check_rule(cfg.decode.rule, delta=cfg.decode.delta, temperature=t)
+    bench_mod.SpecConfig(gamma=cfg.decode.gamma, rule=cfg.decode.rule, delta=cfg.decode.delta)
+    for kind in ("base", "draft"):
+        recipe = make_cfg("train_base", *cfg.artifacts[kind], "out_dir=/tmp/unused")
+        train_base.validate_config(recipe)
+    assert make_cfg("train_base", *cfg.artifacts.draft, "out_dir=/tmp/unused").base.depth == 2  # base_draft
+    for family in FAMILIES:
+        recipe = make_cfg("train_drafter", *cfg.artifacts[family], f"drafter={family}", "base_checkpoint=/b",
+                          *bench_mod._overrides(cfg[family], "drafter"), "out_dir=/tmp/unused")
+        train_drafter.validate_config(recipe)
+        assert recipe.drafter.module == cfg[family].module and recipe.drafter.loss == cfg[family].loss
+
+
+def test_benchmark_default_composes() -> None:
+    cfg = make_cfg("benchmark", "out_dir=/tmp/unused")
+    check_benchmark_cfg(cfg)
+    assert list(cfg.methods) == list(bench_mod.METHODS)
+    assert cfg.medusa.package == "medusa" and cfg.prophet.package == "prophet"
+
+
+@pytest.mark.parametrize("decode", options("decode"))
+def test_benchmark_composes_with_each_decode(decode: str) -> None:
+    check_benchmark_cfg(make_cfg("benchmark", f"decode={decode}", "out_dir=/tmp/unused"))
+
+
+def test_hydra_settings_of_new_entry_points() -> None:
+    for name in ("train_drafter", "benchmark"):
+        cfg = make_cfg(name, "base_checkpoint=/b", hydra_node=True)
+        assert cfg.hydra.job.chdir is False
+        assert OmegaConf.to_container(OmegaConf.load(CONF / f"{name}.yaml"))["out_dir"] == "${hydra:runtime.output_dir}"
+
+
+@pytest.mark.parametrize("override, module, target", [
+    ("hydra/launcher=joblib", "hydra_plugins.hydra_joblib_launcher", "joblib"),
+    ("hydra/launcher=submitit_local", "hydra_plugins.hydra_submitit_launcher", "submitit"),
+    ("hydra/sweeper=optuna", "hydra_plugins.hydra_optuna_sweeper", "optuna"),
+])
+def test_sweep_plugins_compose(override: str, module: str, target: str) -> None:
+    pytest.importorskip(module)  # the optional `sweep` extra
+    for name in ("benchmark", "train_base", "train_drafter"):
+        cfg = make_cfg(name, override, *(["base_checkpoint=/b"] * (name != "train_base")), hydra_node=True)
+        node = cfg.hydra.launcher if "launcher" in override else cfg.hydra.sweeper
+        assert target in node._target_.lower()
+
+
+# --------------------------------------------------------------------------- 2. train_drafter
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path) -> None:
+    result, out_dir = drafters[family]["result"], drafters[family]["out_dir"]
+    assert result["step"] == 4 and result["parameters"] > 0 and Path(result["out_dir"]) == out_dir
+    metric_keys = set(result) - {"step", "elapsed_s", "parameters", "checkpoint", "out_dir"}
+    assert metric_keys and all(isinstance(result[k], float) for k in metric_keys), result
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "val"] == [2, 4]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
+    meta = load_checkpoint(result["checkpoint"]).meta
+    base_meta = load_checkpoint(tiny_base).meta
+    assert meta["kind"] == "drafter" and meta["step"] == 4
+    assert meta["base_fingerprint"] == base_meta["fingerprint"]
+    assert meta["model_config"]["package"] == family and meta["base_checkpoint"] == str(tiny_base)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_base_unchanged_by_drafter_training(family: str, drafters: dict, tiny_base: Path) -> None:
+    base = drafters[family]["base"]  # the very module the run trained against
+    saved = load_checkpoint(tiny_base)
+    state = base.state_dict()
+    assert state.keys() == saved.state_dict.keys()
+    for name, tensor in saved.state_dict.items():
+        assert torch.equal(state[name].cpu(), tensor), name
+    assert fingerprint(state) == saved.meta["fingerprint"]
+    assert all(p.grad is None and not p.requires_grad for p in base.parameters())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_load_drafter_same_base_and_another_base(family: str, drafters: dict, tiny_base: Path) -> None:
+    ckpt = drafters[family]["result"]["checkpoint"]
+    base, _, base_meta = load_lm(tiny_base)
+    module, package, meta = train_drafter.load_drafter(ckpt, base, base_meta)
+    assert package.__name__ == f"{family}.train" and not module.training
+    saved = load_checkpoint(ckpt).state_dict
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in saved.items())
+    assert package.drafter(module, base, **dict(make_cfg("train_drafter", f"drafter={family}",
+                                                         "base_checkpoint=/b").drafter.decode)) is not None
+    # another base: same architecture, another seed
+    torch.manual_seed(1)
+    other = build_lm(**base_meta["model_config"]).eval()
+    other_meta = {**base_meta, "fingerprint": fingerprint(other.state_dict())}
+    assert other_meta["fingerprint"] != base_meta["fingerprint"]
+    with pytest.raises(CheckpointError) as excinfo:
+        train_drafter.load_drafter(ckpt, other, other_meta)
+    message = str(excinfo.value)
+    assert base_meta["fingerprint"] in message and other_meta["fingerprint"] in message and "\n" not in message
+
+
+def test_load_drafter_refuses_a_base_checkpoint(tiny_base: Path) -> None:
+    base, _, base_meta = load_lm(tiny_base)
+    with pytest.raises(CheckpointError, match="not a drafter checkpoint"):
+        train_drafter.load_drafter(tiny_base, base, base_meta)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("max_steps=0", "max_steps must be a positive integer, got 0"),
+    ("batch_size=0", "batch_size must be a positive integer, got 0"),
+    ("eval_blocks=-1", "eval_blocks must be a positive integer"),
+    ("max_minutes=0", "max_minutes must be positive or null"),
+    ("optim.lr=0", "optim.lr must be positive"),
+    ("optim.warmup_steps=5", "optim.warmup_steps (5) must not exceed max_steps (4)"),
+    ("drafter.package=nonexistent", "drafter.package='nonexistent': no module nonexistent.train"),
+    ("drafter.package=json", "no module json.train"),
+])
+def test_train_drafter_bad_config_fails_before_work(override: str, fragment: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the config was validated")
+
+    monkeypatch.setattr(train_drafter, "load_lm", no_work)
+    monkeypatch.setattr(train_drafter, "prepare_data", no_work)
+    cfg = drafter_cfg("medusa", Path("/no/base"), "unused", tmp_path / "out", override)
+    with pytest.raises(ValueError) as excinfo:
+        train_drafter.train(cfg)
+    assert "\n" not in str(excinfo.value) and fragment in str(excinfo.value), str(excinfo.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_drafter_refuses_another_tokenizer(tiny_base: Path, cache_dir: str, tmp_path: Path) -> None:
+    cfg = drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "data.vocab_size=400")
+    with pytest.raises(ValueError, match="another tokenizer"):
+        train_drafter.train(cfg)
+
+
+@pytest.mark.xfail(strict=True, reason="train_drafter never validates seq_len: -1 fails after loading the base and "
+                   "the data with a misleading message about the validation split, and 300 (> the base's max_seq_len "
+                   "256) trains silently past the base's context; train_base rejects both up front")
+@pytest.mark.parametrize("seq_len", [-1, 300])
+def test_train_drafter_bad_seq_len_fails_before_data(seq_len: int, tiny_base: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_work(*args, **kwargs):
+        raise AssertionError("data was prepared before seq_len was validated")
+
+    monkeypatch.setattr(train_drafter, "prepare_data", no_work)
+    with pytest.raises(ValueError, match="seq_len"):
+        train_drafter.train(drafter_cfg("medusa", tiny_base, "unused", tmp_path, f"seq_len={seq_len}"))
+
+
+# ------------------------------------------------------------------------------ 3. artifact cache
+
+
+def test_artifacts_ensure_trains_once_and_keys_by_recipe(tmp_path: Path, cache_dir: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    recipe = [*BASE, f"data.cache_dir={cache_dir}", "max_steps=2", "optim.warmup_steps=1", "eval_every=2",
+              "checkpoint_every=2"]
+    ckpt = artifacts.ensure("base", recipe, root=tmp_path)
+    assert ckpt.parent.parent == tmp_path and ckpt.parent.name.startswith("base-")
+    assert load_checkpoint(ckpt).meta["step"] == 2
+    assert json.loads((ckpt.parent / "result.json").read_text())["step"] == 2
+    mtime = (ckpt / "meta.json").stat().st_mtime_ns
+
+    calls = []
+
+    def no_training(cfg):
+        calls.append(cfg.out_dir)
+        raise RuntimeError("trained again")
+
+    monkeypatch.setattr(train_base, "train", no_training)
+    assert artifacts.ensure("base", recipe, root=tmp_path) == ckpt  # same recipe: reused
+    assert artifacts.ensure("base", [*recipe, "logger=wandb", "threads=1"], root=tmp_path) == ckpt  # not recipe
+    assert (ckpt / "meta.json").stat().st_mtime_ns == mtime
+    calls.clear()
+    with pytest.raises(RuntimeError, match="trained again"):
+        artifacts.ensure("base", [*recipe, "seed=1"], root=tmp_path)  # another recipe trains ...
+    assert Path(calls[0]).parent == tmp_path and Path(calls[0]) != ckpt.parent  # ... into another directory
+
+
+def test_artifacts_kinds_have_their_own_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out_dirs = []
+
+    def fake_train(cfg):
+        out_dirs.append(Path(cfg.out_dir))
+        return {}
+
+    monkeypatch.setattr(train_base, "train", fake_train)
+    monkeypatch.setattr(train_drafter, "train", fake_train)
+    artifacts.ensure("base", ["max_steps=3"], root=tmp_path)
+    artifacts.ensure("draft", ["max_steps=3"], root=tmp_path)
+    artifacts.ensure("medusa", ["base_checkpoint=/b"], root=tmp_path)
+    artifacts.ensure("prophet", ["base_checkpoint=/b", "drafter=prophet"], root=tmp_path)
+    assert [d.name.split("-")[0] for d in out_dirs] == ["base", "draft", "medusa", "prophet"]
+    assert len(set(out_dirs)) == 4 and all(d.parent == tmp_path for d in out_dirs)
+
+
+@pytest.mark.xfail(strict=True, reason="the artifact key of a drafter hashes base_checkpoint as a path, not the "
+                   "base's fingerprint: once the base at that path changes (e.g. train_base resumed to more steps), "
+                   "ensure keeps returning the drafter of the old base and benchmark fails with CheckpointError for good")
+def test_artifacts_drafter_follows_the_base_at_its_path(tiny_base: Path, cache_dir: str, tmp_path: Path) -> None:
+    base_dir = tmp_path / "base" / "checkpoint"
+    shutil.copytree(tiny_base, base_dir)
+    recipe = [f"base_checkpoint={base_dir}", *DRAFTER, f"data.cache_dir={cache_dir}", "max_steps=2", "eval_every=2"]
+    first = artifacts.ensure("medusa", recipe, root=tmp_path / "artifacts")
+    # the base at the same path is retrained: other weights, same config and tokenizer
+    model, _, meta = load_lm(base_dir)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    save_checkpoint(base_dir, model=model, model_config=meta["model_config"], tokenizer_json=meta["tokenizer"],
+                    step=meta["step"] + 1, extra={k: v for k, v in meta.items() if k not in RESERVED_META_KEYS})
+    new_base, _, new_meta = load_lm(base_dir)
+    assert new_meta["fingerprint"] != meta["fingerprint"]
+    second = artifacts.ensure("medusa", recipe, root=tmp_path / "artifacts")
+    assert load_checkpoint(first).meta["base_fingerprint"] == meta["fingerprint"]
+    train_drafter.load_drafter(second, new_base, new_meta)  # raises CheckpointError while the key ignores the base
+
+
+def test_artifacts_unknown_kind_raises(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="artifact kind='eagle': must be one of base, draft, medusa, prophet"):
+        artifacts.ensure("eagle", [], root=tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------- 4. benchmark
+
+
+def test_benchmark_summary_schema(bench_run: tuple[dict, Path]) -> None:
+    summary, _ = bench_run
+    assert set(summary) == {"plain_tokens_per_s", "methods"}
+    assert isinstance(summary["plain_tokens_per_s"], float) and summary["plain_tokens_per_s"] > 0
+    rows = summary["methods"]
+    assert [(r["name"], r["temperature"]) for r in rows] == [(m, t) for t in (0.0, 1.0) for m in bench_mod.METHODS]
+    for row in rows:
+        assert set(row) == ROW_KEYS, row
+        assert isinstance(row["name"], str) and isinstance(row["temperature"], float)
+        for key in ("tau", "alpha", "speedup", "tokens_per_s"):
+            assert isinstance(row[key], float) and row[key] >= 0, (key, row)
+        assert row["tau"] >= 1 and 0 <= row["alpha"] <= 1 and row["speedup"] > 0
+        assert row["lossless"] is True  # rule auto, delta 0: greedy at T = 0, speculative sampling at T = 1
+        assert row["exact"] is (True if row["temperature"] == 0 else None), row
+    json.dumps(summary)  # what main prints
+
+
+def test_benchmark_draft_model_equal_to_target_accepts_everything(bench_run: tuple[dict, Path]) -> None:
+    summary, _ = bench_run
+    (row,) = [r for r in summary["methods"] if r["name"] == "draft_model" and r["temperature"] == 0]
+    assert row["alpha"] == 1.0 and row["tau"] > 1
+
+
+def test_benchmark_files(bench_run: tuple[dict, Path], tiny_base: Path) -> None:
+    summary, out_dir = bench_run
+    for name in ("results.json", "results.md", "speedup_tau.png", "acceptance_by_position.png"):
+        assert (out_dir / name).is_file() and (out_dir / name).stat().st_size > 0, name
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["base_checkpoint"] == str(tiny_base) and results["prompts"] == 2 and results["repeats"] == 1
+    assert results["base_fingerprint"] == load_checkpoint(tiny_base).meta["fingerprint"]
+    assert [p["temperature"] for p in results["plain"]] == [0.0, 1.0]
+    assert [(r["name"], r["tau"]) for r in results["methods"]] == [(r["name"], r["tau"]) for r in summary["methods"]]
+    table = (out_dir / "results.md").read_text().splitlines()
+    assert table[0].startswith("| method | T |")
+    for t in ("0", "1"):
+        for name in ("plain", *bench_mod.METHODS):
+            assert sum(line.startswith(f"| {name} | {t} |") for line in table) == 1, (name, t)
+    assert len(table) == 2 + 2 * (1 + len(bench_mod.METHODS))
+
+
+def fast_bench_cfg(tiny_base: Path, drafters: dict, out_dir: Path, *overrides: str) -> DictConfig:
+    return make_cfg("benchmark", *bench_overrides(tiny_base, drafters), f"out_dir={out_dir}", *overrides)
+
+
+def test_benchmark_exactness_failure_is_loud(tiny_base: Path, drafters: dict, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    real = bench_mod.speculative_generate
+
+    def wrong_first_token(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return dataclasses.replace(out, tokens=[[(row[0] + 1) % 512, *row[1:]] for row in out.tokens])
+
+    monkeypatch.setattr(bench_mod, "speculative_generate", wrong_first_token)
+    cfg = fast_bench_cfg(tiny_base, drafters, tmp_path, "methods=[prompt_lookup]", "decode.temperatures=[0]")
+    with pytest.raises(bench_mod.ExactnessError, match="prompt_lookup at temperature 0 differs from plain"):
+        bench_mod.benchmark(cfg)
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_benchmark_lenient_rule_is_not_checked_for_exactness(tiny_base: Path, drafters: dict, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rule that is not lossless (delta > 0) is reported, not failed, when it differs."""
+    cfg = fast_bench_cfg(tiny_base, drafters, tmp_path, "methods=[prompt_lookup]", "decode.temperatures=[1]",
+                         "decode.rule=speculative", "decode.delta=0.5")
+    (row,) = bench_mod.benchmark(cfg)["methods"]
+    assert row["lossless"] is False and row["exact"] is None
+    assert "| prompt_lookup | 1 | speculative | no |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("methods=[nope]", "methods contain ['nope']"),
+    ("decode.temperatures=[-1]", "temperature"),
+    ("decode.rule=greedy", "greedy acceptance needs temperature 0"),
+    ("decode.gamma=0", "gamma=0"),
+])
+def test_benchmark_bad_config_is_one_line_value_error(override: str, fragment: str, tiny_base: Path,
+                                                      drafters: dict, tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        bench_mod.benchmark(fast_bench_cfg(tiny_base, drafters, tmp_path, override))
+    assert fragment in str(excinfo.value) and "\n" not in str(excinfo.value), str(excinfo.value)
+
+
+def test_benchmark_trains_missing_drafter_through_the_cache(tiny_base: Path, drafters: dict, cache_dir: str,
+                                                            tmp_path: Path) -> None:
+    """checkpoints.medusa=null: the heads are trained by the artifact cache with the benchmark's medusa config
+    (two heads, as in the sweep_heads preset, while decode.gamma stays 4), then reused by the next run."""
+    recipe = json.dumps([*DRAFTER, f"data.cache_dir={cache_dir}", "max_steps=2", "eval_every=2"])
+    overrides = ["checkpoints.medusa=null", f"artifacts.root={tmp_path / 'artifacts'}", f"artifacts.medusa={recipe}",
+                 "medusa.module.num_heads=2", "methods=[medusa_chain,medusa_tree]", "decode.temperatures=[0]"]
+    summary = bench_mod.benchmark(fast_bench_cfg(tiny_base, drafters, tmp_path / "run1", *overrides))
+    assert [(r["name"], r["exact"]) for r in summary["methods"]] == [("medusa_chain", True), ("medusa_tree", True)]
+    (heads,) = (tmp_path / "artifacts").glob("medusa-*/checkpoint")
+    meta = load_checkpoint(heads).meta
+    assert meta["model_config"]["module"]["num_heads"] == 2 and meta["step"] == 2
+    assert meta["base_fingerprint"] == load_checkpoint(tiny_base).meta["fingerprint"]
+    mtime = (heads / "meta.json").stat().st_mtime_ns
+    bench_mod.benchmark(fast_bench_cfg(tiny_base, drafters, tmp_path / "run2", *overrides))
+    assert (heads / "meta.json").stat().st_mtime_ns == mtime and len(list((tmp_path / "artifacts").iterdir())) == 1
+
+
+@pytest.fixture(scope="module")
+def base_other_tokenizer(tmp_path_factory: pytest.TempPathFactory, cache_dir: str, tiny_base: Path) -> Path:
+    """A tiny base with the same vocabulary size but another tokenizer (trained on 31 files, not 30)."""
+    out_dir = tmp_path_factory.mktemp("base31")
+    cfg = make_cfg("train_base", *BASE, "data.max_files=31", f"data.cache_dir={cache_dir}", f"out_dir={out_dir}",
+                   "max_steps=2", "eval_every=2", "checkpoint_every=2")
+    ckpt = Path(train_base.train(cfg)["checkpoint"])
+    assert load_checkpoint(ckpt).meta["tokenizer"] != load_checkpoint(tiny_base).meta["tokenizer"]
+    return ckpt
+
+
+@pytest.mark.xfail(strict=True, reason="benchmark loads the draft model without comparing its tokenizer with the "
+                   "base's (make_methods drops it; check_drafter compares vocabulary sizes only), so a draft model on "
+                   "another tokenizer is benchmarked silently; the draft artifact recipe also ignores the base's data config")
+def test_benchmark_refuses_draft_model_with_another_tokenizer(tiny_base: Path, drafters: dict, tmp_path: Path,
+                                                              base_other_tokenizer: Path) -> None:
+    cfg = fast_bench_cfg(tiny_base, drafters, tmp_path, f"checkpoints.draft={base_other_tokenizer}",
+                         "methods=[draft_model]", "decode.temperatures=[0]")
+    with pytest.raises(ValueError, match="tokenizer"):
+        bench_mod.benchmark(cfg)
+
+
+@pytest.mark.xfail(strict=True, reason="benchmark validates `methods` only after checkpoint_for(cfg, 'base'), which "
+                   "may train the base artifact for minutes before a typo in methods is reported")
+def test_benchmark_unknown_method_fails_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_training(*args, **kwargs):
+        raise AssertionError("an artifact was trained before the config was validated")
+
+    monkeypatch.setattr(bench_mod, "ensure", no_training)
+    cfg = make_cfg("benchmark", "methods=[medusa_chian]", f"artifacts.root={tmp_path}", f"out_dir={tmp_path}",
+                   "logger=none")
+    with pytest.raises(ValueError, match="medusa_chian"):
+        bench_mod.benchmark(cfg)
+
+
+# -------------------------------------------------------------------------- 6. main's last line
+
+
+def run_module(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_benchmark_main_prints_json_last(tiny_base: Path, drafters: dict, tmp_path: Path) -> None:
+    proc = run_module("experiments.benchmark", *bench_overrides(tiny_base, drafters), "threads=1",
+                      f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(summary) == {"plain_tokens_per_s", "methods"} and len(summary["methods"]) == 12
+    assert "| method | T |" in proc.stdout  # the table comes before the JSON line
+    assert (tmp_path / "results.json").is_file() and (tmp_path / ".hydra" / "overrides.yaml").is_file()
+
+
+# ---------------------------------------------------------------------------------- 7. summarize
+
+
+def fake_multirun(root: Path, results_file: Path, gammas: list[int]) -> Path:
+    """Jobs 0..n-1 of a benchmark multirun over decode.gamma, from one real results.json."""
+    results = json.loads(results_file.read_text())
+    for job, gamma in enumerate(gammas):
+        job_dir = root / str(job)
+        (job_dir / ".hydra").mkdir(parents=True)
+        rows = [{**row, "gamma": gamma} for row in results["methods"]]
+        (job_dir / "results.json").write_text(json.dumps({**results, "methods": rows}))
+        (job_dir / ".hydra" / "overrides.yaml").write_text(f"- decode.gamma={gamma}\n- repeats=1\n")
+    return root
+
+
+def test_summarize_multirun(bench_run: tuple[dict, Path], tmp_path: Path) -> None:
+    summary, out_dir = bench_run
+    sweep = fake_multirun(tmp_path / "sweep", out_dir / "results.json", [1, 2])
+    rows = summ_mod.summarize(sweep)
+    n = len(summary["methods"])
+    assert len(rows) == 2 * n
+    assert [r["job"] for r in rows] == ["0"] * n + ["1"] * n
+    assert {r["overrides"] for r in rows} == {"decode.gamma=1 repeats=1", "decode.gamma=2 repeats=1"}
+    for name in ("summary.md", "summary.json", "speedup_vs_gamma.png"):
+        assert (sweep / name).is_file() and (sweep / name).stat().st_size > 0, name
+    assert len(json.loads((sweep / "summary.json").read_text())) == 2 * n
+    table = (sweep / "summary.md").read_text().splitlines()
+    assert table[0] == "| " + " | ".join(summ_mod.COLUMNS) + " |" and len(table) == 2 + 2 * n
+    for gamma in (1, 2):
+        for row in summary["methods"]:
+            line = f"| decode.gamma={gamma} repeats=1 | {row['name']} | {row['temperature']:.2f} | {gamma} |"
+            assert sum(line_.startswith(line) for line_ in table) == 1, line
+
+
+def test_summarize_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        summ_mod.summarize(tmp_path)
+    assert "holds no */results.json" in str(excinfo.value) and "\n" not in str(excinfo.value)
+    with pytest.raises(FileNotFoundError) as excinfo:
+        summ_mod.summarize(tmp_path / "missing")
+    assert "does not exist" in str(excinfo.value) and "\n" not in str(excinfo.value)
+    assert summ_mod.main([]) == 2
+    assert "usage:" in capsys.readouterr().err
+    assert summ_mod.main([str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert summ_mod.main([str(tmp_path), "extra"]) == 2
+
+
+@pytest.mark.xfail(strict=True, reason="summarize sorts job directories by name as strings: job 10 comes "
+                   "between 1 and 2 in a sweep of 11 or more jobs")
+def test_summarize_keeps_job_order(bench_run: tuple[dict, Path], tmp_path: Path) -> None:
+    _, out_dir = bench_run
+    sweep = fake_multirun(tmp_path / "sweep", out_dir / "results.json", list(range(1, 12)))
+    jobs = list(dict.fromkeys(r["job"] for r in summ_mod.summarize(sweep)))
+    assert jobs == [str(j) for j in range(11)]
+
+
+# ------------------------------------------------------------------------------ 8. a real multirun
+
+
+@pytest.mark.slow
+def test_benchmark_multirun_then_summarize(tiny_base: Path, drafters: dict, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_module("experiments.benchmark", "-m", "decode.gamma=1,2", *bench_overrides(tiny_base, drafters),
+                      "threads=1", f"hydra.sweep.dir={sweep}", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert (sweep / "0" / "results.json").is_file() and (sweep / "1" / "results.json").is_file()
+    proc = run_module("experiments.summarize", str(sweep))
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("| decode.gamma=")]
+    assert {line.split(" | ")[3] for line in lines} == {"1", "2"}
+    assert len(lines) == 2 * 2 * len(bench_mod.METHODS)
+    assert (sweep / "summary.md").is_file() and (sweep / "speedup_vs_gamma.png").is_file()
