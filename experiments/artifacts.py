@@ -34,10 +34,16 @@ def _compose(config_name: str, overrides: list[str]):
 
 
 def recipe_key(cfg) -> str:
-    """Hash of everything that changes the trained weights (not where they are written, not logging)."""
+    """Hash of everything that changes the trained weights (not where they are written, not logging).
+
+    A drafter's base enters by the fingerprint of its weights, not only its path: a base retrained at
+    the same path gets new drafters."""
     recipe = OmegaConf.to_container(cfg, resolve=False)
     for key in ("out_dir", "logger", "hydra", "threads", "device"):
         recipe.pop(key, None)
+    if "base_checkpoint" in recipe:
+        meta = Path(str(recipe["base_checkpoint"])) / "meta.json"
+        recipe["base_fingerprint"] = json.loads(meta.read_text())["fingerprint"] if meta.exists() else None
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

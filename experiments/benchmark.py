@@ -60,33 +60,45 @@ def _overrides(node: DictConfig, prefix: str) -> list[str]:
     return out
 
 
-def checkpoint_for(cfg: DictConfig, kind: str, base_ckpt: str | None = None) -> str:
-    """An explicit checkpoint from the config, or the artifact cache's (trained on first use)."""
+def checkpoint_for(cfg: DictConfig, kind: str, base_ckpt: str | None = None, base_meta: dict | None = None) -> str:
+    """An explicit checkpoint from the config, or the artifact cache's (trained on first use).
+
+    Every recipe trained beside a base uses the base's own data config, so the tokenizers match."""
     given = cfg.checkpoints[kind]
     if given is not None:
         return given
     overrides = list(cfg.artifacts[kind])
+    data_cfg = (base_meta or {}).get("data", {}).get("config")
+    if data_cfg:
+        overrides += [f"data.{key}={json.dumps(value)}" for key, value in sorted(data_cfg.items())]
     if kind in ("medusa", "prophet"):
-        overrides += [f"drafter={kind}", f"base_checkpoint={base_ckpt}"] + _overrides(cfg[kind], "drafter")
+        overrides += [f"drafter={kind}", f"base_checkpoint={base_ckpt}"]
+        overrides += _overrides(cfg[kind], "drafter")
     return str(ensure(kind, overrides, root=cfg.artifacts.root))
 
 
-def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str) -> dict[str, Callable[[], Any]]:
-    """Method name -> a factory of a fresh drafter (state is per batch, so one per generate call)."""
-    unknown = [m for m in cfg.methods if m not in METHODS]
+def check_methods(methods) -> None:
+    unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ValueError(f"methods contain {unknown}: each must be one of {', '.join(METHODS)}")
+
+
+def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokenizer) -> dict[str, Callable[[], Any]]:
+    """Method name -> a factory of a fresh drafter (state is per batch, so one per generate call)."""
+    check_methods(cfg.methods)
     device = next(base.parameters()).device
     methods: dict[str, Callable[[], Any]] = {}
     for name in cfg.methods:
         if name == "draft_model":
-            draft_lm, _, _ = load_lm(checkpoint_for(cfg, "draft"), device=str(device))
+            draft_lm, draft_tokenizer, _ = load_lm(checkpoint_for(cfg, "draft", base_meta=base_meta), device=str(device))
+            if draft_tokenizer.to_str() != tokenizer.to_str():
+                raise ValueError("the draft model uses another tokenizer than the base: train it on the base's data config")
             methods[name] = lambda lm=draft_lm: DraftModelDrafter(lm)
         elif name == "prompt_lookup":
             methods[name] = lambda: PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
         else:
             family, mode = name.split("_")
-            module, package, _ = load_drafter(checkpoint_for(cfg, family, base_ckpt), base, base_meta)
+            module, package, _ = load_drafter(checkpoint_for(cfg, family, base_ckpt, base_meta), base, base_meta)
             decode = {**OmegaConf.to_container(cfg[family].decode, resolve=True), "mode": mode}
             methods[name] = lambda m=module, p=package, d=decode: p.drafter(m, base, **d)
     return methods
@@ -163,7 +175,7 @@ def bench_temperature(cfg, target, methods, batches, temperature: float, eos_id)
         lossless = is_lossless(rule, delta=d.delta)
         if exact is False and lossless:
             raise ExactnessError(f"{name} at temperature 0 differs from plain greedy decoding: a lossless rule must not")
-        best = per_round[len(per_round) // 2]
+        best = per_round[sorted(range(len(speedups)), key=speedups.__getitem__)[len(speedups) // 2]]  # the median round
         rows.append({
             "name": name, "temperature": temperature, "rule": rule, "lossless": lossless, "exact": exact,
             "gamma": d.gamma, "speedup": statistics.median(speedups), "speedups": speedups,
@@ -186,12 +198,13 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         SamplingConfig(temperature=t, top_k=cfg.decode.top_k, top_p=cfg.decode.top_p)  # fail before any work
         check_rule(cfg.decode.rule, delta=cfg.decode.delta, temperature=t)
     SpecConfig(gamma=cfg.decode.gamma, rule=cfg.decode.rule, delta=cfg.decode.delta)
+    check_methods(cfg.methods)
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
     prompts = get_prompts(cfg, tokenizer, base_meta)
     Target(base).check_tokens(prompts, max_new_tokens=cfg.decode.max_new_tokens)
-    methods = make_methods(cfg, base, base_meta, base_ckpt)
+    methods = make_methods(cfg, base, base_meta, base_ckpt, tokenizer)
     target = Target(base)
     batches = [prompts[i : i + cfg.decode.batch_size] for i in range(0, len(prompts), cfg.decode.batch_size)]
     plains, rows = [], []

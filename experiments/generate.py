@@ -164,7 +164,7 @@ def load_session(cfg: DictConfig) -> Session:
         torch.set_num_threads(cfg.threads)
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
-    factory = make_methods(methods_config(cfg), base, base_meta, base_ckpt)[cfg.method]
+    factory = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[cfg.method]
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
     return Session(Target(base), factory, tokenizer, eos_id, sampling, spec, rule, cfg)
 

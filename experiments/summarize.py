@@ -21,7 +21,11 @@ COLUMNS = ("overrides", "name", "temperature", "gamma", "tau", "alpha", "speedup
 
 def job_rows(sweep_dir: Path) -> list[dict]:
     rows = []
-    for results_file in sorted(sweep_dir.glob("*/results.json"), key=lambda p: p.parent.name):
+    def job_order(path: Path) -> tuple:  # Hydra numbers jobs 0, 1, ..., 10: sort numerically
+        name = path.parent.name
+        return (not name.isdigit(), int(name) if name.isdigit() else 0, name)
+
+    for results_file in sorted(sweep_dir.glob("*/results.json"), key=job_order):
         results = json.loads(results_file.read_text())
         overrides_file = results_file.parent / ".hydra" / "overrides.yaml"
         overrides = overrides_file.read_text().replace("\n- ", " ").strip("- \n") if overrides_file.exists() else ""

@@ -52,11 +52,13 @@ def drafter_package(name: str):
 
 def validate_config(cfg: DictConfig) -> None:
     """Checks that need no data or model, so a bad value fails at once with one line."""
-    if cfg.base_checkpoint in (None, "???"):
+    if OmegaConf.is_missing(cfg, "base_checkpoint") or cfg.base_checkpoint is None:
         raise ValueError("base_checkpoint is required: the directory of a trained base (experiments.train_base)")
     for key in ("max_steps", "batch_size", "log_every", "eval_every", "eval_blocks"):
         if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
             raise ValueError(f"{key} must be a positive integer, got {cfg[key]!r}")
+    if cfg.seq_len is not None and (not isinstance(cfg.seq_len, int) or isinstance(cfg.seq_len, bool) or cfg.seq_len < 2):
+        raise ValueError(f"seq_len must be an integer >= 2 or null (the base's context), got {cfg.seq_len!r}")
     if cfg.max_minutes is not None and not cfg.max_minutes > 0:
         raise ValueError(f"max_minutes must be positive or null, got {cfg.max_minutes!r}")
     _validate_optim(cfg.optim, cfg.max_steps)
@@ -128,13 +130,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     base, tokenizer, base_meta = load_lm(cfg.base_checkpoint, device=str(device))
     base.requires_grad_(False)
+    seq_len = cfg.seq_len if cfg.seq_len is not None else base.max_seq_len
+    if seq_len > base.max_seq_len:
+        raise ValueError(f"seq_len={seq_len} exceeds the base's context max_seq_len={base.max_seq_len}")
     data = prepare_data(**OmegaConf.to_container(cfg.data, resolve=True))
     if data.tokenizer.to_str() != tokenizer.to_str():
         raise ValueError(f"data config gives another tokenizer than base {cfg.base_checkpoint}'s: use the base's data config")
     module = package.build(base, **OmegaConf.to_container(cfg.drafter.module, resolve=True)).to(device)
     optimizer = make_optimizer(module, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
                                weight_decay=cfg.optim.weight_decay)
-    seq_len = cfg.seq_len or base.max_seq_len
     blocks = validation_blocks(data.val_ids, seq_len=seq_len, eval_blocks=cfg.eval_blocks)
     logger = instantiate(cfg.logger, dir=str(out_dir), run_config=OmegaConf.to_container(cfg, resolve=True),
                          _convert_="all", _recursive_=False)

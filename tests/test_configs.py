@@ -21,7 +21,10 @@ REQUIRED = {"data=files": ["data.paths=[experiments]"], "data=hub": ["data.hub_n
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    names = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    # experiment files named base_* are train_base recipes; the others configure the benchmark
+    # (composed in tests/test_experiments.py)
+    return [n for n in names if n.startswith("base_")] if group == "experiment" else names
 
 
 def make_cfg(*overrides: str, hydra_node: bool = False) -> DictConfig:

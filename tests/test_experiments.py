@@ -183,9 +183,6 @@ def test_train_drafter_null_base_is_one_line_error() -> None:
         train_drafter.validate_config(make_cfg("train_drafter", "base_checkpoint=null", "out_dir=/tmp/unused"))
 
 
-@pytest.mark.xfail(strict=True, reason="train_drafter.validate_config reads cfg.base_checkpoint while it is still "
-                   "'???': OmegaConf raises MissingMandatoryValue (not a ValueError), so `python -m "
-                   "experiments.train_drafter` without base_checkpoint ends in a Hydra traceback with exit 1")
 def test_train_drafter_missing_base_is_one_line_error() -> None:
     with pytest.raises(ValueError, match="base_checkpoint is required"):
         train_drafter.validate_config(make_cfg("train_drafter", "out_dir=/tmp/unused"))
@@ -330,9 +327,6 @@ def test_train_drafter_refuses_another_tokenizer(tiny_base: Path, cache_dir: str
         train_drafter.train(cfg)
 
 
-@pytest.mark.xfail(strict=True, reason="train_drafter never validates seq_len: -1 fails after loading the base and "
-                   "the data with a misleading message about the validation split, and 300 (> the base's max_seq_len "
-                   "256) trains silently past the base's context; train_base rejects both up front")
 @pytest.mark.parametrize("seq_len", [-1, 300])
 def test_train_drafter_bad_seq_len_fails_before_data(seq_len: int, tiny_base: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
@@ -390,9 +384,6 @@ def test_artifacts_kinds_have_their_own_directories(tmp_path: Path, monkeypatch:
     assert len(set(out_dirs)) == 4 and all(d.parent == tmp_path for d in out_dirs)
 
 
-@pytest.mark.xfail(strict=True, reason="the artifact key of a drafter hashes base_checkpoint as a path, not the "
-                   "base's fingerprint: once the base at that path changes (e.g. train_base resumed to more steps), "
-                   "ensure keeps returning the drafter of the old base and benchmark fails with CheckpointError for good")
 def test_artifacts_drafter_follows_the_base_at_its_path(tiny_base: Path, cache_dir: str, tmp_path: Path) -> None:
     base_dir = tmp_path / "base" / "checkpoint"
     shutil.copytree(tiny_base, base_dir)
@@ -531,9 +522,6 @@ def base_other_tokenizer(tmp_path_factory: pytest.TempPathFactory, cache_dir: st
     return ckpt
 
 
-@pytest.mark.xfail(strict=True, reason="benchmark loads the draft model without comparing its tokenizer with the "
-                   "base's (make_methods drops it; check_drafter compares vocabulary sizes only), so a draft model on "
-                   "another tokenizer is benchmarked silently; the draft artifact recipe also ignores the base's data config")
 def test_benchmark_refuses_draft_model_with_another_tokenizer(tiny_base: Path, drafters: dict, tmp_path: Path,
                                                               base_other_tokenizer: Path) -> None:
     cfg = fast_bench_cfg(tiny_base, drafters, tmp_path, f"checkpoints.draft={base_other_tokenizer}",
@@ -542,8 +530,6 @@ def test_benchmark_refuses_draft_model_with_another_tokenizer(tiny_base: Path, d
         bench_mod.benchmark(cfg)
 
 
-@pytest.mark.xfail(strict=True, reason="benchmark validates `methods` only after checkpoint_for(cfg, 'base'), which "
-                   "may train the base artifact for minutes before a typo in methods is reported")
 def test_benchmark_unknown_method_fails_before_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def no_training(*args, **kwargs):
         raise AssertionError("an artifact was trained before the config was validated")
@@ -623,8 +609,6 @@ def test_summarize_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     assert summ_mod.main([str(tmp_path), "extra"]) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="summarize sorts job directories by name as strings: job 10 comes "
-                   "between 1 and 2 in a sweep of 11 or more jobs")
 def test_summarize_keeps_job_order(bench_run: tuple[dict, Path], tmp_path: Path) -> None:
     _, out_dir = bench_run
     sweep = fake_multirun(tmp_path / "sweep", out_dir / "results.json", list(range(1, 12)))
