@@ -1,6 +1,8 @@
 """Medusa heads: construction and initialisation, training signals on a frozen base, evaluation metrics,
 static trees, and the drafter in the one loop (exact greedy, lossless sampling, state after rollback)."""
 
+import json
+
 import pytest
 import torch
 
@@ -329,3 +331,24 @@ def test_bad_arguments_raise_one_line_errors(make, match):
     with pytest.raises(ValueError, match=match) as error:
         make(base, heads)
     assert "\n" not in str(error.value)
+
+
+def test_grow_tree_command_reads_measured_accuracies(tmp_path):
+    """experiments.grow_tree: a Medusa checkpoint's head{k}_rank{r} metrics -> a tree of the budget."""
+    import subprocess
+    import sys
+
+    from experiments.checkpoint import save_checkpoint
+    from verify.tree import sort_paths
+
+    base = build_lm(num_tokens=64, dim=16, depth=1, heads=2, max_seq_len=32)
+    heads = MedusaHeads.from_base(base, num_heads=2, num_layers=1)
+    metrics = {f"head{k}_rank{r}": (0.6 if k == 1 else 0.3) * 0.5**r for k in (1, 2) for r in range(10)}
+    save_checkpoint(tmp_path / "ckpt", model=heads, tokenizer_json=None, step=1,
+                    model_config={"package": "medusa", "module": {"num_heads": 2, "num_layers": 1}},
+                    extra={"kind": "drafter", "metrics": metrics, "base_fingerprint": "x"})
+    out = subprocess.run([sys.executable, "-m", "experiments.grow_tree", f"checkpoint={tmp_path / 'ckpt'}", "tree_nodes=4"],
+                         capture_output=True, text=True, check=True)
+    tree = [tuple(p) for p in json.loads(out.stdout.strip().splitlines()[-1])]
+    # node values: (0,) 0.6, (1,) 0.3, (0, 0) 0.6 * 0.3, (2,) 0.15, then (0, 1) and (1, 0) at 0.09
+    assert tree == sort_paths([(0,), (1,), (2,), (0, 0)]) == [(0,), (1,), (2,), (0, 0)]
