@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test test-all clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	# No torch yet: take the CPU build that lies on this disk; a GPU user installs CUDA torch first (README).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
