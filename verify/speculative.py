@@ -54,11 +54,11 @@ def _verify_chain(target: Target, pending: Tensor, draft: Draft, rule: str, spec
     verified = target.extend(torch.cat((pending[:, None], draft.tokens), dim=1))
     if rule == "greedy":  # argmax of the logits = argmax of the one-hot greedy p: skip building p
         accepted, nxt = greedy_accept(verified.logits, draft.tokens)
-        return verified, accepted, torch.minimum(torch.arange(draft.length + 1, device=pending.device), accepted[:, None]), nxt
-    p = probs_from_logits(verified.logits, sampling)  # (b, k + 1, V)
-    if rule == "typical":
+    elif rule == "typical":
+        p = probs_from_logits(verified.logits, sampling)  # (b, k + 1, V)
         accepted, nxt = typical_accept(p, draft.tokens, epsilon=spec.typical_epsilon, alpha=spec.typical_alpha, generator=generator)
     else:
+        p = probs_from_logits(verified.logits, sampling)
         accepted, nxt = speculative_accept(p, draft.q, draft.tokens, delta=spec.delta, generator=generator)
     path = torch.minimum(torch.arange(draft.length + 1, device=pending.device), accepted[:, None])
     return verified, accepted, path, nxt
@@ -134,14 +134,14 @@ def speculative_generate(
             verify = _verify_chain if draft.parents is None else _verify_tree
             with stats.timed("target"):
                 verified, accepted, path, nxt = verify(target, pending, draft, rule, spec, sampling, generator)
+            depth = path.shape[1] - 1  # draft tokens a row could accept: k for a chain, the depth for a tree
+            if depth > k:  # the budget keeps every row within max_new_tokens and max_seq_len
+                raise RuntimeError(f"{type(drafter).__name__} drafted {depth} tokens deep; the budget was {k}")
             accepted = torch.where(active, accepted, torch.zeros_like(accepted))
             # step (b, D + 1): the accepted draft tokens along the path, then the target's own token
             step = torch.cat((draft.tokens.gather(1, (path[:, 1:] - 1).clamp(min=0)), torch.zeros_like(nxt)[:, None]), dim=1)
             step[rows, accepted] = nxt
             _emit(out, stats, step, accepted + 1, active, done, eos_id)
-            depth = path.shape[1] - 1  # draft tokens a row could accept: k for a chain, the depth for a tree
-            if depth > k:  # the budget keeps every row within max_new_tokens and max_seq_len
-                raise RuntimeError(f"{type(drafter).__name__} drafted {depth} tokens deep; the budget was {k}")
             _record(stats, active, accepted, depth)
             kept = torch.zeros(b, draft.length + 1, dtype=torch.bool, device=device)
             kept.scatter_(1, path, True)  # a path is padded by repeating its last accepted node
