@@ -56,9 +56,12 @@ def compare(cfg: DictConfig) -> dict:
     with torch.inference_mode():
         _ours(target, prompts[:1], n), _theirs(wrapper, prompts[:1], n, device)  # warm-up
         ours_tps, theirs_tps = [], []
-        for _ in range(cfg.repeats):
+        for r in range(cfg.repeats):  # alternate who goes first, so neither always runs on a warmer machine
+            if r % 2:
+                theirs, t_theirs = _timed(lambda: _theirs(wrapper, prompts, n, device))
             ours, t_ours = _timed(lambda: _ours(target, prompts, n))
-            theirs, t_theirs = _timed(lambda: _theirs(wrapper, prompts, n, device))
+            if not r % 2:
+                theirs, t_theirs = _timed(lambda: _theirs(wrapper, prompts, n, device))
             ours_tps.append(len(prompts) * n / t_ours)
             theirs_tps.append(len(prompts) * n / t_theirs)
     if ours != theirs:
