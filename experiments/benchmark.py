@@ -100,6 +100,8 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokeniz
             family, mode = name.split("_")
             module, package, _ = load_drafter(checkpoint_for(cfg, family, base_ckpt, base_meta), base, base_meta)
             decode = {**OmegaConf.to_container(cfg[family].decode, resolve=True), "mode": mode}
+            if mode == "chain" and "tree" in decode:  # a static tree configures the tree method only
+                decode["tree"] = None
             methods[name] = lambda m=module, p=package, d=decode: p.drafter(m, base, **d)
     return methods
 

@@ -34,6 +34,13 @@ def job_rows(sweep_dir: Path) -> list[dict]:
     return rows
 
 
+def swept(rows: list[dict]) -> list[dict]:
+    """Label each row by the overrides that differ between jobs (the swept values), not the shared ones."""
+    split = [set(row["overrides"].split()) for row in rows]
+    shared = set.intersection(*split) if split else set()
+    return [{**row, "overrides": " ".join(sorted(o - shared)) or row["overrides"]} for row, o in zip(rows, split)]
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
@@ -66,6 +73,7 @@ def summarize(sweep_dir: str | Path) -> list[dict]:
     rows = job_rows(sweep_dir)
     if not rows:
         raise ValueError(f"{sweep_dir} holds no */results.json: is it a benchmark multirun directory?")
+    rows = swept(rows)
     (sweep_dir / "summary.md").write_text(table(rows))
     (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=2, default=str))
     plot_speedup_vs_gamma(rows, sweep_dir / "speedup_vs_gamma.png")
