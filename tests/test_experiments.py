@@ -590,7 +590,7 @@ def test_summarize_multirun(bench_run: tuple[dict, Path], tmp_path: Path) -> Non
     assert table[0] == "| " + " | ".join(summ_mod.COLUMNS) + " |" and len(table) == 2 + 2 * n
     for gamma in (1, 2):
         for row in summary["methods"]:
-            line = f"| decode.gamma={gamma} repeats=1 | {row['name']} | {row['temperature']:.2f} | {gamma} |"
+            line = f"| decode.gamma={gamma} | {row['name']} | {row['temperature']:.2f} | {gamma} |"
             assert sum(line_.startswith(line) for line_ in table) == 1, line
 
 
