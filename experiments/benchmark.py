@@ -88,6 +88,7 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokeniz
     check_methods(cfg.methods)
     device = next(base.parameters()).device
     methods: dict[str, Callable[[], Any]] = {}
+    trained: dict[str, tuple] = {}  # family -> (module, package): chain and tree share one checkpoint
     for name in cfg.methods:
         if name == "draft_model":
             draft_lm, draft_tokenizer, _ = load_lm(checkpoint_for(cfg, "draft", base_meta=base_meta), device=str(device))
@@ -98,7 +99,9 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokeniz
             methods[name] = lambda: PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
         else:
             family, mode = name.split("_")
-            module, package, _ = load_drafter(checkpoint_for(cfg, family, base_ckpt, base_meta), base, base_meta)
+            if family not in trained:
+                trained[family] = load_drafter(checkpoint_for(cfg, family, base_ckpt, base_meta), base, base_meta)[:2]
+            module, package = trained[family]
             decode = {**OmegaConf.to_container(cfg[family].decode, resolve=True), "mode": mode}
             if mode == "chain" and "tree" in decode:  # a static tree configures the tree method only
                 decode["tree"] = None
