@@ -208,9 +208,9 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
     prompts = get_prompts(cfg, tokenizer, base_meta)
-    Target(base).check_tokens(prompts, max_new_tokens=cfg.decode.max_new_tokens)
-    methods = make_methods(cfg, base, base_meta, base_ckpt, tokenizer)
     target = Target(base)
+    target.check_tokens(prompts, max_new_tokens=cfg.decode.max_new_tokens)  # before any drafter trains
+    methods = make_methods(cfg, base, base_meta, base_ckpt, tokenizer)
     batches = [prompts[i : i + cfg.decode.batch_size] for i in range(0, len(prompts), cfg.decode.batch_size)]
     plains, rows = [], []
     for temperature in cfg.decode.temperatures:
