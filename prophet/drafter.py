@@ -23,10 +23,9 @@ from einops import rearrange, repeat
 from torch import Tensor
 
 from prophet.model import Prophet
-from verify.cache import KVCache
 from verify.drafter import Draft, Verdict
 from verify.sampling import SamplingConfig, probs_from_logits, sample_from_probs
-from verify.target import TargetOutput
+from verify.target import TargetOutput, left_to_right, pad_prompts
 
 MODES = ("chain", "tree")
 
@@ -47,19 +46,21 @@ class ProphetDrafter:
         self.prophet = prophet.eval()  # drafting is inference; a training loop switches back with .train()
         self.vocab_size = prophet.vocab_size
         self.mode, self.top_k, self.depth, self.tree_nodes = mode, top_k, depth, tree_nodes
-        self.cache = KVCache()
+        self.cache = None
         self.drafted = 0  # cache entries the last propose added (from predicted features)
 
     @torch.inference_mode()
     def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
         """Seed the cache with (f_t, x_{t+1}) for every prompt position, the last pairing f_{L-1} with `pending`."""
-        b, width = prefill.hidden.shape[:2]
-        tokens = torch.zeros(b, width, dtype=torch.long, device=pending.device)  # left-padded like the prefill
-        for i, prompt in enumerate(prompts):
-            tokens[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        next_tokens = torch.cat((tokens[:, 1:], pending[:, None]), dim=1)  # (b, L)
-        self.cache.reset(torch.tensor([width - len(p) for p in prompts], device=pending.device))
-        self.feature = self.prophet.step(prefill.hidden, next_tokens, self.cache)[:, -1]  # (b, d_base)
+        tokens, lengths = pad_prompts(prompts, 0, pending.device)  # (b, W), rows from index 0
+        b, width = tokens.shape
+        rows = torch.arange(b, device=pending.device)
+        next_tokens = torch.cat((tokens[:, 1:], tokens[:, :1]), dim=1)
+        next_tokens[rows, lengths - 1] = pending
+        self.cache = self.prophet.new_cache(b, width + 128)
+        out = self.prophet.step(left_to_right(prefill.hidden, lengths), next_tokens, self.cache)  # (b, W, d_base)
+        self.cache.commit(torch.arange(width, device=pending.device) < lengths[:, None])  # drop the padding entries
+        self.feature = out[rows, lengths - 1]  # (b, d_base)
         self.drafted = 0
 
     @torch.inference_mode()
@@ -118,14 +119,14 @@ class ProphetDrafter:
         frontier = dict(score=score, token=token, pool=repeat(torch.arange(k, device=token.device), "k -> b k", b=b),
                         feature=repeat(self.feature, "b d -> b k d", k=k), entry=torch.full_like(token, -1))
         ancestors = torch.zeros(b, 0, 0, dtype=torch.bool, device=token.device)  # among drafted entries
-        length0, size = self.cache.length, k
+        length0, size = self.cache.lengths.clone(), k  # (b,) each row's cached entries before drafting
         for _ in range(levels - 1):  # level 1 came from self.feature without a forward
             if _settled(pool, frontier["score"], self.tree_nodes):
                 break  # no deeper node can make the final cut: the same tree, fewer forwards
             # One forward over the frontier: entry i pairs frontier node i's parent feature with its token.
-            attn, ancestors = _level_attention(frontier["entry"], ancestors, length0)
-            entries = self.cache.length - length0  # index of this level's first entry among drafted entries
-            feature = self.prophet.step(frontier["feature"], frontier["token"], self.cache, attn)  # (b, k, d)
+            entries = ancestors.shape[1]  # index of this level's first entry among drafted entries
+            allow, pos, ancestors = _level_attention(frontier["entry"], ancestors, length0)
+            feature = self.prophet.step(frontier["feature"], frontier["token"], self.cache, allow=allow, pos=pos)  # (b, k, d)
             logp, child = self.prophet.logits(feature).float().log_softmax(-1).topk(k, dim=-1)  # (b, k, k)
             cand_score = rearrange(frontier["score"][..., None] + logp, "b p c -> b (p c)")
             cand_token = rearrange(child, "b p c -> b (p c)")
@@ -137,7 +138,7 @@ class ProphetDrafter:
                             feature=feature.gather(1, repeat(parent, "b k -> b k d", d=feature.shape[-1])),
                             entry=entries + parent)
             size += k * k
-        self.drafted = self.cache.length - length0
+        self.drafted = ancestors.shape[1]
         scores, tokens, parents = (torch.cat(x, dim=1) for x in zip(*pool))
         return _best_subtree(scores, tokens, parents, self.tree_nodes)
 
@@ -156,14 +157,15 @@ def _settled(pool: list[tuple[Tensor, Tensor, Tensor]], frontier_score: Tensor, 
     return bool((frontier_score.amax(dim=-1) <= cutoff).all())
 
 
-def _level_attention(parent: Tensor, ancestors: Tensor, length0: int) -> tuple[dict, Tensor]:
-    """Attention for one tree level of n new entries after m drafted ones (m / n levels) and `length0` cached slots.
+def _level_attention(parent: Tensor, ancestors: Tensor, length0: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention for one tree level of n new entries after m drafted ones (m / n levels).
 
     parent (b, n): each new entry's parent among drafted entries (-1 = the cached prefix);
-    ancestors (b, m, m): ancestor-or-self among drafted entries. A new entry sees the cached prefix
-    (slots < length0), its drafted ancestors and itself, at position length0 + its depth among drafted
-    entries (its position in a chain), as `KVCache.tree_kwargs` does for a single-forward tree. Returns the forward's
-    attn_bias/pos and the ancestor matrix grown to (b, m + n, m + n).
+    ancestors (b, m, m): ancestor-or-self among drafted entries; length0 (b,): each row's cached
+    entries before drafting. A new entry sees the cached prefix, its drafted ancestors and itself, at
+    position length0 + its depth among drafted entries (its position in a chain), as a single-forward
+    tree would. Returns `allow` (b, n, m + n) over the drafted and new entries, positions (b, n), and
+    the ancestor matrix grown to (b, m + n, m + n).
     """
     b, n = parent.shape
     m, device = ancestors.shape[1], parent.device
@@ -173,14 +175,10 @@ def _level_attention(parent: Tensor, ancestors: Tensor, length0: int) -> tuple[d
         old = ancestors.gather(1, repeat(parent.clamp(min=0), "b n -> b n m", m=m))
         old &= rearrange(parent >= 0, "b n -> b n 1")
     new = repeat(torch.eye(n, dtype=torch.bool, device=device), "i j -> b i j", b=b)  # self only, not siblings
-    visible = torch.cat((torch.ones(b, n, length0, dtype=torch.bool, device=device), old, new), dim=-1)
-    bias = torch.zeros(visible.shape, device=device).masked_fill(~visible, float("-inf"))
-    prefix = torch.arange(length0, device=device)
-    depth = torch.arange(m + n, device=device) // n  # every level adds n entries, one level deeper
-    pos = torch.cat((prefix, length0 + depth))
+    pos = repeat(length0 + m // n, "b -> b n", n=n)  # every level adds n entries, one level deeper
     grown = torch.cat((torch.cat((ancestors, torch.zeros(b, m, n, dtype=torch.bool, device=device)), -1),
                        torch.cat((old, new), -1)), dim=1)
-    return dict(attn_bias=rearrange(bias, "b i j -> b 1 i j"), pos=repeat(pos, "l -> b l", b=b)), grown
+    return torch.cat((old, new), dim=-1), pos, grown
 
 
 def _best_subtree(scores: Tensor, tokens: Tensor, parents: Tensor, budget: int) -> Draft:

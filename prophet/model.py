@@ -13,7 +13,8 @@ Three forwards share one network:
 - `forward(features, next_tokens)`: teacher forcing on true features (training step 1);
 - `unroll(features, next_tokens, steps)`: EAGLE-3's training-time test, step j reading the prophet's own
   predictions of the j - 1 previous steps, with exactly the attention a draft chain sees;
-- `step(features, next_tokens, cache, attn=None)`: decoding on top of a `verify.cache.KVCache`.
+- `step(features, next_tokens, cache, allow=None, pos=None)`: decoding on top of a `verify.cache.StaticCache`,
+  on the lean engine (verify/engine.py) built from the same decoder weights.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from einops import rearrange, repeat
 from torch import Tensor, nn
 from x_transformers import Decoder
 
-from verify.cache import KVCache
+from verify.cache import StaticCache
+from verify.engine import LeanDecoder, lean
 
 
 @dataclass(eq=False)
@@ -129,18 +131,19 @@ class Prophet(nn.Module):
                 inputs.append(self.fuse(torch.cat((shifted, emb), dim=-1)))
         return preds
 
-    def step(self, features: Tensor, next_tokens: Tensor, cache: KVCache, attn: dict | None = None) -> Tensor:
+    def new_cache(self, batch: int, capacity: int) -> StaticCache:
+        """An empty decoding cache for `batch` rows (grows past `capacity` when needed)."""
+        return lean(self.decoder, LeanDecoder).new_cache(batch, capacity, device=self.out.weight.device)
+
+    def step(self, features: Tensor, next_tokens: Tensor, cache: StaticCache, *,
+             allow: Tensor | None = None, pos: Tensor | None = None) -> Tensor:
         """Decoding: n new entries (b, n, d_base), (b, n) on top of `cache` -> predicted features (b, n, d_base).
 
-        `attn` (attn_bias and pos, e.g. from `KVCache.tree_kwargs`) turns the new entries into a tree;
-        without it they form a chain after the cached prefix. The cache takes the new entries.
+        `allow` and `pos` (see `LeanDecoder.__call__`) turn the new entries into a tree level; without
+        them they form a chain after each row's cached entries. The cache takes the new entries.
         """
-        n = next_tokens.shape[1]
-        out, inter = self.decoder(
-            self.fused(features, next_tokens), return_hiddens=True, **cache.forward_kwargs(n), **(attn or {})
-        )
-        cache.append(inter, n)
-        return self.out(out)
+        decoder = lean(self.decoder, LeanDecoder)  # rebuilt only when the weights changed (training)
+        return self.out(decoder(self.fused(features, next_tokens), cache, allow=allow, pos=pos))
 
 
 def unroll_attention(steps: int, t: int, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -16,7 +16,7 @@ from prophet import train
 from prophet.drafter import ProphetDrafter, _settled
 from prophet.model import Prophet
 from tests.test_lossless import run, sharp_lm
-from verify.cache import KVCache, tree_attention
+from verify.cache import tree_attention
 from verify.plain import plain_generate
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate
@@ -116,15 +116,15 @@ def test_cached_and_tree_forwards_equal_full_forwards():
     hidden, nxt = data["hidden"], data["tokens"][:, 1:]
     with torch.no_grad():
         full = prophet(hidden, nxt)
-        cache = KVCache()
-        cache.reset(torch.zeros(2, dtype=torch.long))  # commit needs row starts
+        cache = prophet.new_cache(2, 4)  # too small on purpose: the cache grows
         parts = [prophet.step(hidden[:, a:b], nxt[:, a:b], cache) for a, b in [(0, 4), (4, 5), (5, 10)]]
         assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5)
         # a tree of new entries in one forward: every node equals its path run alone
         cache.commit(torch.zeros(2, 5, dtype=torch.bool))  # roll back to the first 5 entries
         feats, toks = torch.randn(2, 4, hidden.shape[-1]), torch.randint(0, V, (2, 4))
         parents = torch.tensor([[-1, 0, -1, 1]] * 2)
-        tree = prophet.step(feats, toks, cache, cache.tree_kwargs(parents))
+        ancestors, depth = tree_attention(parents)
+        tree = prophet.step(feats, toks, cache, allow=ancestors, pos=5 + depth)
         for node, path in [(0, [0]), (1, [0, 1]), (2, [2]), (3, [0, 1, 3])]:
             alone = prophet(torch.cat((hidden[:, :5], feats[:, path]), 1), torch.cat((nxt[:, :5], toks[:, path]), 1))
             assert torch.allclose(tree[:, node], alone[:, -1], atol=1e-5)
@@ -141,8 +141,7 @@ def test_unroll_step_j_is_a_draft_chain():
         assert torch.equal(steps[0], prophet(hidden, nxt))
         for j in (2, 3):
             for t in (j - 1, 5, 9):
-                cache = KVCache()
-                cache.reset(torch.zeros(2, dtype=torch.long))  # commit needs row starts
+                cache = prophet.new_cache(2, 16)
                 out = prophet.step(hidden[:, : t - j + 2], nxt[:, : t - j + 2], cache)[:, -1:]
                 for i in range(t - j + 2, t + 1):
                     out = prophet.step(out, nxt[:, i : i + 1], cache)

@@ -173,14 +173,14 @@ def test_bad_rule_options_raise_before_work(lm, kwargs, match):
     target = Target(lm)
     with pytest.raises(ValueError, match=match):
         speculative_generate(target, PromptLookupDrafter(vocab_size=97), PROMPTS, max_new_tokens=5, spec=SpecConfig(**kwargs))
-    assert target.cache.inter is None  # nothing ran
+    assert target.cache is None  # nothing ran
 
 
 def test_drafter_with_another_vocabulary_is_rejected(lm):
     target = Target(lm)
     with pytest.raises(ValueError, match="vocabulary size 50 differs from the target's 97"):
         speculative_generate(target, DraftModelDrafter(make_lm(num_tokens=50)), PROMPTS, max_new_tokens=5)
-    assert target.cache.inter is None
+    assert target.cache is None
 
 
 class ContextSpy:

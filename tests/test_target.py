@@ -21,7 +21,7 @@ def test_extend_by_k_equals_full_forward(lm):
     for a, b in [(10, 11), (11, 15), (15, 23), (23, 30)]:
         out.append(target.extend(torch.tensor([seq[a:b]])).logits[0])
     assert torch.allclose(torch.cat(out), full_logits(lm, seq), atol=TOL)
-    assert target.cache.length == 30
+    assert target.row_lengths.tolist() == [30]
 
 
 def test_rollback_then_continue_equals_never_drafting(lm):

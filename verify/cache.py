@@ -1,12 +1,7 @@
-"""The KV cache of an x-transformers decoder for a batch of rows, and its one rollback function.
-
-Layout: `length` slots per row, right-aligned. Row b's valid tokens occupy slots [start[b], length);
-slots before start[b] are left padding, masked out through x-transformers' `seq_start_pos`. Keys are
-cached before rotary is applied and rotary only sees position differences, so moving a row's valid
-slots (right-aligning after a rollback) leaves every attention score unchanged.
+"""The static KV cache of a decoder for a batch of rows, and its one rollback function.
 
 The target owns one of these; a drafter with its own decoder (the draft model, the prophet) owns
-another. `commit` is the only code in the project that edits cached keys and values.
+another. `StaticCache.commit` is the only code in the project that moves cached keys and values.
 """
 
 from __future__ import annotations
@@ -37,80 +32,85 @@ def tree_attention(parents: Tensor) -> tuple[Tensor, Tensor]:
     return mask, depth
 
 
-class KVCache:
-    def __init__(self) -> None:
-        self.reset(None)
+class StaticCache:
+    """Key/value buffers (layers, b, heads, capacity, dim_head), preallocated, and each row's length (b,).
 
-    def reset(self, start: Tensor | None) -> None:
-        """Empty the cache for a new batch whose rows start at slots `start` (b,) (left padding)."""
-        self.inter = None  # x-transformers LayerIntermediates
-        self.length = 0  # slots per row, padding included
-        self._set_start(start)
+    Row b's entry at position p lives in slot p: rows need no padding, and a forward writes its n new
+    entries at slots [length_b, length_b + n). Keys are stored already rotated (at the position the
+    writer gave them), so an entry stays valid wherever a compaction moves it, as long as it moves to
+    the slot of that position, which `commit` guarantees.
+    """
+
+    def __init__(self, *, layers: int, batch: int, heads: int, dim_head: int, capacity: int,
+                 device: torch.device, dtype: torch.dtype):
+        shape = (layers, batch, heads, capacity, dim_head)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) valid entries per row
+        self.bound = 0  # host-side upper bound of lengths.max(), to grow the buffers before they overflow
+        self.slots = torch.arange(capacity, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
 
     @property
     def row_lengths(self) -> Tensor:
-        """(b,) number of valid (cached) tokens per row."""
-        return self.length - self.start
+        return self.lengths
 
-    def forward_kwargs(self, n: int) -> dict:
-        """Keyword arguments that make an x-transformers forward of n new tokens use this cache."""
-        return dict(
-            cache=self.inter,
-            cache_age=n,  # the default (1) would silently keep only the last new token
-            seq_start_pos=self._start_arg,
-        )
+    def reserve(self, n: int) -> Tensor:
+        """Make room for n new entries per row; returns each row's first new slot (b,)."""
+        if self.bound + n > self.capacity:  # rare: grow by doubling (shapes change once, not every step)
+            extra = max(self.bound + n, 2 * self.capacity) - self.capacity
+            pad = lambda t: torch.cat((t, t.new_zeros(*t.shape[:3], extra, t.shape[4])), dim=3)  # noqa: E731
+            self.k, self.v = pad(self.k), pad(self.v)
+            self.slots = torch.arange(self.capacity, device=self.k.device)
+        return self.lengths
 
-    def tree_kwargs(self, parents: Tensor) -> dict:
-        """Attention bias and positions for k new tokens forming a tree, parents (b, k), -1 = on the prefix.
+    def visibility(self, n: int, allow: Tensor | None) -> Tensor:
+        """Attention mask (b, 1, n, capacity) for n new entries written at each row's length.
 
-        A node sees the cached prefix, its ancestors and itself, at position prefix length + depth.
+        allow (b, n, r): which of the last r slots (the r - n newest cached entries, then the n new ones)
+        each new entry sees; older entries are always visible; None = causal among the new entries.
         """
-        b, k = parents.shape
-        ancestors, depth = tree_attention(parents)
-        bias = torch.zeros(b, 1, k, self.length + k, device=parents.device)
-        bias[..., self.length:] = bias[..., self.length:].masked_fill(~rearrange(ancestors, "b i j -> b 1 i j"), float("-inf"))
-        past = repeat(torch.arange(self.length, device=parents.device), "l -> b l", b=b)
-        return dict(attn_bias=bias, pos=torch.cat((past, self.length + depth), dim=1))
+        b = self.lengths.shape[0]
+        if allow is None:
+            allow = torch.ones(n, n, dtype=torch.bool, device=self.k.device).tril().expand(b, n, n)
+        r = allow.shape[-1]
+        rel = self.slots[None, :] - (self.lengths - (r - n))[:, None]  # (b, S) slot index within the window
+        window = (rel >= 0) & (rel < r)
+        seen = allow.gather(2, rel.clamp(0, r - 1)[:, None, :].expand(b, n, -1)) & window[:, None, :]
+        return rearrange(seen | (rel < 0)[:, None, :], "b n s -> b 1 n s")
 
-    def append(self, inter, n: int) -> None:
-        """Take the cache a forward of n new tokens returned."""
-        inter.hiddens = None  # per-layer activations are not needed by later steps; free them
-        self.inter = inter
-        self.length += n
+    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Store new keys/values (b, h, n, dh) at slots (b, n); returns the layer's buffers (b, h, S, dh)."""
+        index = repeat(slots, "b n -> b h n d", h=k.shape[1], d=k.shape[3])
+        self.k[layer].scatter_(2, index, k)
+        self.v[layer].scatter_(2, index, v)
+        return self.k[layer], self.v[layer]
 
-    @torch.no_grad()
+    def advance(self, n: int) -> None:
+        """The n entries just written are now part of every row."""
+        self.lengths = self.lengths + n
+        self.bound += n
+
+    @torch.inference_mode()
     def commit(self, keep: Tensor) -> None:
-        """Roll back: of the last k slots, keep those where keep (b, k) is True, in order.
+        """Roll back: of the last k entries of each row, keep those where keep (b, k) is True, in order.
 
-        When every row keeps the same prefix this crops; otherwise it gathers each row's kept slots
-        and right-aligns them (one host sync for the new width).
+        Where every row keeps a prefix (chains, and any tree whose accepted path is a prefix) this is
+        a length rewind. Otherwise the kept entries move down to fill the gaps: one gather and one
+        scatter over the k newest slots of every layer.
         """
         b, k = keep.shape
-        device = keep.device
-        start = self.start if self.start is not None else torch.zeros(b, dtype=torch.long, device=device)
         counts = keep.sum(dim=1)
-        is_prefix = keep.cumsum(dim=1) == torch.arange(1, k + 1, device=device)
-        if bool((is_prefix == keep).all() & (counts == counts[0]).all()):
-            self._edit(lambda t: t[..., : self.length - k + int(counts[0]), :], self.length - k + int(counts[0]))
-            return
-        slots = torch.arange(self.length - k, device=device)
-        valid = torch.cat((slots >= rearrange(start, "b -> b 1"), keep), dim=1)
-        n_valid = valid.sum(dim=1)
-        width = int(n_valid.max())
-        # Stable sort puts dropped slots first and kept slots last, each in original order.
-        order = torch.sort(valid.to(torch.uint8), dim=1, stable=True).indices[:, self.length - width:]
-        index = rearrange(order, "b n -> b 1 n 1")
-        self._edit(lambda t: t.gather(2, index.expand(-1, t.shape[1], -1, t.shape[3])), width)
-        self._set_start(width - n_valid)
-
-    def _edit(self, fn, length: int) -> None:
-        for layer in self.inter.attn_intermediates:
-            if layer.cached_kv is not None:
-                layer.cached_kv = tuple(fn(t) for t in layer.cached_kv)
-        self.length = length
-        self.inter.cache_length = length
-
-    def _set_start(self, start: Tensor | None) -> None:
-        self.start = start
-        # Without padding, skip x-transformers' left-padding mask: it costs a mask per layer per step.
-        self._start_arg = start if start is not None and bool(start.any()) else None
+        start = self.lengths - k
+        steps = torch.arange(k, device=keep.device)
+        if not bool((keep == (steps < counts[:, None])).all()):
+            order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # kept first, in order
+            layers, _, heads, _, dim_head = self.k.shape
+            grab = lambda s: repeat(start[:, None] + s, "b k -> l b h k d", l=layers, h=heads, d=dim_head)  # noqa: E731
+            for buf in (self.k, self.v):
+                buf.scatter_(3, grab(steps), buf.gather(3, grab(order)))
+        self.lengths = start + counts
+        self.bound = int(self.lengths.max())

@@ -1,8 +1,9 @@
-"""The target model and its KV cache (verify/cache.py): prefill a batch, extend it by a chain or a tree
-of new tokens in one forward, roll it back per row.
+"""The target model and its KV cache: prefill a batch, extend it by a chain or a tree of new tokens in
+one forward, roll it back per row.
 
 Convention shared with the decode loops: the last emitted token of a row is *pending*, not yet in the
-cache; the next `extend` starts with it. Nothing outside this file knows x-transformers is underneath.
+cache; the next `extend` starts with it. The forward runs on the lean engine (verify/engine.py) over a
+static cache (verify/cache.py); nothing outside these three files knows x-transformers is underneath.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 from einops import repeat
 from torch import Tensor, nn
 
-from verify.cache import KVCache
+from verify.cache import StaticCache, tree_attention
+from verify.engine import lean
 
 
 @dataclass
@@ -22,27 +24,53 @@ class TargetOutput:
     hidden: Tensor  # (b, n, d) final hidden states (after the final norm) at each new position
 
 
-class Target:
-    """A frozen causal LM (x-transformers TransformerWrapper with rotary positions) plus its KV cache."""
+def left_to_right(x: Tensor, lengths: Tensor) -> Tensor:
+    """(b, W, ...) rows left-padded to width W -> the same rows starting at index 0 (padding moved to the end)."""
+    w = x.shape[1]
+    index = (torch.arange(w, device=x.device) + (w - lengths)[:, None]) % w
+    return x.gather(1, index.view(*index.shape, *([1] * (x.ndim - 2))).expand_as(x))
 
-    def __init__(self, model: nn.Module, *, pad_id: int = 0):
+
+def right_to_left(x: Tensor, lengths: Tensor) -> Tensor:
+    """The inverse of `left_to_right`: rows starting at index 0 -> rows ending at index W - 1."""
+    return left_to_right(x, x.shape[1] - lengths)
+
+
+def pad_prompts(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Prompts -> tokens (b, W) starting at index 0, padded at the end, and lengths (b,)."""
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    tokens = torch.full((len(prompts), int(lengths.max())), pad_id, dtype=torch.long, device=device)
+    for i, prompt in enumerate(prompts):
+        tokens[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    return tokens, lengths
+
+
+class Target:
+    """A frozen causal LM (x-transformers TransformerWrapper with rotary positions) plus its KV cache.
+
+    `max_draft` is the widest extend the cache makes room for beyond max_seq_len (a wider one grows it).
+    """
+
+    def __init__(self, model: nn.Module, *, pad_id: int = 0, max_draft: int = 64):
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
         self.model = model
+        self.engine = lean(model)
         self.vocab_size: int = model.num_tokens
         self.max_seq_len: int = model.max_seq_len
         self.pad_id = pad_id
+        self.max_draft = max_draft
         self.device = next(model.parameters()).device
         self.reset()
 
     def reset(self) -> None:
-        self.cache = KVCache()
+        self.cache: StaticCache | None = None
 
     @property
     def row_lengths(self) -> Tensor:
         """(b,) number of valid (cached) tokens per row."""
-        return self.cache.row_lengths
+        return self.cache.lengths
 
     def check_tokens(self, prompts: list[list[int]], *, max_new_tokens: int) -> None:
         """One-line errors for prompts the model cannot take, before any work starts."""
@@ -62,14 +90,12 @@ class Target:
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> TargetOutput:
-        """Left-pad and run the prompts; returns outputs for every prompt position (padding included)."""
-        lens = torch.tensor([len(p) for p in prompts], device=self.device)
-        width = int(lens.max())
-        tokens = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
-        for i, prompt in enumerate(prompts):
-            tokens[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        self.cache.reset(width - lens)
-        return self._forward(tokens)
+        """Run the prompts; returns outputs for every prompt position, left-padded (row b ends at index W - 1)."""
+        tokens, lengths = pad_prompts(prompts, self.pad_id, self.device)
+        self.cache = self.engine.decoder.new_cache(len(prompts), self.max_seq_len + self.max_draft + 1, device=self.device)
+        logits, hidden = self.engine(tokens, self.cache)
+        self.cache.commit(torch.arange(tokens.shape[1], device=self.device) < lengths[:, None])  # drop the padding
+        return TargetOutput(logits=right_to_left(logits, lengths), hidden=right_to_left(hidden, lengths))
 
     @torch.inference_mode()
     def extend(self, tokens: Tensor, *, parents: Tensor | None = None) -> TargetOutput:
@@ -79,23 +105,13 @@ class Target:
         cached prefix) they form a tree: a node sees the cached prefix, its ancestors and itself, at
         position prefix length + depth, so its logits equal those of its root-to-node path run alone.
         """
-        if parents is None:
-            return self._forward(tokens)
-        if parents.ndim == 1:
-            parents = repeat(parents, "k -> b k", b=tokens.shape[0])
-        return self._forward(tokens, **self.cache.tree_kwargs(parents.to(self.device)))
-
-    def _forward(self, tokens: Tensor, **kwargs) -> TargetOutput:
-        n = tokens.shape[1]
-        (logits, hidden), inter = self.model(
-            tokens,
-            input_not_include_cache=True,  # embed only the new tokens, not the whole prefix again
-            return_intermediates=True,
-            return_logits_and_embeddings=True,
-            **self.cache.forward_kwargs(n),
-            **kwargs,
-        )
-        self.cache.append(inter, n)
+        kwargs = {}
+        if parents is not None:
+            if parents.ndim == 1:
+                parents = repeat(parents, "k -> b k", b=tokens.shape[0])
+            ancestors, depth = tree_attention(parents.to(self.device))
+            kwargs = dict(allow=ancestors, pos=self.cache.lengths[:, None] + depth)
+        logits, hidden = self.engine(tokens, self.cache, **kwargs)
         return TargetOutput(logits=logits, hidden=hidden)
 
     def commit(self, keep: Tensor) -> None:

@@ -1,0 +1,264 @@
+"""A lean decode engine for the x-transformers decoders this project trains, on a static KV cache.
+
+x-transformers is the training network; at decode time its forward is mostly Python and dispatch
+(an eager step of the 10.5M-parameter base costs about 4x its weight matmuls) and its cache grows by
+concatenation. `LeanDecoder` reads the weights of an x-transformers `AttentionLayers` (pre-norm
+LayerNorm, rotary attention, GELU feed-forward, final norm: what `experiments.lm.build_lm` and the
+prophet build) into a few fused tensors and runs them with plain torch ops:
+
+- one fused qkv matmul per layer; keys are rotated once, when written, from a precomputed table;
+- keys and values go into `StaticCache` buffers at each row's own slots (row b's token at position p
+  lives in slot p), so rows of a batch need no padding and rollback is a length rewind;
+- attention covers the whole buffer under a boolean mask, so every step of a given width has the same
+  shapes (what torch.compile needs to compile a step once).
+
+Nothing here is specific to the target: the draft model and the prophet run on the same engine.
+Options the engine does not implement are refused in one line when it is built, and a numerical check
+against the x-transformers forward catches any that the structural checks miss.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from verify.cache import StaticCache
+
+_ATTN_OFF = dict(  # Attention attributes that must have these values (anything else changes the math)
+    num_mem_kv=0, qk_norm=False, head_scale=False, sparse_topk=None, to_v_gate=None, to_output_gate=None,
+    to_v_head_gate=None, data_dependent_alibi=None, rel_proj_pos_bias=None, laser=False, hybrid_module=None,
+    use_latent_q=False, use_latent_kv=False, attn_on_attn=False, orthog_projected_values=False,
+)
+_LAYERS_OFF = dict(  # AttentionLayers attributes likewise
+    pre_norm=True, sandwich_norm=False, pre_and_post_norm=False, residual_attn=False, cross_attend=False,
+    rel_pos=None, polar_pos_emb=None, num_residual_streams=1, unet_skips=False, reinject_input=False,
+    add_value_residual=False, softclamp_output=False, need_condition=False,
+)
+_ATTEND_OFF = dict(
+    pre_softmax_talking_heads=None, post_softmax_talking_heads=None, pre_scale_post_talking_heads=None,
+    selective=False, add_zero_kv=False, head_attn_sink=None, softclamp_logits=False, cope=None,
+)
+
+
+class UnsupportedModel(ValueError):
+    """The x-transformers model uses an option the lean engine does not implement."""
+
+
+def _require(obj: object, expected: dict, where: str) -> None:
+    for name, want in expected.items():
+        have = getattr(obj, name, want)
+        if have is not want and have != want:
+            raise UnsupportedModel(f"{where}.{name}={have!r}: the lean engine implements only {name}={want!r}")
+
+
+def _layer_norm_weight(norm: nn.Module, where: str) -> Tensor:
+    """x-transformers' bias-free LayerNorm -> its effective gain (gamma + unit offset)."""
+    if type(norm).__name__ != "LayerNorm" or not hasattr(norm, "gamma"):
+        raise UnsupportedModel(f"{where} is {type(norm).__name__}: the lean engine implements x-transformers' LayerNorm only")
+    return norm.gamma.detach() + float(norm.unit_offset)
+
+
+def _check_attention(attn: nn.Module, where: str) -> None:
+    if type(attn).__name__ != "Attention":
+        raise UnsupportedModel(f"{where} is {type(attn).__name__}: the lean engine implements self-attention and feed-forward layers only")
+    _require(attn, _ATTN_OFF, where)
+    _require(attn.attend, _ATTEND_OFF, where + ".attend")
+    if attn.kv_heads != attn.heads or attn.rotate_num_heads != attn.heads:
+        raise UnsupportedModel(f"{where}: kv_heads={attn.kv_heads}, rotate_num_heads={attn.rotate_num_heads}; the lean engine needs both equal to heads={attn.heads}")
+    for name in ("to_q", "to_k", "to_v", "to_out"):
+        if type(getattr(attn, name)) is not nn.Linear:
+            raise UnsupportedModel(f"{where}.{name} is {type(getattr(attn, name)).__name__}: the lean engine needs a plain Linear")
+
+
+def _feedforward_weights(ff: nn.Module, where: str) -> tuple[Tensor, ...]:
+    """x-transformers FeedForward as Linear -> GELU -> Linear (no GLU, no post-activation norm)."""
+    seq = getattr(ff, "ff", None)
+    ok = (
+        type(ff).__name__ == "FeedForward" and isinstance(seq, nn.Sequential) and len(seq) == 3
+        and isinstance(seq[0], nn.Sequential) and len(seq[0]) == 2 and type(seq[0][0]) is nn.Linear
+        and type(seq[0][1]) is nn.GELU and seq[0][1].approximate == "none" and type(seq[2]) is nn.Linear
+    )
+    if not ok:
+        raise UnsupportedModel(f"{where}: the lean engine implements the Linear-GELU-Linear feed-forward only (no GLU, no other activation)")
+    up, down = seq[0][0], seq[2]
+    return up.weight.detach(), _bias(up), down.weight.detach(), _bias(down)
+
+
+def _bias(layer: nn.Linear) -> Tensor | None:
+    return None if layer.bias is None else layer.bias.detach()
+
+
+def rotary_table(inv_freq: Tensor, length: int) -> tuple[Tensor, Tensor]:
+    """cos, sin (length, 2 * len(inv_freq)) in x-transformers' interleaved layout (each frequency twice)."""
+    freqs = torch.outer(torch.arange(length, device=inv_freq.device, dtype=torch.float32), inv_freq.float())
+    freqs = rearrange(torch.stack((freqs, freqs), dim=-1), "n d r -> n (d r)")
+    return freqs.cos(), freqs.sin()
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary on the first cos.shape[-1] channels of x (b, h, n, dh); cos, sin (b, 1, n, r)."""
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    pairs = rearrange(x_rot, "... (d two) -> ... d two", two=2)
+    rotated = rearrange(torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1), "... d two -> ... (d two)")
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+class LeanDecoder:
+    """The layers of an x-transformers decoder as fused tensors: inputs (b, n, d) -> hidden (b, n, d) after the final norm."""
+
+    def __init__(self, layers: nn.Module, *, where: str = "decoder"):
+        _require(layers, _LAYERS_OFF, where)
+        if not getattr(layers, "causal", False):
+            raise UnsupportedModel(f"{where}.causal=False: the lean engine runs causal decoders only")
+        rotary = getattr(layers, "rotary_pos_emb", None)
+        if rotary is None or rotary.scale is not None or rotary.interpolation_factor != 1:
+            raise UnsupportedModel(f"{where}: the lean engine needs plain rotary positions (rotary_pos_emb=True, no xpos, no interpolation)")
+        if tuple(layers.layers_execute_order) != tuple(range(len(layers.layers))):
+            raise UnsupportedModel(f"{where}: custom layer execution orders are not implemented by the lean engine")
+        self.blocks: list[tuple[str, tuple]] = []
+        for i, (kind, (norms, module, residual)) in enumerate(zip(layers.layer_types, layers.layers)):
+            here = f"{where}.layers[{i}]"
+            if norms[1] is not None or norms[2] is not None or type(residual).__name__ != "Residual":
+                raise UnsupportedModel(f"{here}: the lean engine implements pre-norm residual blocks only")
+            _require(residual, dict(residual_scale=None, scale_residual_constant=1.0), here)
+            gain = _layer_norm_weight(norms[0], here + ".norm")
+            if kind == "a":
+                self.blocks.append(("a", (gain, *self._attention(module, here))))
+            elif kind == "f":
+                self.blocks.append(("f", (gain, *_feedforward_weights(module, here))))
+            else:
+                raise UnsupportedModel(f"{here}: layer type {kind!r}; the lean engine implements 'a' and 'f' only")
+        if not self.num_layers:
+            raise UnsupportedModel(f"{where} has no attention layer")
+        final = layers.final_norm
+        self.final_gain = None if type(final).__name__ == "Identity" else _layer_norm_weight(final, where + ".final_norm")
+        self.inv_freq = rotary.inv_freq.detach()
+        self.dim = layers.dim
+        self.dtype = self.inv_freq.new_empty(0).dtype if not self.blocks else self.blocks[0][1][0].dtype
+        self.cos, self.sin = rotary_table(self.inv_freq, 1)
+
+    def _attention(self, attn: nn.Module, where: str) -> tuple:
+        _check_attention(attn, where)
+        self.heads, self.scale = attn.heads, attn.scale
+        w = torch.cat([attn.to_q.weight, attn.to_k.weight, attn.to_v.weight]).detach()  # (3 h dh, d)
+        biases = [_bias(getattr(attn, n)) for n in ("to_q", "to_k", "to_v")]
+        b = None if all(x is None for x in biases) else torch.cat([x if x is not None else torch.zeros(l.out_features, device=w.device)
+                                                                  for x, l in zip(biases, (attn.to_q, attn.to_k, attn.to_v))])
+        self.dim_head = attn.to_q.out_features // attn.heads
+        return w, b, attn.to_out.weight.detach(), _bias(attn.to_out)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(kind == "a" for kind, _ in self.blocks)
+
+    def new_cache(self, batch: int, capacity: int, *, device: torch.device | None = None) -> StaticCache:
+        device = device if device is not None else self.inv_freq.device
+        return StaticCache(layers=self.num_layers, batch=batch, heads=self.heads, dim_head=self.dim_head,
+                           capacity=capacity, device=device, dtype=self.dtype)
+
+    def _table(self, length: int) -> tuple[Tensor, Tensor]:
+        if self.cos.shape[0] < length:  # grown by doubling: rotary has no maximum length
+            self.cos, self.sin = rotary_table(self.inv_freq, max(length, 2 * self.cos.shape[0]))
+        return self.cos, self.sin
+
+    def __call__(self, x: Tensor, cache: StaticCache, *, pos: Tensor | None = None, allow: Tensor | None = None) -> Tensor:
+        """Run n new entries x (b, n, d) on top of `cache` and append them to it; returns hidden (b, n, d).
+
+        pos (b, n): rotary positions (default: each row's next positions, a chain). allow (b, n, r) with
+        r >= n: which of the last r slots (the r - n newest cached ones, then the new ones) each new
+        entry sees; older slots are always visible (default: causal among the new entries).
+        """
+        b, n, _ = x.shape
+        start = cache.reserve(n)  # (b,) first slot of each row's new entries
+        slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
+        pos = slots if pos is None else pos
+        cos, sin = (rearrange(t[pos], "b n r -> b 1 n r") for t in self._table(int(cache.capacity)))
+        mask = cache.visibility(n, allow)  # (b, 1, n, S)
+        layer = 0
+        for kind, w in self.blocks:
+            h = F.layer_norm(x, (self.dim,), w[0])
+            if kind == "a":
+                x = x + self._attend(h, w, cache, layer, slots, cos, sin, mask)
+                layer += 1
+            else:
+                x = x + F.linear(F.gelu(F.linear(h, w[1], w[2])), w[3], w[4])
+        cache.advance(n)
+        return x if self.final_gain is None else F.layer_norm(x, (self.dim,), self.final_gain)
+
+    def _attend(self, h, w, cache: StaticCache, layer: int, slots, cos, sin, mask) -> Tensor:
+        q, k, v = rearrange(F.linear(h, w[1], w[2]), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        k_all, v_all = cache.write(layer, _rotate(k, cos, sin), v, slots)  # (b, h, S, dh)
+        out = F.scaled_dot_product_attention(_rotate(q, cos, sin), k_all, v_all, attn_mask=mask, scale=self.scale)
+        return F.linear(rearrange(out, "b h n d -> b n (h d)"), w[3], w[4])
+
+
+class LeanLM:
+    """An x-transformers TransformerWrapper on the lean engine: token ids (b, n) -> (logits, hidden)."""
+
+    def __init__(self, wrapper: nn.Module):
+        if getattr(wrapper, "num_memory_tokens", 0) or getattr(wrapper, "l2norm_embed", False):
+            raise UnsupportedModel("the model uses memory tokens or l2norm_embed: the lean engine implements neither")
+        for name in ("post_emb_norm", "project_emb"):
+            if type(getattr(wrapper, name, nn.Identity())).__name__ != "Identity":
+                raise UnsupportedModel(f"the model's {name} is {type(getattr(wrapper, name)).__name__}: the lean engine implements none")
+        if type(getattr(wrapper, "pos_emb", None)).__name__ != "always":
+            raise UnsupportedModel("the model has an absolute position embedding: the lean engine implements rotary positions only")
+        if not isinstance(getattr(wrapper, "to_logits", None), nn.Linear):
+            raise UnsupportedModel("the model's to_logits is not a Linear layer: the lean engine needs one output projection")
+        self.decoder = LeanDecoder(wrapper.attn_layers, where="attn_layers")
+        self.embedding = wrapper.token_emb.emb.weight.detach()
+        self.to_logits = wrapper.to_logits
+        self.vocab_size, self.max_seq_len = wrapper.num_tokens, wrapper.max_seq_len
+
+    def __call__(self, tokens: Tensor, cache: StaticCache, **kwargs) -> tuple[Tensor, Tensor]:
+        hidden = self.decoder(F.embedding(tokens, self.embedding), cache, **kwargs)  # (b, n, d)
+        return self.to_logits(hidden), hidden
+
+
+_BUILT: "weakref.WeakKeyDictionary[nn.Module, tuple[int, object]]" = weakref.WeakKeyDictionary()
+
+
+def _weights_version(module: nn.Module) -> int:
+    # in-place updates (optimizer steps, load_state_dict) bump a tensor's version counter
+    return sum(p._version for p in module.parameters()) + sum(id(p) for p in module.parameters())
+
+
+def lean(module: nn.Module, build=None):
+    """The lean engine of `module` (a TransformerWrapper, or AttentionLayers with `build=LeanDecoder`),
+    built once and rebuilt only when its weights changed; checked against the x-transformers forward."""
+    build = build or LeanLM
+    version = _weights_version(module)
+    cached = _BUILT.get(module)
+    if cached is not None and cached[0] == version and type(cached[1]) is build:
+        return cached[1]
+    engine = build(module)
+    check_against_reference(module, engine)
+    _BUILT[module] = (version, engine)
+    return engine
+
+
+@torch.inference_mode()
+def check_against_reference(module: nn.Module, engine, *, tolerance: float = 1e-3) -> None:
+    """Run 6 positions through both: a difference means an option the structural checks missed."""
+    was_training = module.training
+    module.eval()
+    device = next(module.parameters()).device
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    try:
+        if isinstance(engine, LeanLM):
+            tokens = torch.randint(0, engine.vocab_size, (1, 6), generator=gen).to(device)
+            ref = module(tokens)
+            ours = engine(tokens, engine.decoder.new_cache(1, 8))[0]
+        else:
+            x = torch.randn(1, 6, engine.dim, generator=gen).to(device=device, dtype=engine.dtype)
+            ref, ours = module(x), engine(x, engine.new_cache(1, 8))
+    finally:
+        module.train(was_training)
+    err = float((ref.float() - ours.float()).abs().max())
+    if not err <= tolerance * max(1.0, float(ref.float().abs().max())):
+        raise UnsupportedModel(f"the lean engine differs from the x-transformers forward by {err:.2e}: the model uses an option it does not implement")
