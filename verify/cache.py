@@ -32,6 +32,29 @@ def tree_attention(parents: Tensor) -> tuple[Tensor, Tensor]:
     return mask, depth
 
 
+def visibility(start: Tensor, n: int, allow: Tensor | None, capacity: int) -> Tensor:
+    """Attention mask (b, 1, n, capacity) for n new entries written from slot start (b,) of each row.
+
+    allow (b, n, r): which of the last r slots (the r - n newest cached entries, then the n new ones)
+    each new entry sees; older entries are always visible, later slots never; None = causal among the
+    new entries.
+    """
+    b, device = start.shape[0], start.device
+    if allow is None:
+        allow = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(b, n, n)
+    r = allow.shape[-1]
+    rel = torch.arange(capacity, device=device)[None, :] - (start - (r - n))[:, None]  # (b, S) index in the window
+    window = (rel >= 0) & (rel < r)
+    seen = allow.gather(2, rel.clamp(0, r - 1)[:, None, :].expand(b, n, capacity)) & window[:, None, :]
+    return rearrange(seen | (rel < 0)[:, None, :], "b n s -> b 1 n s")
+
+
+def write_kv(k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+    """Store new keys/values (b, h, n, dh) at slots (b, n) of one layer's buffers (b, h, S, dh), in place."""
+    index = repeat(slots, "b n -> b h n d", h=k.shape[1], d=k.shape[3])
+    return k_buf.scatter_(2, index, k), v_buf.scatter_(2, index, v)
+
+
 class StaticCache:
     """Key/value buffers (layers, b, heads, capacity, dim_head), preallocated, and each row's length (b,).
 
@@ -48,7 +71,6 @@ class StaticCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) valid entries per row
         self.bound = 0  # host-side upper bound of lengths.max(), to grow the buffers before they overflow
-        self.slots = torch.arange(capacity, device=device)
 
     @property
     def capacity(self) -> int:
@@ -64,30 +86,7 @@ class StaticCache:
             extra = max(self.bound + n, 2 * self.capacity) - self.capacity
             pad = lambda t: torch.cat((t, t.new_zeros(*t.shape[:3], extra, t.shape[4])), dim=3)  # noqa: E731
             self.k, self.v = pad(self.k), pad(self.v)
-            self.slots = torch.arange(self.capacity, device=self.k.device)
         return self.lengths
-
-    def visibility(self, n: int, allow: Tensor | None) -> Tensor:
-        """Attention mask (b, 1, n, capacity) for n new entries written at each row's length.
-
-        allow (b, n, r): which of the last r slots (the r - n newest cached entries, then the n new ones)
-        each new entry sees; older entries are always visible; None = causal among the new entries.
-        """
-        b = self.lengths.shape[0]
-        if allow is None:
-            allow = torch.ones(n, n, dtype=torch.bool, device=self.k.device).tril().expand(b, n, n)
-        r = allow.shape[-1]
-        rel = self.slots[None, :] - (self.lengths - (r - n))[:, None]  # (b, S) slot index within the window
-        window = (rel >= 0) & (rel < r)
-        seen = allow.gather(2, rel.clamp(0, r - 1)[:, None, :].expand(b, n, -1)) & window[:, None, :]
-        return rearrange(seen | (rel < 0)[:, None, :], "b n s -> b 1 n s")
-
-    def write(self, layer: int, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """Store new keys/values (b, h, n, dh) at slots (b, n); returns the layer's buffers (b, h, S, dh)."""
-        index = repeat(slots, "b n -> b h n d", h=k.shape[1], d=k.shape[3])
-        self.k[layer].scatter_(2, index, k)
-        self.v[layer].scatter_(2, index, v)
-        return self.k[layer], self.v[layer]
 
     def advance(self, n: int) -> None:
         """The n entries just written are now part of every row."""

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from verify.cache import StaticCache
+from verify.cache import StaticCache, visibility, write_kv
 
 _ATTN_OFF = dict(  # Attention attributes that must have these values (anything else changes the math)
     num_mem_kv=0, qk_norm=False, head_scale=False, sparse_topk=None, to_v_gate=None, to_output_gate=None,
@@ -139,6 +139,7 @@ class LeanDecoder:
         self.final_gain = None if type(final).__name__ == "Identity" else _layer_norm_weight(final, where + ".final_norm")
         self.inv_freq = rotary.inv_freq.detach()
         self.dim = layers.dim
+        self.step = self.forward  # or its compiled version (`lean(..., compile=True)`)
         self.dtype = self.inv_freq.new_empty(0).dtype if not self.blocks else self.blocks[0][1][0].dtype
         self.cos, self.sin = rotary_table(self.inv_freq, 1)
 
@@ -173,28 +174,31 @@ class LeanDecoder:
         r >= n: which of the last r slots (the r - n newest cached ones, then the new ones) each new
         entry sees; older slots are always visible (default: causal among the new entries).
         """
-        b, n, _ = x.shape
-        start = cache.reserve(n)  # (b,) first slot of each row's new entries
+        start = cache.reserve(x.shape[1])  # host-side bookkeeping stays outside the tensor program
+        hidden = self.step(x, cache.k, cache.v, start, pos, allow)
+        cache.advance(x.shape[1])
+        return hidden
+
+    def forward(self, x: Tensor, k_buf: Tensor, v_buf: Tensor, start: Tensor, pos: Tensor | None, allow: Tensor | None) -> Tensor:
+        """The tensor program of a step (what torch.compile sees): writes keys/values into k_buf, v_buf
+        (layers, b, h, S, dh) at slots start (b,) + [0, n) and returns hidden (b, n, d)."""
+        n, capacity = x.shape[1], k_buf.shape[3]
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
         pos = slots if pos is None else pos
-        cos, sin = (rearrange(t[pos], "b n r -> b 1 n r") for t in self._table(int(cache.capacity)))
-        mask = cache.visibility(n, allow)  # (b, 1, n, S)
+        cos, sin = (rearrange(t[pos], "b n r -> b 1 n r") for t in self._table(capacity))
+        mask = visibility(start, n, allow, capacity)  # (b, 1, n, S)
         layer = 0
         for kind, w in self.blocks:
             h = F.layer_norm(x, (self.dim,), w[0])
             if kind == "a":
-                x = x + self._attend(h, w, cache, layer, slots, cos, sin, mask)
+                q, k, v = rearrange(F.linear(h, w[1], w[2]), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+                k_all, v_all = write_kv(k_buf[layer], v_buf[layer], _rotate(k, cos, sin), v, slots)  # (b, h, S, dh)
+                out = F.scaled_dot_product_attention(_rotate(q, cos, sin), k_all, v_all, attn_mask=mask, scale=self.scale)
+                x = x + F.linear(rearrange(out, "b h n d -> b n (h d)"), w[3], w[4])
                 layer += 1
             else:
                 x = x + F.linear(F.gelu(F.linear(h, w[1], w[2])), w[3], w[4])
-        cache.advance(n)
         return x if self.final_gain is None else F.layer_norm(x, (self.dim,), self.final_gain)
-
-    def _attend(self, h, w, cache: StaticCache, layer: int, slots, cos, sin, mask) -> Tensor:
-        q, k, v = rearrange(F.linear(h, w[1], w[2]), "b n (three h d) -> three b h n d", three=3, h=self.heads)
-        k_all, v_all = cache.write(layer, _rotate(k, cos, sin), v, slots)  # (b, h, S, dh)
-        out = F.scaled_dot_product_attention(_rotate(q, cos, sin), k_all, v_all, attn_mask=mask, scale=self.scale)
-        return F.linear(rearrange(out, "b h n d -> b n (h d)"), w[3], w[4])
 
 
 class LeanLM:
@@ -214,13 +218,25 @@ class LeanLM:
         self.embedding = wrapper.token_emb.emb.weight.detach()
         self.to_logits = wrapper.to_logits
         self.vocab_size, self.max_seq_len = wrapper.num_tokens, wrapper.max_seq_len
+        self.step = self.forward  # or its compiled version (`lean(..., compile=True)`)
 
-    def __call__(self, tokens: Tensor, cache: StaticCache, **kwargs) -> tuple[Tensor, Tensor]:
-        hidden = self.decoder(F.embedding(tokens, self.embedding), cache, **kwargs)  # (b, n, d)
+    def __call__(self, tokens: Tensor, cache: StaticCache, *, pos: Tensor | None = None,
+                 allow: Tensor | None = None, eager: bool = False) -> tuple[Tensor, Tensor]:
+        """tokens (b, n) on top of `cache` (see `LeanDecoder.__call__`) -> logits (b, n, V), hidden (b, n, d).
+
+        `eager` skips the compiled step (a prefill has a new width for every prompt length)."""
+        start = cache.reserve(tokens.shape[1])
+        out = (self.forward if eager else self.step)(tokens, cache.k, cache.v, start, pos, allow)
+        cache.advance(tokens.shape[1])
+        return out
+
+    def forward(self, tokens: Tensor, k_buf: Tensor, v_buf: Tensor, start: Tensor, pos: Tensor | None,
+                allow: Tensor | None) -> tuple[Tensor, Tensor]:
+        hidden = self.decoder.forward(F.embedding(tokens, self.embedding), k_buf, v_buf, start, pos, allow)
         return self.to_logits(hidden), hidden
 
 
-_BUILT: "weakref.WeakKeyDictionary[nn.Module, tuple[int, object]]" = weakref.WeakKeyDictionary()
+_BUILT: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def _weights_version(module: nn.Module) -> int:
@@ -228,17 +244,23 @@ def _weights_version(module: nn.Module) -> int:
     return sum(p._version for p in module.parameters()) + sum(id(p) for p in module.parameters())
 
 
-def lean(module: nn.Module, build=None):
+def lean(module: nn.Module, build=None, *, compile: bool = False):
     """The lean engine of `module` (a TransformerWrapper, or AttentionLayers with `build=LeanDecoder`),
-    built once and rebuilt only when its weights changed; checked against the x-transformers forward."""
+    built once and rebuilt only when its weights changed; checked against the x-transformers forward.
+
+    compile=True: the engine's step goes through torch.compile with static shapes (one compiled
+    program per input width; Inductor's on-disk cache makes a second process reuse them)."""
     build = build or LeanLM
     version = _weights_version(module)
-    cached = _BUILT.get(module)
-    if cached is not None and cached[0] == version and type(cached[1]) is build:
+    built = _BUILT.setdefault(module, {})
+    cached = built.get((build, compile))
+    if cached is not None and cached[0] == version:
         return cached[1]
     engine = build(module)
     check_against_reference(module, engine)
-    _BUILT[module] = (version, engine)
+    if compile:
+        engine.step = torch.compile(engine.forward, dynamic=False)
+    built[(build, compile)] = (version, engine)
     return engine
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from einops import repeat
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from verify.cache import StaticCache, tree_attention
@@ -49,14 +50,19 @@ class Target:
     """A frozen causal LM (x-transformers TransformerWrapper with rotary positions) plus its KV cache.
 
     `max_draft` is the widest extend the cache makes room for beyond max_seq_len (a wider one grows it).
+    `compile=True` runs every extend through a torch.compile'd step with static shapes: an extend of k
+    tokens is padded to the smallest of `widths` that fits (else the next power of two), so a decode
+    loop compiles one program per width it uses (plain decoding: 1; a chain: gamma + 1).
     """
 
-    def __init__(self, model: nn.Module, *, pad_id: int = 0, max_draft: int = 64):
+    def __init__(self, model: nn.Module, *, pad_id: int = 0, max_draft: int = 64, compile: bool = False,
+                 widths: tuple[int, ...] = (1,)):
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
         self.model = model
-        self.engine = lean(model)
+        self.engine = lean(model, compile=compile)
+        self.compiled, self.widths = compile, tuple(sorted(widths))
         self.vocab_size: int = model.num_tokens
         self.max_seq_len: int = model.max_seq_len
         self.pad_id = pad_id
@@ -93,7 +99,7 @@ class Target:
         """Run the prompts; returns outputs for every prompt position, left-padded (row b ends at index W - 1)."""
         tokens, lengths = pad_prompts(prompts, self.pad_id, self.device)
         self.cache = self.engine.decoder.new_cache(len(prompts), self.max_seq_len + self.max_draft + 1, device=self.device)
-        logits, hidden = self.engine(tokens, self.cache)
+        logits, hidden = self.engine(tokens, self.cache, eager=True)
         self.cache.commit(torch.arange(tokens.shape[1], device=self.device) < lengths[:, None])  # drop the padding
         return TargetOutput(logits=right_to_left(logits, lengths), hidden=right_to_left(hidden, lengths))
 
@@ -111,8 +117,30 @@ class Target:
                 parents = repeat(parents, "k -> b k", b=tokens.shape[0])
             ancestors, depth = tree_attention(parents.to(self.device))
             kwargs = dict(allow=ancestors, pos=self.cache.lengths[:, None] + depth)
+        k, width = tokens.shape[1], self._width(tokens.shape[1])
+        if width > k:
+            tokens, kwargs = self._pad(tokens, kwargs, width)
         logits, hidden = self.engine(tokens, self.cache, **kwargs)
+        if width > k:  # drop the padding entries again: a length rewind
+            self.cache.commit(torch.arange(width, device=self.device).expand(tokens.shape[0], width) < k)
+            logits, hidden = logits[:, :k], hidden[:, :k]
         return TargetOutput(logits=logits, hidden=hidden)
+
+    def _width(self, k: int) -> int:
+        if not self.compiled:
+            return k
+        return next((w for w in self.widths if w >= k), 1 << (k - 1).bit_length())
+
+    def _pad(self, tokens: Tensor, kwargs: dict, width: int) -> tuple[Tensor, dict]:
+        """Pad k tokens to `width` with entries that see only themselves and that nothing real sees."""
+        b, k = tokens.shape
+        tokens = F.pad(tokens, (0, width - k), value=self.pad_id)
+        if kwargs:  # a tree: grow the ancestor matrix by an identity block, positions by anything valid
+            allow = torch.eye(width, dtype=torch.bool, device=self.device).repeat(b, 1, 1)
+            allow[:, :k, :k] = kwargs["allow"]
+            pos = torch.cat((kwargs["pos"], kwargs["pos"][:, :1].expand(b, width - k)), dim=1)
+            kwargs = dict(allow=allow, pos=pos)
+        return tokens, kwargs
 
     def commit(self, keep: Tensor) -> None:
         """Roll back: of the slots the last `extend` added, keep those where keep (b, k) is True."""

@@ -1,0 +1,169 @@
+"""The lean engine: the same logits as x-transformers' own forward (fp32, max abs difference <= 1e-4) for
+prefill, chains, trees and ragged batches; one-line refusals of options it does not implement."""
+
+import pytest
+import torch
+from x_transformers import Decoder, TransformerWrapper
+
+from experiments.lm import build_lm
+from verify.cache import tree_attention
+from verify.engine import LeanDecoder, UnsupportedModel, check_against_reference, lean
+from verify.target import Target
+
+TOL = 1e-4
+
+
+def project_lm(seed: int = 0):
+    """The project's own base shape (build_lm: dim // heads per head, partial rotary), random weights."""
+    torch.manual_seed(seed)
+    return build_lm(num_tokens=101, dim=64, depth=3, heads=4, max_seq_len=80).eval()
+
+
+def full(lm, seq):
+    return lm(torch.tensor([seq]))[0]
+
+
+def test_prefill_and_chain_match_x_transformers():
+    lm = project_lm()
+    prompts = [[5, 6, 7], list(range(10, 30)), [1] * 9]  # ragged
+    target = Target(lm)
+    first = target.prefill(prompts)
+    chain = torch.tensor([[40, 41, 42, 43]] * 3)
+    out = target.extend(chain).logits
+    for i, p in enumerate(prompts):
+        ref = full(lm, p + chain[i].tolist())
+        assert (first.logits[i, -len(p):] - ref[: len(p)]).abs().max() <= TOL
+        assert (out[i] - ref[len(p):]).abs().max() <= TOL
+
+
+def test_hidden_states_match_x_transformers():
+    lm = project_lm(1)
+    seq = list(range(3, 40))
+    target = Target(lm)
+    hidden = target.prefill([seq]).hidden[0]
+    _, ref = lm(torch.tensor([seq]), return_logits_and_embeddings=True)
+    assert (hidden - ref[0]).abs().max() <= TOL
+
+
+def test_tree_after_ragged_rollback_matches_paths_alone():
+    lm = project_lm(2)
+    prompts = [[5, 6, 7, 8], list(range(20, 31))]
+    target = Target(lm)
+    target.prefill(prompts)
+    target.extend(torch.tensor([[50, 51, 52], [60, 61, 62]]))
+    keep = torch.tensor([[True, True, False], [True, False, False]])
+    target.commit(keep)
+    parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 1, 0]])
+    tokens = torch.tensor([[70, 71, 72, 73, 74], [80, 81, 82, 83, 84]])
+    out = target.extend(tokens, parents=parents).logits
+    ancestors, _ = tree_attention(parents)
+    for i, p in enumerate(prompts):
+        ctx = p + [[50, 51], [60]][i]
+        for node in range(5):
+            path = ancestors[i, node].nonzero().flatten().tolist()
+            assert (out[i, node] - full(lm, ctx + tokens[i, path].tolist())[-1]).abs().max() <= TOL
+
+
+def test_padded_fixed_width_extends_equal_unpadded():
+    """What a compiled target does (pad every extend to a fixed width) changes no logits and no cache."""
+    lm = project_lm(3)
+    prompts = [[5, 6, 7], list(range(10, 22))]
+    plain, padded = Target(lm), Target(lm)
+    padded.compiled, padded.widths = True, (8,)  # the padding path, on the eager engine
+    for t in (plain, padded):
+        t.prefill(prompts)
+    chain = torch.tensor([[30, 31, 32], [33, 34, 35]])
+    parents = torch.tensor([-1, 0, 0, 1])
+    tree = torch.tensor([[40, 41, 42, 43], [44, 45, 46, 47]])
+    for t in (plain, padded):
+        t.out = [t.extend(chain).logits]
+        t.commit(torch.tensor([[True, True, False], [True, False, False]]))
+        t.out.append(t.extend(tree, parents=parents).logits)
+        t.commit(torch.tensor([[True, False, True, False], [True, True, False, True]]))
+        t.out.append(t.extend(torch.tensor([[9], [9]])).logits)
+    assert padded.row_lengths.tolist() == plain.row_lengths.tolist() == [3 + 2 + 2 + 1, 12 + 1 + 3 + 1]
+    for a, b in zip(plain.out, padded.out):
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-5
+
+
+def test_cache_grows_past_its_capacity():
+    lm = project_lm(4)
+    target = Target(lm, max_draft=1)
+    seq = list(range(1, 70))
+    target.prefill([seq[:60]])
+    out = target.extend(torch.tensor([seq[60:69]])).logits[0]  # 60 + 9 > 80 + 1 slots: the buffers grow
+    assert (out - full(lm, seq)[60:]).abs().max() <= TOL
+
+
+def _wrapper(**decoder_kwargs):
+    kwargs = dict(dim=32, depth=1, heads=2, rotary_pos_emb=True, verbose=False) | decoder_kwargs
+    return TransformerWrapper(num_tokens=50, max_seq_len=32, use_abs_pos_emb=False, attn_layers=Decoder(**kwargs))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(ff_glu=True), "feed-forward"),
+    (dict(attn_qk_norm=True), "qk_norm"),
+    (dict(attn_num_mem_kv=2), "num_mem_kv"),
+    (dict(attn_kv_heads=1), "kv_heads"),
+    (dict(sandwich_norm=True), "sandwich_norm"),
+    (dict(use_rmsnorm=True), "LayerNorm"),
+    (dict(rotary_pos_emb=False), "rotary"),
+    (dict(rotary_xpos=True), "rotary"),
+    (dict(residual_attn=True), "residual_attn"),
+])
+def test_unsupported_options_refused_in_one_line(kwargs, match):
+    with pytest.raises(UnsupportedModel, match=match) as err:
+        Target(_wrapper(**kwargs))
+    assert "\n" not in str(err.value)
+
+
+def test_absolute_positions_refused():
+    model = TransformerWrapper(num_tokens=50, max_seq_len=32, attn_layers=Decoder(dim=32, depth=1, heads=2))
+    with pytest.raises(UnsupportedModel, match="absolute position"):
+        Target(model)
+
+
+def test_numerical_check_catches_what_structure_misses():
+    lm = project_lm(5)
+    engine = lean(lm)
+    with torch.no_grad():
+        lm.to_logits.weight.add_(1.0)  # the engine's own copy of the layer moves too: perturb the reference only
+        engine.to_logits = torch.nn.Linear(64, 101, bias=False)
+        with pytest.raises(UnsupportedModel, match="differs from the x-transformers forward"):
+            check_against_reference(lm, engine)
+
+
+def test_engine_rebuilt_when_weights_change():
+    lm = project_lm(6)
+    first = lean(lm)
+    assert lean(lm) is first  # cached
+    with torch.no_grad():
+        lm.attn_layers.layers[0][1].to_q.weight.mul_(1.5)  # an optimizer step does this in place
+    second = lean(lm)
+    assert second is not first
+    seq = list(range(5, 25))
+    logits, _ = second(torch.tensor([seq]), second.decoder.new_cache(1, 32))
+    assert (logits[0] - full(lm, seq)).abs().max() <= TOL
+
+
+def test_decoder_only_engine_matches():
+    torch.manual_seed(7)
+    decoder = Decoder(dim=32, depth=2, heads=4, rotary_pos_emb=True, verbose=False).eval()
+    engine = lean(decoder, LeanDecoder)
+    x = torch.randn(2, 9, 32)
+    with torch.inference_mode():
+        out = engine(x, engine.new_cache(2, 16))
+    assert (out - decoder(x)).abs().max() <= TOL
+
+
+@pytest.mark.slow
+def test_compiled_target_matches_eager():
+    lm = project_lm(8)
+    prompts = [[5, 6, 7], list(range(10, 22))]
+    eager, compiled = Target(lm), Target(lm, compile=True, widths=(1, 4))
+    outs = []
+    for t in (eager, compiled):
+        t.prefill(prompts)
+        outs.append([t.extend(torch.tensor([[30, 31, 32], [33, 34, 35]])).logits, t.extend(torch.tensor([[1], [2]])).logits])
+    for a, b in zip(*outs):
+        assert (a - b).abs().max() <= TOL
