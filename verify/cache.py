@@ -88,6 +88,15 @@ class StaticCache:
             self.k, self.v = pad(self.k), pad(self.v)
         return self.lengths
 
+    def buffers(self, n: int, *, full: bool) -> tuple[Tensor, Tensor]:
+        """The key/value buffers a forward of n new entries attends over: all `capacity` slots (fixed
+        shapes for a compiled step) or, in eager mode, only the slots in use, rounded up to 64 so that
+        attention does not read hundreds of empty slots per step. Views: writes land in the cache."""
+        if full:
+            return self.k, self.v
+        span = min(self.capacity, -(-(self.bound + n) // 64) * 64)
+        return self.k[..., :span, :], self.v[..., :span, :]
+
     def advance(self, n: int) -> None:
         """The n entries just written are now part of every row."""
         self.lengths = self.lengths + n

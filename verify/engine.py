@@ -92,20 +92,31 @@ def _bias(layer: nn.Linear) -> Tensor | None:
     return None if layer.bias is None else layer.bias.detach()
 
 
-def rotary_table(inv_freq: Tensor, length: int) -> tuple[Tensor, Tensor]:
-    """cos, sin (length, 2 * len(inv_freq)) in x-transformers' interleaved layout (each frequency twice)."""
+def rotary_table(inv_freq: Tensor, length: int, dim_head: int) -> tuple[Tensor, Tensor]:
+    """cos, sin (length, dim_head) for x-transformers' interleaved rotary on the first 2 * len(inv_freq)
+    channels; the rest pass through (cos 1, sin 0). sin carries the sign of the pair swap, so that
+    rotary(x) = x * cos + swap_pairs(x) * sin: four elementwise ops, no slicing or concatenation."""
     freqs = torch.outer(torch.arange(length, device=inv_freq.device, dtype=torch.float32), inv_freq.float())
-    freqs = rearrange(torch.stack((freqs, freqs), dim=-1), "n d r -> n (d r)")
-    return freqs.cos(), freqs.sin()
+    sign = torch.tensor([-1.0, 1.0], device=inv_freq.device)  # (x1, x2) -> (-x2, x1)
+    cos = rearrange(torch.stack((freqs.cos(), freqs.cos()), dim=-1), "n d r -> n (d r)")
+    sin = rearrange(freqs.sin()[..., None] * sign, "n d r -> n (d r)")
+    rest = dim_head - cos.shape[-1]
+    return F.pad(cos, (0, rest), value=1.0), F.pad(sin, (0, rest), value=0.0)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary on the first cos.shape[-1] channels of x (b, h, n, dh); cos, sin (b, 1, n, r)."""
-    r = cos.shape[-1]
-    x_rot, x_pass = x[..., :r], x[..., r:]
-    pairs = rearrange(x_rot, "... (d two) -> ... d two", two=2)
-    rotated = rearrange(torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1), "... d two -> ... (d two)")
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+    """Rotary on x (..., n, dh) with tables cos, sin (..., n, dh) from `rotary_table`."""
+    swapped = rearrange(rearrange(x, "... (d two) -> ... d two", two=2).flip(-1), "... d two -> ... (d two)")
+    return x * cos + swapped * sin
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Softmax attention of q (b, h, n, dh) over the whole buffer k, v (b, h, S, dh) under mask (b, 1, n, S).
+
+    Written out rather than SDPA: for a handful of queries over a few hundred slots, the fused CPU
+    kernel's fixed cost (about 90 us a call here) exceeds the arithmetic."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(dim=-1), v)
 
 
 class LeanDecoder:
@@ -141,7 +152,8 @@ class LeanDecoder:
         self.dim = layers.dim
         self.step = self.forward  # or its compiled version (`lean(..., compile=True)`)
         self.dtype = self.inv_freq.new_empty(0).dtype if not self.blocks else self.blocks[0][1][0].dtype
-        self.cos, self.sin = rotary_table(self.inv_freq, 1)
+        self.cos = self.sin = None
+        self._table(1)
 
     def _attention(self, attn: nn.Module, where: str) -> tuple:
         _check_attention(attn, where)
@@ -163,8 +175,9 @@ class LeanDecoder:
                            capacity=capacity, device=device, dtype=self.dtype)
 
     def _table(self, length: int) -> tuple[Tensor, Tensor]:
-        if self.cos.shape[0] < length:  # grown by doubling: rotary has no maximum length
-            self.cos, self.sin = rotary_table(self.inv_freq, max(length, 2 * self.cos.shape[0]))
+        if self.cos is None or self.cos.shape[0] < length:  # grown by doubling: rotary has no maximum length
+            size = max(length, 2 * (0 if self.cos is None else self.cos.shape[0]))
+            self.cos, self.sin = (t.to(self.dtype) for t in rotary_table(self.inv_freq, size, self.dim_head))
         return self.cos, self.sin
 
     def __call__(self, x: Tensor, cache: StaticCache, *, pos: Tensor | None = None, allow: Tensor | None = None) -> Tensor:
@@ -175,7 +188,7 @@ class LeanDecoder:
         entry sees; older slots are always visible (default: causal among the new entries).
         """
         start = cache.reserve(x.shape[1])  # host-side bookkeeping stays outside the tensor program
-        hidden = self.step(x, cache.k, cache.v, start, pos, allow)
+        hidden = self.step(x, *cache.buffers(x.shape[1], full=self.step is not self.forward), start, pos, allow)
         cache.advance(x.shape[1])
         return hidden
 
@@ -191,10 +204,10 @@ class LeanDecoder:
         for kind, w in self.blocks:
             h = F.layer_norm(x, (self.dim,), w[0])
             if kind == "a":
-                q, k, v = rearrange(F.linear(h, w[1], w[2]), "b n (three h d) -> three b h n d", three=3, h=self.heads)
-                k_all, v_all = write_kv(k_buf[layer], v_buf[layer], _rotate(k, cos, sin), v, slots)  # (b, h, S, dh)
-                out = F.scaled_dot_product_attention(_rotate(q, cos, sin), k_all, v_all, attn_mask=mask, scale=self.scale)
-                x = x + F.linear(rearrange(out, "b h n d -> b n (h d)"), w[3], w[4])
+                qkv = rearrange(F.linear(h, w[1], w[2]), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+                q, k = _rotate(qkv[:2], cos, sin)  # one rotation for queries and keys together
+                k_all, v_all = write_kv(k_buf[layer], v_buf[layer], k, qkv[2], slots)  # (b, h, S, dh)
+                x = x + F.linear(rearrange(_attend(q, k_all, v_all, mask, self.scale), "b h n d -> b n (h d)"), w[3], w[4])
                 layer += 1
             else:
                 x = x + F.linear(F.gelu(F.linear(h, w[1], w[2])), w[3], w[4])
@@ -226,7 +239,8 @@ class LeanLM:
 
         `eager` skips the compiled step (a prefill has a new width for every prompt length)."""
         start = cache.reserve(tokens.shape[1])
-        out = (self.forward if eager else self.step)(tokens, cache.k, cache.v, start, pos, allow)
+        step = self.forward if eager else self.step
+        out = step(tokens, *cache.buffers(tokens.shape[1], full=step is not self.forward), start, pos, allow)
         cache.advance(tokens.shape[1])
         return out
 
