@@ -56,7 +56,10 @@ def write_kv(k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, slots: Tensor) 
 
 
 class StaticCache:
-    """Key/value buffers (layers, b, heads, capacity, dim_head), preallocated, and each row's length (b,).
+    """Per-layer key/value buffers (b, heads, capacity, dim_head), preallocated, and each row's length (b,).
+
+    One tensor per layer, not one for all layers: a compiled step then updates each buffer in place,
+    where a slice of one big tensor would make it copy the whole cache every layer.
 
     Row b's entry at position p lives in slot p: rows need no padding, and a forward writes its n new
     entries at slots [length_b, length_b + n). Keys are stored already rotated (at the position the
@@ -66,15 +69,15 @@ class StaticCache:
 
     def __init__(self, *, layers: int, batch: int, heads: int, dim_head: int, capacity: int,
                  device: torch.device, dtype: torch.dtype):
-        shape = (layers, batch, heads, capacity, dim_head)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (batch, heads, capacity, dim_head)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) valid entries per row
         self.bound = 0  # host-side upper bound of lengths.max(), to grow the buffers before they overflow
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     @property
     def row_lengths(self) -> Tensor:
@@ -84,18 +87,18 @@ class StaticCache:
         """Make room for n new entries per row; returns each row's first new slot (b,)."""
         if self.bound + n > self.capacity:  # rare: grow by doubling (shapes change once, not every step)
             extra = max(self.bound + n, 2 * self.capacity) - self.capacity
-            pad = lambda t: torch.cat((t, t.new_zeros(*t.shape[:3], extra, t.shape[4])), dim=3)  # noqa: E731
-            self.k, self.v = pad(self.k), pad(self.v)
+            pad = lambda t: torch.cat((t, t.new_zeros(*t.shape[:2], extra, t.shape[3])), dim=2)  # noqa: E731
+            self.k, self.v = [pad(t) for t in self.k], [pad(t) for t in self.v]
         return self.lengths
 
-    def buffers(self, n: int, *, full: bool) -> tuple[Tensor, Tensor]:
+    def buffers(self, n: int, *, full: bool) -> tuple[list[Tensor], list[Tensor]]:
         """The key/value buffers a forward of n new entries attends over: all `capacity` slots (fixed
         shapes for a compiled step) or, in eager mode, only the slots in use, rounded up to 64 so that
         attention does not read hundreds of empty slots per step. Views: writes land in the cache."""
         if full:
             return self.k, self.v
         span = min(self.capacity, -(-(self.bound + n) // 64) * 64)
-        return self.k[..., :span, :], self.v[..., :span, :]
+        return [t[:, :, :span] for t in self.k], [t[:, :, :span] for t in self.v]
 
     def advance(self, n: int) -> None:
         """The n entries just written are now part of every row."""
@@ -108,7 +111,7 @@ class StaticCache:
 
         Where every row keeps a prefix (chains, and any tree whose accepted path is a prefix) this is
         a length rewind. Otherwise the kept entries move down to fill the gaps: one gather and one
-        scatter over the k newest slots of every layer.
+        scatter over the k newest slots of each layer's buffers.
         """
         b, k = keep.shape
         counts = keep.sum(dim=1)
@@ -116,9 +119,10 @@ class StaticCache:
         steps = torch.arange(k, device=keep.device)
         if not bool((keep == (steps < counts[:, None])).all()):
             order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # kept first, in order
-            layers, _, heads, _, dim_head = self.k.shape
-            grab = lambda s: repeat(start[:, None] + s, "b k -> l b h k d", l=layers, h=heads, d=dim_head)  # noqa: E731
-            for buf in (self.k, self.v):
-                buf.scatter_(3, grab(steps), buf.gather(3, grab(order)))
+            _, heads, _, dim_head = self.k[0].shape
+            grab = lambda s: repeat(start[:, None] + s, "b k -> b h k d", h=heads, d=dim_head)  # noqa: E731
+            src, dst = grab(order), grab(steps)
+            for buf in self.k + self.v:
+                buf.scatter_(2, dst, buf.gather(2, src))
         self.lengths = start + counts
         self.bound = int(self.lengths.max())

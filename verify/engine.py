@@ -192,10 +192,11 @@ class LeanDecoder:
         cache.advance(x.shape[1])
         return hidden
 
-    def forward(self, x: Tensor, k_buf: Tensor, v_buf: Tensor, start: Tensor, pos: Tensor | None, allow: Tensor | None) -> Tensor:
-        """The tensor program of a step (what torch.compile sees): writes keys/values into k_buf, v_buf
-        (layers, b, h, S, dh) at slots start (b,) + [0, n) and returns hidden (b, n, d)."""
-        n, capacity = x.shape[1], k_buf.shape[3]
+    def forward(self, x: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, pos: Tensor | None,
+                allow: Tensor | None) -> Tensor:
+        """The tensor program of a step (what torch.compile sees): writes keys/values into the layers'
+        buffers k_buf, v_buf (b, h, S, dh) at slots start (b,) + [0, n) and returns hidden (b, n, d)."""
+        n, capacity = x.shape[1], k_buf[0].shape[2]
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
         pos = slots if pos is None else pos
         cos, sin = (rearrange(t[pos], "b n r -> b 1 n r") for t in self._table(capacity))
@@ -244,7 +245,7 @@ class LeanLM:
         cache.advance(tokens.shape[1])
         return out
 
-    def forward(self, tokens: Tensor, k_buf: Tensor, v_buf: Tensor, start: Tensor, pos: Tensor | None,
+    def forward(self, tokens: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, pos: Tensor | None,
                 allow: Tensor | None) -> tuple[Tensor, Tensor]:
         hidden = self.decoder.forward(F.embedding(tokens, self.embedding), k_buf, v_buf, start, pos, allow)
         return self.to_logits(hidden), hidden
