@@ -136,13 +136,14 @@ class Prophet(nn.Module):
         return lean(self.decoder, LeanDecoder).new_cache(batch, capacity, device=self.out.weight.device)
 
     def step(self, features: Tensor, next_tokens: Tensor, cache: StaticCache, *,
-             allow: Tensor | None = None, pos: Tensor | None = None) -> Tensor:
+             allow: Tensor | None = None, pos: Tensor | None = None, compile: bool = False) -> Tensor:
         """Decoding: n new entries (b, n, d_base), (b, n) on top of `cache` -> predicted features (b, n, d_base).
 
         `allow` and `pos` (see `LeanDecoder.__call__`) turn the new entries into a tree level; without
         them they form a chain after each row's cached entries. The cache takes the new entries.
+        `compile` runs the decoder layers through torch.compile (one program per input shape).
         """
-        decoder = lean(self.decoder, LeanDecoder)  # rebuilt only when the weights changed (training)
+        decoder = lean(self.decoder, LeanDecoder, compile=compile)  # rebuilt only when the weights changed
         return self.out(decoder(self.fused(features, next_tokens), cache, allow=allow, pos=pos))
 
 

@@ -19,6 +19,7 @@ against the x-transformers forward catches any that the structural checks miss.
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -251,6 +252,10 @@ class LeanLM:
         return self.to_logits(hidden), hidden
 
 
+# Measured on the 10.5M base's 1-token step here (AMD EPYC, 1 thread): eager 3.8 ms, plain compile 3.6 ms,
+# + freezing 3.4 ms, + freezing and cpp_wrapper 3.1 ms. The step is bound by streaming the weights.
+COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+
 _BUILT: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -273,8 +278,11 @@ def lean(module: nn.Module, build=None, *, compile: bool = False):
         return cached[1]
     engine = build(module)
     check_against_reference(module, engine)
-    if compile:
-        engine.step = torch.compile(engine.forward, dynamic=False)
+    if compile:  # freezing folds the weights in as constants; cpp_wrapper trims the per-call Python
+        # Inductor's on-disk cache lets a second process skip code generation (26 s -> 7 s here); keep
+        # it with the project's other caches unless the user chose a place.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(os.path.join(".cache", "inductor")))
+        engine.step = torch.compile(engine.forward, dynamic=False, options=COMPILE_OPTIONS)
     built[(build, compile)] = (version, engine)
     return engine
 
