@@ -95,3 +95,130 @@ def test_bad_inputs_raise_one_line_errors(call, message):
     with pytest.raises(ValueError, match=message) as info:
         call()
     assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------- calibration on a tiny random model
+
+import json  # noqa: E402
+
+import torch  # noqa: E402
+
+from experiments import calibrate  # noqa: E402
+from experiments.calibrate import (  # noqa: E402
+    cached_verify_cost, choose_chain_budget, choose_tree_budget, format_cost_table, machine_key, measure_verify_cost, pilot,
+)
+from verify.drafter import Draft  # noqa: E402
+from verify.prompt_lookup import PromptLookupDrafter  # noqa: E402
+from verify.sampling import SamplingConfig  # noqa: E402
+from verify.target import Target  # noqa: E402
+
+KS = (1, 2, 4, 8)
+QUICK = dict(ks=KS, prompt_len=16, repeats=2, warmup=1)
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4]]
+PILOT = dict(sampling=SamplingConfig(), eos_id=None, max_new_tokens=16, seed=0)
+
+
+def test_machine_key_names_torch_threads_and_device():
+    key = machine_key()
+    assert f"torch {torch.__version__}" in key and f"{torch.get_num_threads()} threads" in key and key.endswith("cpu")
+
+
+def test_measure_verify_cost_rolls_back_and_skips_what_does_not_fit(lm):
+    target = Target(lm)  # max_seq_len 96: with a 16-token prompt, k = 100 cannot fit
+    costs = measure_verify_cost(target, **{**QUICK, "ks": (*KS, 100)})
+    assert list(costs) == list(KS)
+    assert all(s > 0 for s in costs.values())
+    assert target.row_lengths.tolist() == [16]  # every extend was rolled back
+    with pytest.raises(ValueError, match="none fits"):
+        measure_verify_cost(target, ks=(100,), prompt_len=16)
+
+
+def test_cached_verify_cost_reads_its_file_and_rewrites_a_corrupt_one(lm, tmp_path, monkeypatch):
+    target = Target(lm)
+    key = {"base": "abc123", "dtype": "float32", "compile": False}
+    first = cached_verify_cost(target, key_parts=key, cache_dir=tmp_path, **QUICK)
+    (path,) = tmp_path.glob("verify_cost-*.json")
+    assert list(first) == list(KS)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("measured again instead of reading the cache")
+
+    measure = calibrate.measure_verify_cost
+    monkeypatch.setattr(calibrate, "measure_verify_cost", fail)
+    assert cached_verify_cost(target, key_parts=key, cache_dir=tmp_path, **QUICK) == first
+    with pytest.raises(AssertionError):  # another base model is another key
+        cached_verify_cost(target, key_parts={**key, "base": "def456"}, cache_dir=tmp_path, **QUICK)
+
+    monkeypatch.setattr(calibrate, "measure_verify_cost", measure)
+    path.write_text('{"key": {"machine": "half a fi')
+    again = cached_verify_cost(target, key_parts=key, cache_dir=tmp_path, **QUICK)
+    assert list(again) == list(KS)
+    assert json.loads(path.read_text())["costs"].keys() == {str(k) for k in KS}
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_pilot_and_chain_budget_with_prompt_lookup(lm):
+    target = Target(lm)
+    factory = lambda: PromptLookupDrafter(vocab_size=lm.num_tokens)  # noqa: E731
+    result = pilot(target, factory, PROMPTS, spec=calibrate.SpecConfig(gamma=3), **PILOT)
+    assert result["steps"] > 0 and result["tau"] >= 1.0
+    assert len(result["acceptance"]) == 3 and all(0 <= a <= 1 for a in result["acceptance"])
+    assert result["draft_seconds_per_step"] > 0 and result["overhead_seconds_per_step"] >= 0
+    assert result["tokens"] == 2 * 16
+
+    costs = measure_verify_cost(target, **QUICK)
+    chosen = choose_chain_budget(target, factory, PROMPTS, verify_cost=costs, max_gamma=4, **PILOT)
+    assert 1 <= chosen["gamma"] <= 4
+    assert [r["gamma"] for r in chosen["table"]] == [1, 2, 3, 4]
+    best = max(chosen["table"], key=lambda r: r["tokens_per_s"])
+    assert best["gamma"] == chosen["gamma"]
+    assert len(chosen["pilot"]["acceptance"]) == 4
+
+
+class TreeLookup:
+    """A tree for tests: prompt lookup's chain of min(depth, gamma) nodes, then wrong guesses under the root."""
+
+    def __init__(self, vocab_size: int, *, tree_nodes: int, depth: int):
+        self.lookup, self.vocab_size, self.nodes, self.depth = PromptLookupDrafter(vocab_size=vocab_size), vocab_size, tree_nodes, depth
+
+    def begin(self, prompts, prefill, pending):
+        self.lookup.begin(prompts, prefill, pending)
+
+    def propose(self, gamma, sampling, generator):
+        d = min(self.depth, gamma, self.nodes)
+        chain = self.lookup.propose(d, sampling, generator).tokens  # (b, d)
+        siblings = (chain[:, :1] + 1 + torch.arange(self.nodes - d)) % self.vocab_size  # (b, nodes - d)
+        parents = torch.tensor(list(range(-1, d - 1)) + [-1] * (self.nodes - d))
+        return Draft(tokens=torch.cat((chain, siblings), dim=1), parents=parents)
+
+    def commit(self, verdict):
+        self.lookup.commit(verdict)
+
+
+def test_choose_tree_budget(lm):
+    target = Target(lm)
+    seen = []
+
+    def make(kwargs):
+        seen.append(kwargs)
+        return lambda: TreeLookup(lm.num_tokens, **kwargs)
+
+    candidates = [{"tree_nodes": 2, "depth": 2}, {"tree_nodes": 6, "depth": 3}]
+    costs = measure_verify_cost(target, **QUICK)
+    chosen = choose_tree_budget(target, make, PROMPTS, candidates=candidates, verify_cost=costs, **PILOT)
+    assert seen == candidates
+    assert chosen["drafter_kwargs"] in candidates and chosen["gamma"] == chosen["drafter_kwargs"]["depth"]
+    assert [r["tree_nodes"] for r in chosen["table"]] == [2, 6]
+    assert all(r["tau"] >= 1 and r["tokens_per_s"] > 0 for r in chosen["table"])
+    assert max(chosen["table"], key=lambda r: r["tokens_per_s"])["tree_nodes"] == chosen["drafter_kwargs"]["tree_nodes"]
+    with pytest.raises(ValueError, match=r"candidates\[0\].depth=None"):
+        choose_tree_budget(target, make, PROMPTS, candidates=[{"tree_nodes": 2}], verify_cost=costs, **PILOT)
+
+
+def test_format_cost_table():
+    text = format_cost_table({1: 0.002, 4: 0.003}, {"prompt_lookup": 0.001})
+    lines = text.splitlines()
+    assert lines[0] == "| k | seconds | ratio to k=1 |"
+    assert lines[2] == "| 1 | 0.002000 | 1.00 |" and lines[3] == "| 4 | 0.003000 | 1.50 |"
+    assert lines[-1] == "| prompt_lookup | 0.001000 | 0.50 |"
+    assert "drafter" not in format_cost_table({1: 0.002})
