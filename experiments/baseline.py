@@ -47,12 +47,16 @@ def _timed(fn) -> tuple[list, float]:
 
 def compare(cfg: DictConfig) -> dict:
     device = resolve_device(cfg.device)
+    if cfg.threads is not None and (isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 1):
+        raise ValueError(f"threads={cfg.threads!r}: the baseline takes one setting, null or an integer >= 1")
+    if not isinstance(cfg.compile, bool):
+        raise ValueError(f"compile={cfg.compile!r}: the baseline takes one setting, true or false")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     base, tokenizer, meta = load_lm(checkpoint_for(cfg, "base"), device=str(device))
     prompts = get_prompts(cfg, tokenizer, meta)
     n = cfg.decode.max_new_tokens
-    target, wrapper = Target(base), AutoregressiveWrapper(base)
+    target, wrapper = Target(base, compile=cfg.compile), AutoregressiveWrapper(base)
     with torch.inference_mode():
         _ours(target, prompts[:1], n), _theirs(wrapper, prompts[:1], n, device)  # warm-up
         ours_tps, theirs_tps = [], []
@@ -71,6 +75,7 @@ def compare(cfg: DictConfig) -> dict:
         "parameters": sum(p.numel() for p in base.parameters()), "prompts": len(prompts), "max_new_tokens": n,
         "plain_tokens_per_s": statistics.median(ours_tps), "xtransformers_generate_tokens_per_s": statistics.median(theirs_tps),
         "ratio": statistics.median(ratios), "ratios": ratios, "identical": True, "device": str(device),
+        "compiled": cfg.compile, "threads": torch.get_num_threads(),
     }
 
 

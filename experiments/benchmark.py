@@ -19,15 +19,18 @@ import json
 import logging
 import statistics
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import hydra
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from experiments.artifacts import ensure
+from experiments.calibrate import cached_verify_cost, choose_chain_budget, choose_tree_budget, cpu_model, format_cost_table
 from experiments.checkpoint import load_lm
 from experiments.cli import exit_on_user_error
 from experiments.data import prepare_data
@@ -83,8 +86,11 @@ def check_methods(methods) -> None:
         raise ValueError(f"methods contain {unknown}: each must be one of {', '.join(METHODS)}")
 
 
-def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokenizer) -> dict[str, Callable[[], Any]]:
-    """Method name -> a factory of a fresh drafter (state is per batch, so one per generate call)."""
+def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokenizer) -> dict[str, Callable[..., Any]]:
+    """Method name -> a factory of a fresh drafter (state is per batch, so one per generate call).
+
+    A factory takes `compile` (the drafter's own decoder steps through torch.compile) and drafter
+    keyword overrides (a tree budget chosen by `budget=auto`)."""
     check_methods(cfg.methods)
     device = next(base.parameters()).device
     methods: dict[str, Callable[[], Any]] = {}
@@ -94,9 +100,9 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokeniz
             draft_lm, draft_tokenizer, _ = load_lm(checkpoint_for(cfg, "draft", base_meta=base_meta), device=str(device))
             if draft_tokenizer.to_str() != tokenizer.to_str():
                 raise ValueError("the draft model uses another tokenizer than the base: train it on the base's data config")
-            methods[name] = lambda lm=draft_lm: DraftModelDrafter(lm)
+            methods[name] = lambda lm=draft_lm, compile=False: DraftModelDrafter(lm, compile=compile)
         elif name == "prompt_lookup":
-            methods[name] = lambda: PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
+            methods[name] = lambda compile=False: PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
         else:
             family, mode = name.split("_")
             if family not in trained:
@@ -105,7 +111,9 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokeniz
             decode = {**OmegaConf.to_container(cfg[family].decode, resolve=True), "mode": mode}
             if mode == "chain" and "tree" in decode:  # a static tree configures the tree method only
                 decode["tree"] = None
-            methods[name] = lambda m=module, p=package, d=decode: p.drafter(m, base, **d)
+            compiles = family == "prophet"  # Medusa's heads have no decoder to compile
+            methods[name] = lambda m=module, p=package, d=decode, c=compiles, compile=False, **over: p.drafter(
+                m, base, **{**d, **over}, **({"compile": compile} if c else {}))
     return methods
 
 
@@ -155,72 +163,130 @@ def summarize_stats(stats: list, seconds: float) -> dict[str, Any]:
     }
 
 
-def bench_temperature(cfg, target, methods, batches, temperature: float, eos_id) -> tuple[dict, list[dict]]:
-    """Plain and every method at one temperature: warm-up, interleaved repeats, medians."""
+def as_list(value, name: str, allowed: str) -> list:
+    """A config value that may be one setting or a list of settings -> a non-empty list."""
+    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    if not values:
+        raise ValueError(f"{name}=[]: give {allowed}, or a list of them")
+    return values
+
+
+def check_settings(cfg: DictConfig) -> list[tuple[int | None, bool]]:
+    """(threads, compiled) pairs to time side by side; one-line errors before any work."""
+    threads = as_list(cfg.threads, "threads", "null or a positive integer")
+    for t in threads:
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"threads={t!r}: must be null (torch's default) or an integer >= 1")
+    modes = as_list(cfg.compile, "compile", "true or false")
+    for c in modes:
+        if not isinstance(c, bool):
+            raise ValueError(f"compile={c!r}: must be true or false (or a list of them)")
+    return [(t, c) for t in threads for c in modes]
+
+
+def label(threads: int | None, compiled: bool) -> str:
+    return f"{'compiled' if compiled else 'eager'}, {threads if threads is not None else torch.get_num_threads()} thread(s)"
+
+
+def bench_temperature(cfg, setups: list[dict], batches, temperature: float, eos_id) -> tuple[list[dict], list[dict]]:
+    """Plain and every method in every setting at one temperature: warm-up, interleaved rounds, medians.
+
+    Speedup is against the FASTEST plain decoding of the same round (over all settings), so a method
+    only counts as faster if it beats the best plain decoder a user could pick instead."""
     sampling = SamplingConfig(temperature=temperature, top_k=cfg.decode.top_k, top_p=cfg.decode.top_p)
-    d = cfg.decode
-    spec = SpecConfig(gamma=d.gamma, rule=d.rule, delta=d.delta, adaptive_gamma=d.adaptive_gamma, max_gamma=max(d.max_gamma, d.gamma))
-    rule = check_rule(d.rule, delta=d.delta, temperature=temperature)
-    everyone = {"plain": None, **methods}
-    for factory in everyone.values():  # warm-up: allocator, caches, lazy inits
-        run_once(target, factory, batches[:1], sampling=sampling, spec=spec, cfg=cfg, seed=cfg.seed, eos_id=eos_id)
-    rounds: dict[str, list] = {name: [] for name in everyone}
+    rule = check_rule(cfg.decode.rule, delta=cfg.decode.delta, temperature=temperature)
+    for s in setups:
+        s["chosen"] = choose_budgets(cfg, s, sampling, eos_id) if cfg.budget == "auto" else {}
+    entries = [dict(setup=s, name=name, **s["chosen"].get(name, dict(factory=factory, spec=s["spec"])))
+               for s in setups for name, factory in {"plain": None, **s["methods"]}.items()]
+    for e in entries:  # warm-up (allocator, lazy inits, compilation): timed on its own, never in tokens/s
+        torch.set_num_threads(e["setup"]["threads"])
+        start = time.perf_counter()
+        run_once(e["setup"]["target"], e["factory"], batches[:1], sampling=sampling, spec=e["spec"], cfg=cfg, seed=cfg.seed, eos_id=eos_id)
+        e["warmup_s"] = time.perf_counter() - start
+        e["rounds"] = []
     for r in range(cfg.repeats):
-        for name, factory in everyone.items():
-            rounds[name].append(
-                run_once(target, factory, batches, sampling=sampling, spec=spec, cfg=cfg, seed=cfg.seed + r, eos_id=eos_id)
-            )
-    plain_tps = [summarize_stats(s, sec)["tokens_per_s"] for _, s, sec in rounds["plain"]]
-    plain_tokens = rounds["plain"][0][0]
-    rows = []
-    for name in methods:
-        per_round = [summarize_stats(s, sec) for _, s, sec in rounds[name]]
-        speedups = [m["tokens_per_s"] / p for m, p in zip(per_round, plain_tps)]
-        exact = rounds[name][0][0] == plain_tokens if temperature == 0 else None
-        lossless = is_lossless(rule, delta=d.delta)
-        if exact is False and lossless:
-            raise ExactnessError(f"{name} at temperature 0 differs from plain greedy decoding: a lossless rule must not")
-        best = per_round[sorted(range(len(speedups)), key=speedups.__getitem__)[len(speedups) // 2]]  # the median round
-        rows.append({
-            "name": name, "temperature": temperature, "rule": rule, "lossless": lossless, "exact": exact,
-            "gamma": d.gamma, "speedup": statistics.median(speedups), "speedups": speedups,
+        for e in entries:
+            torch.set_num_threads(e["setup"]["threads"])
+            tokens, stats, seconds = run_once(e["setup"]["target"], e["factory"], batches, sampling=sampling, spec=e["spec"],
+                                              cfg=cfg, seed=cfg.seed + r, eos_id=eos_id)
+            e["rounds"].append((tokens, summarize_stats(stats, seconds)))
+    fastest = [max(e["rounds"][r][1]["tokens_per_s"] for e in entries if e["factory"] is None) for r in range(cfg.repeats)]
+    plain_of = {id(e["setup"]): e for e in entries if e["factory"] is None}
+    plains, rows = [], []
+    for e in entries:
+        per_round = [m for _, m in e["rounds"]]
+        speedups = [m["tokens_per_s"] / f for m, f in zip(per_round, fastest)]
+        median = per_round[sorted(range(len(speedups)), key=speedups.__getitem__)[len(speedups) // 2]]
+        common = {
+            "temperature": temperature, "threads": e["setup"]["threads"], "compiled": e["setup"]["compiled"],
             "tokens_per_s": statistics.median(m["tokens_per_s"] for m in per_round),
-            "tau": best["tau"], "alpha": best["alpha"], "efficiency": statistics.median(speedups) / best["tau"],
-            "acceptance_by_position": best["acceptance_by_position"],
-            "draft_share": best["time_draft"] / best["seconds"], "target_share": best["time_target"] / best["seconds"],
-            "row_tau": best["row_tau"],
-        })
-    plain = {"temperature": temperature, "tokens_per_s": statistics.median(plain_tps), "tokens_per_s_rounds": plain_tps}
-    return plain, rows
+            "speedup": statistics.median(speedups), "speedups": speedups, "warmup_s": e["warmup_s"],
+        }
+        if e["factory"] is None:
+            plains.append({**common, "tokens_per_s_rounds": [m["tokens_per_s"] for m in per_round]})
+            continue
+        rows.append(method_row(e, common, median, rule, plain_of[id(e["setup"])], cfg))
+    return plains, rows
+
+
+def method_row(e: dict, common: dict, best: dict, rule: str, plain: dict, cfg) -> dict:
+    """One table row; at temperature 0 a lossless method must equal plain decoding of the same setting."""
+    exact = e["rounds"][0][0] == plain["rounds"][0][0] if common["temperature"] == 0 else None
+    lossless = is_lossless(rule, delta=cfg.decode.delta)
+    if exact is False and lossless:
+        raise ExactnessError(f"{e['name']} at temperature 0 differs from plain greedy decoding: a lossless rule must not")
+    return {
+        "name": e["name"], **common, "rule": rule, "lossless": lossless, "exact": exact, "gamma": e["spec"].gamma,
+        "budget": e.get("budget"), "tau": best["tau"], "alpha": best["alpha"],
+        "efficiency": common["speedup"] / best["tau"], "acceptance_by_position": best["acceptance_by_position"],
+        "draft_share": best["time_draft"] / best["seconds"], "target_share": best["time_target"] / best["seconds"],
+        "row_tau": best["row_tau"],
+    }
 
 
 def benchmark(cfg: DictConfig) -> dict[str, Any]:
     """Run the configured benchmark; returns the summary that main prints as its last line."""
     device = resolve_device(cfg.device)
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
+    settings = check_settings(cfg)
     for t in cfg.decode.temperatures:
         SamplingConfig(temperature=t, top_k=cfg.decode.top_k, top_p=cfg.decode.top_p)  # fail before any work
         check_rule(cfg.decode.rule, delta=cfg.decode.delta, temperature=t)
-    SpecConfig(gamma=cfg.decode.gamma, rule=cfg.decode.rule, delta=cfg.decode.delta)
+    spec = spec_from(cfg)
+    if cfg.budget not in ("fixed", "auto"):
+        raise ValueError(f"budget={cfg.budget!r}: must be fixed (decode.gamma and the drafters' tree settings) or auto")
     check_methods(cfg.methods)
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
     prompts = get_prompts(cfg, tokenizer, base_meta)
-    target = Target(base)
-    target.check_tokens(prompts, max_new_tokens=cfg.decode.max_new_tokens)  # before any drafter trains
+    Target(base).check_tokens(prompts, max_new_tokens=cfg.decode.max_new_tokens)  # before any drafter trains
     methods = make_methods(cfg, base, base_meta, base_ckpt, tokenizer)
     batches = [prompts[i : i + cfg.decode.batch_size] for i in range(0, len(prompts), cfg.decode.batch_size)]
+    widths = (1, spec.gamma + 1, *(int(cfg[f].decode.tree_nodes) + 1 for f in ("medusa", "prophet")))
+    setups = []
+    for threads, compiled in settings:
+        threads = threads if threads is not None else torch.get_num_threads()
+        target = Target(base, compile=compiled, widths=widths)
+        setup = dict(threads=threads, compiled=compiled, target=target, spec=spec, makers=methods)
+        setup["methods"] = {name: (lambda f=f, c=compiled: f(compile=c)) for name, f in methods.items()}
+        if cfg.budget == "auto":
+            torch.set_num_threads(threads)
+            setup["verify_cost"] = cached_verify_cost(target, key_parts={"base": base_meta["fingerprint"], "dtype": "float32"},
+                                                      cache_dir=cfg.budget_search.cache_dir)
+            log.info("target cost by new tokens (%s):\n%s", label(threads, compiled), format_cost_table(setup["verify_cost"]))
+            setup["pilot_prompts"] = pilot_prompts(cfg, tokenizer, base_meta, prompts)
+        setups.append(setup)
     plains, rows = [], []
     for temperature in cfg.decode.temperatures:
-        plain, method_rows = bench_temperature(cfg, target, methods, batches, float(temperature), eos_id)
-        plains.append(plain)
+        plain, method_rows = bench_temperature(cfg, setups, batches, float(temperature), eos_id)
+        plains += plain
         rows += method_rows
     results = {
-        "base_checkpoint": base_ckpt, "base_fingerprint": base_meta["fingerprint"],
+        "cost_tables": {label(s["threads"], s["compiled"]): s["verify_cost"] for s in setups if "verify_cost" in s},
+        "base_checkpoint": base_ckpt, "base_fingerprint": base_meta["fingerprint"], "cpu": cpu_model(),
         "prompts": len(prompts), "batch_size": cfg.decode.batch_size, "max_new_tokens": cfg.decode.max_new_tokens,
-        "repeats": cfg.repeats, "device": str(device), "dtype": "float32", "compiled": False,
+        "repeats": cfg.repeats, "device": str(device), "dtype": "float32",
         "plain": plains, "methods": rows, "config": OmegaConf.to_container(cfg, resolve=True),
     }
     out_dir = Path(cfg.out_dir)
@@ -228,13 +294,55 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     logger = instantiate(cfg.logger, dir=str(out_dir), run_config=results["config"], _convert_="all", _recursive_=False)
     try:
         for i, row in enumerate(rows):
-            logger.log({f"{row['name']}/t{row['temperature']}/{k}": v for k, v in row.items() if isinstance(v, (int, float))}, step=i)
+            key = f"{row['name']}/t{row['temperature']}/{label(row['threads'], row['compiled']).replace(', ', '/')}"
+            logger.log({f"{key}/{k}": v for k, v in row.items() if isinstance(v, (int, float))}, step=i)
     finally:
         logger.finish()
-    return {
-        "plain_tokens_per_s": plains[0]["tokens_per_s"],
-        "methods": [{k: row[k] for k in ("name", "temperature", "tau", "alpha", "speedup", "tokens_per_s", "exact", "lossless")} for row in rows],
-    }
+    fastest = max(plains, key=lambda p: (p["temperature"] == plains[0]["temperature"], p["tokens_per_s"]))
+    keys = ("name", "temperature", "threads", "compiled", "tau", "alpha", "speedup", "tokens_per_s", "exact", "lossless")
+    return {"plain_tokens_per_s": fastest["tokens_per_s"], "methods": [{k: row[k] for k in keys} for row in rows]}
+
+
+def pilot_prompts(cfg: DictConfig, tokenizer, base_meta: dict, taken: list[list[int]]) -> list[list[int]]:
+    """Prompts for `budget=auto`'s pilot runs: drawn with another seed, none equal to a benchmark prompt."""
+    n = cfg.budget_search.pilot_prompts
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"budget_search.pilot_prompts={n!r}: must be an integer >= 1")
+    draw = OmegaConf.merge(cfg, {"seed": cfg.seed + 1, "prompts": {"num_prompts": cfg.prompts.num_prompts + n}})
+    return [p for p in get_prompts(draw, tokenizer, base_meta) if p not in taken][:n]
+
+
+def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_id) -> dict[str, dict]:
+    """budget=auto: per method, the gamma (chains) or tree size (trees) with the highest predicted
+    tokens/s from this setting's measured verify costs and a pilot run on held-out prompts."""
+    search, chosen = cfg.budget_search, {}
+    common = dict(verify_cost=setup["verify_cost"], sampling=sampling, eos_id=eos_id, seed=cfg.seed,
+                  max_new_tokens=cfg.decode.max_new_tokens, spec=setup["spec"], batch_size=cfg.decode.batch_size)
+    torch.set_num_threads(setup["threads"])
+    for name, make in setup["makers"].items():
+        compile_ = setup["compiled"]
+        if name.endswith("_tree"):
+            family = name.split("_")[0]
+            candidates = [dict(c) for c in search[f"{family}_trees"]]
+            # Medusa's tree depth is the loop's gamma (one head per level), not a drafter argument
+            over = (lambda c: {k: v for k, v in c.items() if k != "depth"} | {"tree": None}) if family == "medusa" else dict
+            result = choose_tree_budget(setup["target"], lambda c: (lambda: make(compile=compile_, **over(c))),
+                                        setup["pilot_prompts"], candidates=candidates, **common)
+            kwargs, gamma = over(result["drafter_kwargs"]), result["gamma"]
+            factory = lambda make=make, kwargs=kwargs: make(compile=compile_, **kwargs)  # noqa: E731
+        else:
+            result = choose_chain_budget(setup["target"], setup["methods"][name], setup["pilot_prompts"],
+                                         max_gamma=search.max_gamma, **common)
+            gamma, factory, kwargs = result["gamma"], setup["methods"][name], {}
+        spec = replace(setup["spec"], gamma=gamma, max_gamma=max(setup["spec"].max_gamma, gamma))
+        chosen[name] = dict(factory=factory, spec=spec, budget={"gamma": gamma, **kwargs, "table": result["table"]})
+        log.info("budget=auto %s (%s, T=%g): gamma %d %s", name, label(setup["threads"], compile_), sampling.temperature, gamma, kwargs)
+    return chosen
+
+
+def spec_from(cfg: DictConfig) -> SpecConfig:
+    d = cfg.decode
+    return SpecConfig(gamma=d.gamma, rule=d.rule, delta=d.delta, adaptive_gamma=d.adaptive_gamma, max_gamma=max(d.max_gamma, d.gamma))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="benchmark")

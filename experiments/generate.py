@@ -116,6 +116,8 @@ def check_config(cfg: DictConfig) -> tuple[SamplingConfig, SpecConfig, str]:
     if not cfg.interactive:
         check_prompt(cfg.prompt)
     check_max_new_tokens(cfg.max_new_tokens)
+    if not isinstance(cfg.compile, bool):
+        raise ValueError(f"compile={cfg.compile!r}: must be true or false")
     if not isinstance(cfg.warmup_tokens, int) or cfg.warmup_tokens < 0:
         raise ValueError(f"warmup_tokens={cfg.warmup_tokens!r}: must be an integer >= 0")
     d = cfg.decode
@@ -164,9 +166,10 @@ def load_session(cfg: DictConfig) -> Session:
         torch.set_num_threads(cfg.threads)
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
-    factory = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[cfg.method]
+    make = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[cfg.method]
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
-    return Session(Target(base), factory, tokenizer, eos_id, sampling, spec, rule, cfg)
+    target = Target(base, compile=cfg.compile, widths=(1, spec.gamma + 1))
+    return Session(target, lambda: make(compile=cfg.compile), tokenizer, eos_id, sampling, spec, rule, cfg)
 
 
 def decode_both(s: Session, prompt: list[int], max_new_tokens: int) -> tuple[Generation, Generation, RecordingDrafter]:

@@ -2,7 +2,9 @@
 
 Columns (DESIGN §3): tau = tokens emitted per target forward (bonus included; plain = 1);
 alpha = accepted / proposed draft tokens (for a tree: accepted depth / tree depth);
-speedup = median over rounds of method tokens/s over plain tokens/s in the same round;
+speedup = median over rounds of method tokens/s over the FASTEST plain decoding's tokens/s in the same round
+(over every threads/compile setting of the run, so plain rows below 1.00 are the slower plain settings);
+mode = eager or compiled (torch.compile'd decode steps) and the number of torch threads;
 efficiency = speedup / tau (the share of the algorithmic gain that survives drafting and verifying);
 draft % = share of wall time spent in the drafter; exact = token-identical to plain at temperature 0;
 lossless = the acceptance rule keeps the target's distribution (a lenient `delta` or typical acceptance does not).
@@ -19,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-HEADER = "| method | T | rule | lossless | tau | alpha | tokens/s | speedup | efficiency | draft % | exact |"
+HEADER = "| method | mode | T | rule | lossless | tau | alpha | tokens/s | speedup | efficiency | draft % | exact |"
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
@@ -30,24 +32,38 @@ def _fmt(value: Any, digits: int = 2) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+def mode(row: dict) -> str:
+    return f"{'compiled' if row.get('compiled') else 'eager'} {row.get('threads', '?')}t"
+
+
 def markdown_table(results: dict) -> str:
-    """One row for plain decoding and one per method, per temperature."""
-    lines = [HEADER, "|" + "|".join(["---"] * 11) + "|"]
-    for plain in results["plain"]:
-        t = plain["temperature"]
-        lines.append(f"| plain | {t:g} | - | yes | 1.00 | - | {plain['tokens_per_s']:.1f} | 1.00 | 1.00 | 0 | - |")
+    """Plain decoding in every setting, then every method, per temperature."""
+    lines = [HEADER, "|" + "|".join(["---"] * 12) + "|"]
+    for t in dict.fromkeys(p["temperature"] for p in results["plain"]):
+        for plain in (p for p in results["plain"] if p["temperature"] == t):
+            lines.append(f"| plain | {mode(plain)} | {t:g} | - | yes | 1.00 | - | {plain['tokens_per_s']:.1f} "
+                         f"| {plain['speedup']:.2f} | - | 0 | - |")
         for row in (r for r in results["methods"] if r["temperature"] == t):
             lines.append(
-                f"| {row['name']} | {t:g} | {row['rule']} | {_fmt(row['lossless'])} | {row['tau']:.2f} | {row['alpha']:.2f} "
-                f"| {row['tokens_per_s']:.1f} | {row['speedup']:.2f} | {row['efficiency']:.2f} "
+                f"| {row['name']} | {mode(row)} | {t:g} | {row['rule']} | {_fmt(row['lossless'])} | {row['tau']:.2f} "
+                f"| {row['alpha']:.2f} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f} | {row['efficiency']:.2f} "
                 f"| {100 * row['draft_share']:.0f} | {_fmt(row['exact'])} |"
             )
     return "\n".join(lines) + "\n"
 
 
+def warmup_lines(results: dict) -> str:
+    """Compile (warm-up) time per setting, reported apart from tokens/s."""
+    out = []
+    for row in results["plain"] + results["methods"]:
+        if row.get("compiled"):
+            out.append(f"- {row.get('name', 'plain')} {mode(row)} T={row['temperature']:g}: warm-up incl. compilation {row['warmup_s']:.1f} s")
+    return "\n".join(out) + ("\n" if out else "")
+
+
 def plot_speedup_tau(results: dict, path: Path) -> None:
     rows = results["methods"]
-    labels = [f"{r['name']}\nT={r['temperature']:g}" for r in rows]
+    labels = [f"{r['name']}\n{mode(r)} T={r['temperature']:g}" for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, len(rows) * 1.1), 4))
     for ax, key, title in zip(axes, ("speedup", "tau"), ("speedup over plain decoding", "tau (tokens per target forward)")):
         ax.bar(range(len(rows)), [r[key] for r in rows], color=["C0" if r["lossless"] else "C3" for r in rows])
@@ -64,7 +80,7 @@ def plot_acceptance(results: dict, path: Path) -> None:
     for r in results["methods"]:
         acc = r["acceptance_by_position"]
         if acc:
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['name']} T={r['temperature']:g}")
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{r['name']} {mode(r)} T={r['temperature']:g}")
     ax.set_xlabel("draft position (tree: depth)")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1)
@@ -77,7 +93,8 @@ def plot_acceptance(results: dict, path: Path) -> None:
 def write_report(results: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    (out_dir / "results.md").write_text(markdown_table(results))
+    cpu = f"CPU: {results['cpu']}\n\n" if results.get("cpu") else ""
+    (out_dir / "results.md").write_text(cpu + markdown_table(results) + warmup_lines(results))
     if results["methods"]:
         plot_speedup_tau(results, out_dir / "speedup_tau.png")
         plot_acceptance(results, out_dir / "acceptance_by_position.png")

@@ -14,11 +14,17 @@ from the prophet's distribution after the shared sampling transform and q is ret
 "tree": EAGLE-2's dynamic tree with deterministic candidates (q None), one forward per level over the
 whole frontier of every row; growth stops early once no deeper node can make the final cut.
 Per-step Python work is kept small: no per-row or per-node loops anywhere.
+
+`vocab` (sorted ids (N,), see verify/vocab.py) trims the frozen output layer to the N most frequent
+tokens, once, at construction: every draft step projects onto N rows instead of V (the prophet's
+largest matmul at a real vocabulary). Argmax, sampling and the tree's top-k run over the subset and map
+back to full ids; a sampled chain's q is zero outside the subset, so sampling stays lossless.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import Tensor
 
@@ -26,6 +32,7 @@ from prophet.model import Prophet
 from verify.drafter import Draft, Verdict
 from verify.sampling import SamplingConfig, probs_from_logits, sample_from_probs
 from verify.target import TargetOutput, left_to_right, pad_prompts
+from verify.vocab import check_vocab, expand_probs, full_ids, trim_linear
 
 MODES = ("chain", "tree")
 
@@ -36,17 +43,23 @@ def _check_positive_int(name: str, value: object) -> None:
 
 
 class ProphetDrafter:
-    def __init__(self, prophet: Prophet, *, mode: str = "tree", top_k: int = 4, depth: int = 5, tree_nodes: int = 16):
+    def __init__(self, prophet: Prophet, *, mode: str = "tree", top_k: int = 4, depth: int = 5, tree_nodes: int = 16,
+                 compile: bool = False, vocab: Tensor | None = None):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
         for name, value in dict(top_k=top_k, depth=depth, tree_nodes=tree_nodes).items():
             _check_positive_int(name, value)
-        if top_k > prophet.vocab_size:
-            raise ValueError(f"top_k={top_k}: must be at most the vocabulary size {prophet.vocab_size}")
+        self.vocab = check_vocab(vocab, prophet.vocab_size)  # (N,) or None = all V
+        ranked = prophet.vocab_size if self.vocab is None else self.vocab.numel()  # tokens the tree ranks
+        if top_k > ranked:
+            raise ValueError(f"top_k={top_k}: must be at most the vocabulary size {ranked} (trimmed: the subset's)")
+        # The frozen base's output rows for the subset, copied once: (N, d_base), (N,) or None.
+        self.weight, self.bias = trim_linear(prophet.head.to_logits, self.vocab)
         self.prophet = prophet.eval()  # drafting is inference; a training loop switches back with .train()
         self.vocab_size = prophet.vocab_size
         self.mode, self.top_k, self.depth, self.tree_nodes = mode, top_k, depth, tree_nodes
         self.cache = None
+        self.compile = compile  # torch.compile the prophet's decoder steps
         self.drafted = 0  # cache entries the last propose added (from predicted features)
 
     @torch.inference_mode()
@@ -58,6 +71,7 @@ class ProphetDrafter:
         next_tokens = torch.cat((tokens[:, 1:], tokens[:, :1]), dim=1)
         next_tokens[rows, lengths - 1] = pending
         self.cache = self.prophet.new_cache(b, width + 128)
+        # eager even when compiled: every prompt width would be a new program to compile
         out = self.prophet.step(left_to_right(prefill.hidden, lengths), next_tokens, self.cache)  # (b, W, d_base)
         self.cache.commit(torch.arange(width, device=pending.device) < lengths[:, None])  # drop the padding entries
         self.feature = out[rows, lengths - 1]  # (b, d_base)
@@ -81,10 +95,17 @@ class ProphetDrafter:
             self.cache.commit(torch.zeros(verdict.accepted.shape[0], self.drafted, dtype=torch.bool))
             self.drafted = 0
         width = verdict.path.shape[1]  # rows accept different counts: feed the padded block, keep a + 1
-        out = self.prophet.step(self._seed_features(verdict), verdict.tokens[:, :width], self.cache)  # (b, w, d)
+        out = self._step(self._seed_features(verdict), verdict.tokens[:, :width], self.cache)  # (b, w, d)
         self.cache.commit(torch.arange(width, device=out.device) < (verdict.accepted + 1)[:, None])
         rows = torch.arange(out.shape[0], device=out.device)
         self.feature = out[rows, verdict.accepted]  # predicted feature at the new pending position
+
+    def _step(self, features: Tensor, next_tokens: Tensor, cache, **attn) -> Tensor:
+        return self.prophet.step(features, next_tokens, cache, compile=self.compile, **attn)
+
+    def _logits(self, features: Tensor) -> Tensor:
+        """(..., d_base) predicted features -> (..., N) logits over the subset (all V untrimmed)."""
+        return F.linear(features, self.weight, self.bias)
 
     def _seed_features(self, verdict: Verdict) -> Tensor:
         """The base's features at the accepted path nodes [old pending, accepted drafts...]: (b, D + 1, d_base)."""
@@ -96,13 +117,14 @@ class ProphetDrafter:
         feature, tokens, qs = self.feature, [], []
         for j in range(gamma):
             if j > 0:
-                feature = self.prophet.step(feature[:, None], tokens[-1][:, None], self.cache)[:, 0]
-            logits = self.prophet.logits(feature)  # (b, V)
+                feature = self._step(feature[:, None], tokens[-1][:, None], self.cache)[:, 0]
+            logits = self._logits(feature)  # (b, N)
             if sampling.greedy:
-                tokens.append(logits.argmax(dim=-1))
+                tokens.append(full_ids(logits.argmax(dim=-1), self.vocab))
             else:  # the same transform the target's p goes through, so p / q compare like with like
-                qs.append(probs_from_logits(logits, sampling))
-                tokens.append(sample_from_probs(qs[-1], generator))
+                q = probs_from_logits(logits, sampling)  # (b, N)
+                tokens.append(full_ids(sample_from_probs(q, generator), self.vocab))
+                qs.append(expand_probs(q, self.vocab, self.vocab_size))  # (b, V), zero outside the subset
         self.drafted = gamma - 1
         return Draft(tokens=torch.stack(tokens, dim=1), q=torch.stack(qs, dim=1) if qs else None)
 
@@ -114,7 +136,8 @@ class ProphetDrafter:
         -1 = child of the pending token), each (b, P). Candidates are deterministic (q None).
         """
         b, k = self.feature.shape[0], self.top_k
-        score, token = self.prophet.logits(self.feature).float().log_softmax(-1).topk(k, dim=-1)  # (b, k)
+        score, token = self._logits(self.feature).float().log_softmax(-1).topk(k, dim=-1)  # (b, k)
+        token = full_ids(token, self.vocab)  # tokens are full ids from here on: the prophet embeds them
         pool = [(score, token, torch.full_like(token, -1))]
         frontier = dict(score=score, token=token, pool=repeat(torch.arange(k, device=token.device), "k -> b k", b=b),
                         feature=repeat(self.feature, "b d -> b k d", k=k), entry=torch.full_like(token, -1))
@@ -126,8 +149,9 @@ class ProphetDrafter:
             # One forward over the frontier: entry i pairs frontier node i's parent feature with its token.
             entries = ancestors.shape[1]  # index of this level's first entry among drafted entries
             allow, pos, ancestors = _level_attention(frontier["entry"], ancestors, length0)
-            feature = self.prophet.step(frontier["feature"], frontier["token"], self.cache, allow=allow, pos=pos)  # (b, k, d)
-            logp, child = self.prophet.logits(feature).float().log_softmax(-1).topk(k, dim=-1)  # (b, k, k)
+            feature = self._step(frontier["feature"], frontier["token"], self.cache, allow=allow, pos=pos)  # (b, k, d)
+            logp, child = self._logits(feature).float().log_softmax(-1).topk(k, dim=-1)  # (b, k, k)
+            child = full_ids(child, self.vocab)
             cand_score = rearrange(frontier["score"][..., None] + logp, "b p c -> b (p c)")
             cand_token = rearrange(child, "b p c -> b (p c)")
             cand_parent = repeat(frontier["pool"], "b p -> b (p c)", c=k)

@@ -36,7 +36,7 @@ DRAFTER = [*DATA, "logger=none", "max_steps=4", "eval_every=2", "log_every=1", "
            "seq_len=32", "optim.warmup_steps=1"]
 SMALL = {"medusa": [], "prophet": ["drafter.module.dim=32", "drafter.module.heads=2"]}  # a prophet as narrow as the base
 FAMILIES = ("medusa", "prophet")
-ROW_KEYS = {"name", "tau", "alpha", "speedup", "tokens_per_s", "exact", "lossless", "temperature"}
+ROW_KEYS = {"name", "tau", "alpha", "speedup", "tokens_per_s", "exact", "lossless", "temperature", "threads", "compiled"}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -107,7 +107,7 @@ def bench_overrides(tiny_base: Path, drafters: dict) -> list[str]:
         f"checkpoints.medusa={drafters['medusa']['result']['checkpoint']}",
         f"checkpoints.prophet={drafters['prophet']['result']['checkpoint']}",
         "prompts.num_prompts=2", "prompts.prompt_len=8", "decode.max_new_tokens=8", "repeats=1",
-        "decode.temperatures=[0,1]", "logger=none",
+        "decode.temperatures=[0,1]", "logger=none", "threads=1",
     ]
 
 
@@ -443,12 +443,15 @@ def test_benchmark_files(bench_run: tuple[dict, Path], tiny_base: Path) -> None:
     assert results["base_fingerprint"] == load_checkpoint(tiny_base).meta["fingerprint"]
     assert [p["temperature"] for p in results["plain"]] == [0.0, 1.0]
     assert [(r["name"], r["tau"]) for r in results["methods"]] == [(r["name"], r["tau"]) for r in summary["methods"]]
-    table = (out_dir / "results.md").read_text().splitlines()
-    assert table[0].startswith("| method | T |")
+    lines = (out_dir / "results.md").read_text().splitlines()
+    assert lines[0].startswith("CPU: ") and lines[0] == f"CPU: {results['cpu']}"
+    table = [line for line in lines if line.startswith("|")]
+    assert table[0].startswith("| method | mode | T |")
     for t in ("0", "1"):
         for name in ("plain", *bench_mod.METHODS):
-            assert sum(line.startswith(f"| {name} | {t} |") for line in table) == 1, (name, t)
+            assert sum(line.startswith(f"| {name} | eager 1t | {t} |") for line in table) == 1, (name, t)
     assert len(table) == 2 + 2 * (1 + len(bench_mod.METHODS))
+    assert [p["speedup"] for p in results["plain"]] == [1.0, 1.0]  # the only plain setting is the fastest
 
 
 def fast_bench_cfg(tiny_base: Path, drafters: dict, out_dir: Path, *overrides: str) -> DictConfig:
@@ -477,7 +480,7 @@ def test_benchmark_lenient_rule_is_not_checked_for_exactness(tiny_base: Path, dr
                          "decode.rule=speculative", "decode.delta=0.5")
     (row,) = bench_mod.benchmark(cfg)["methods"]
     assert row["lossless"] is False and row["exact"] is None
-    assert "| prompt_lookup | 1 | speculative | no |" in (tmp_path / "results.md").read_text()
+    assert "| prompt_lookup | eager 1t | 1 | speculative | no |" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.parametrize("override, fragment", [
@@ -485,12 +488,47 @@ def test_benchmark_lenient_rule_is_not_checked_for_exactness(tiny_base: Path, dr
     ("decode.temperatures=[-1]", "temperature"),
     ("decode.rule=greedy", "greedy acceptance needs temperature 0"),
     ("decode.gamma=0", "gamma=0"),
+    ("threads=[1,0]", "threads=0"),
+    ("threads=[]", "threads=[]"),
+    ("compile=maybe", "compile='maybe'"),
+    ("budget=sometimes", "budget='sometimes'"),
 ])
 def test_benchmark_bad_config_is_one_line_value_error(override: str, fragment: str, tiny_base: Path,
                                                       drafters: dict, tmp_path: Path) -> None:
     with pytest.raises(ValueError) as excinfo:
         bench_mod.benchmark(fast_bench_cfg(tiny_base, drafters, tmp_path, override))
     assert fragment in str(excinfo.value) and "\n" not in str(excinfo.value), str(excinfo.value)
+
+
+def test_benchmark_settings_share_rounds_and_the_fastest_plain(tiny_base: Path, drafters: dict, tmp_path: Path) -> None:
+    """threads=[1,2]: both settings in one run; every speedup is against the fastest plain of each round."""
+    cfg = fast_bench_cfg(tiny_base, drafters, tmp_path, "methods=[prompt_lookup]", "decode.temperatures=[0]",
+                         "threads=[1,2]", "repeats=2")
+    summary = bench_mod.benchmark(cfg)
+    results = json.loads((tmp_path / "results.json").read_text())
+    plains = results["plain"]
+    assert [(p["threads"], p["compiled"]) for p in plains] == [(1, False), (2, False)]
+    fastest = [max(p["tokens_per_s_rounds"][r] for p in plains) for r in range(2)]
+    for p in plains:
+        assert p["speedups"] == pytest.approx([x / f for x, f in zip(p["tokens_per_s_rounds"], fastest)])
+        assert p["speedup"] <= 1.0
+    assert max(max(p["speedups"]) for p in plains) == pytest.approx(1.0)
+    assert [(r["name"], r["threads"], r["exact"]) for r in summary["methods"]] == [("prompt_lookup", 1, True), ("prompt_lookup", 2, True)]
+
+
+def test_benchmark_budget_auto_picks_and_records_budgets(tiny_base: Path, drafters: dict, tmp_path: Path) -> None:
+    cfg = fast_bench_cfg(tiny_base, drafters, tmp_path, "methods=[prompt_lookup,prophet_tree]", "decode.temperatures=[0]",
+                         "budget=auto", "budget_search.max_gamma=3", "budget_search.pilot_prompts=1",
+                         "budget_search.prophet_trees=[{tree_nodes: 2, depth: 2}, {tree_nodes: 4, depth: 3}]",
+                         f"budget_search.cache_dir={tmp_path / 'calibration'}")
+    bench_mod.benchmark(cfg)
+    results = json.loads((tmp_path / "results.json").read_text())
+    lookup, tree = results["methods"]
+    assert 1 <= lookup["gamma"] <= 3 and lookup["budget"]["gamma"] == lookup["gamma"] and len(lookup["budget"]["table"]) >= 1
+    assert tree["budget"]["tree_nodes"] in (2, 4) and tree["gamma"] == {2: 2, 4: 3}[tree["budget"]["tree_nodes"]]
+    assert lookup["exact"] and tree["exact"]
+    assert list(results["cost_tables"]) == ["eager, 1 thread(s)"] and "1" in results["cost_tables"]["eager, 1 thread(s)"]
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1  # the verify costs, cached per machine and model
 
 
 def test_benchmark_trains_missing_drafter_through_the_cache(tiny_base: Path, drafters: dict, cache_dir: str,
@@ -556,7 +594,7 @@ def test_benchmark_main_prints_json_last(tiny_base: Path, drafters: dict, tmp_pa
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(summary) == {"plain_tokens_per_s", "methods"} and len(summary["methods"]) == 12
-    assert "| method | T |" in proc.stdout  # the table comes before the JSON line
+    assert "| method | mode | T |" in proc.stdout  # the table comes before the JSON line
     assert (tmp_path / "results.json").is_file() and (tmp_path / ".hydra" / "overrides.yaml").is_file()
 
 

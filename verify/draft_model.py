@@ -5,6 +5,9 @@ Cache discipline: the draft LM is a `Target` too, so it has the one cache owner 
 After a step its cache holds everything up to, but not including, the last accepted token; the two
 uncached tokens (that token and the new pending one) open the next draft forward. No token that is
 still in the cache is ever fed again, and no rejected token stays in it.
+
+`vocab` (sorted ids (N,), see verify/vocab.py) restricts the drafts to a subset of the vocabulary:
+argmax or sampling over the subset's logits, q zero outside it (so sampling stays lossless).
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ from torch import Tensor, nn
 from verify.drafter import Draft, Verdict
 from verify.sampling import SamplingConfig, probs_from_logits, sample_from_probs
 from verify.target import Target, TargetOutput
+from verify.vocab import check_vocab, expand_probs, full_ids, subset_logits
 
 
 class DraftModelDrafter:
-    def __init__(self, model: nn.Module, *, pad_id: int = 0):
-        self.lm = Target(model, pad_id=pad_id)
+    def __init__(self, model: nn.Module, *, pad_id: int = 0, compile: bool = False,
+                 vocab: Tensor | None = None):
+        # a compiled draft LM runs steps of 1 token, plus 2 at the start of a cycle (the uncached pair)
+        self.lm = Target(model, pad_id=pad_id, compile=compile, widths=(1, 2))
         self.vocab_size = self.lm.vocab_size
+        self.vocab = check_vocab(vocab, self.vocab_size)  # (N,) or None = all V
 
     def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
         self.lm.prefill(prompts)
@@ -31,13 +38,15 @@ class DraftModelDrafter:
     def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         x, tokens, qs = self.uncached, [], []
         for _ in range(gamma):
-            logits = self.lm.extend(x).logits[:, -1]  # (b, V)
+            # The draft LM runs on the target's engine, which projects onto all V rows; selecting the
+            # subset's columns afterwards restricts the drafts but saves no work (the prophet's does).
+            logits = subset_logits(self.lm.extend(x).logits[:, -1], self.vocab)  # (b, N)
             if sampling.greedy:
-                token = logits.argmax(dim=-1)
+                token = full_ids(logits.argmax(dim=-1), self.vocab)
             else:
-                q = probs_from_logits(logits, sampling)
-                token = sample_from_probs(q, generator)
-                qs.append(q)
+                q = probs_from_logits(logits, sampling)  # (b, N)
+                token = full_ids(sample_from_probs(q, generator), self.vocab)
+                qs.append(expand_probs(q, self.vocab, self.vocab_size))  # (b, V), zero outside the subset
             tokens.append(token)
             x = token[:, None]
         self.fed = self.uncached.shape[1] + gamma - 1
