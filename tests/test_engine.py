@@ -167,3 +167,25 @@ def test_compiled_target_matches_eager():
         outs.append([t.extend(torch.tensor([[30, 31, 32], [33, 34, 35]])).logits, t.extend(torch.tensor([[1], [2]])).logits])
     for a, b in zip(*outs):
         assert (a - b).abs().max() <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["draft_model", "prophet_chain", "prophet_tree"])
+def test_compiled_drafters_stay_exact(family):
+    """Greedy speculative decoding with compiled target and drafter steps equals compiled plain decoding."""
+    from prophet import train as prophet_train
+    from verify.draft_model import DraftModelDrafter
+    from verify.plain import plain_generate
+    from verify.speculative import SpecConfig, speculative_generate
+
+    base = project_lm(9)
+    prompts = [[5, 6, 7, 8], list(range(10, 25))]
+    if family == "draft_model":
+        drafter = DraftModelDrafter(project_lm(10), compile=True)
+    else:
+        prophet = prophet_train.build(base, dim=32, depth=1, heads=2).eval()
+        drafter = prophet_train.drafter(prophet, base, mode=family.split("_")[1], compile=True)
+    target = Target(base, compile=True, widths=(1, 4, 17))
+    ref = plain_generate(target, prompts, max_new_tokens=12).tokens
+    out = speculative_generate(target, drafter, prompts, max_new_tokens=12, spec=SpecConfig(gamma=3))
+    assert out.tokens == ref
