@@ -357,10 +357,24 @@ def iter_blocks(ids: torch.Tensor, *, batch_size: int, seq_len: int) -> Iterator
         yield ids[rows[:, None] * seq_len + offsets].long()  # (B, T+1)
 
 
+# ---------------------------------------------------------------- token counts
+
+
+def token_counts(data: PreparedData, vocab_size: int) -> torch.Tensor:
+    """(V,) int64: how often each token occurs in the training split (what a trimmed drafter vocabulary
+    keeps the most frequent of). Training split only, like the tokenizer: validation stays unseen."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size={vocab_size!r}: must be an integer >= 1")
+    ids = data.train_ids.long()
+    if ids.numel() and int(ids.max()) >= vocab_size:
+        raise ValueError(f"vocab_size={vocab_size}: must exceed the largest training id {int(ids.max())} (use the tokenizer's size)")
+    return torch.bincount(ids, minlength=vocab_size)
+
+
 # Prompts live in their own file; re-exported so `from experiments.data import ...` covers the whole API.
 from experiments.prompts import heldout_prompts, load_prompts  # noqa: E402
 
 __all__ = [
     "PreparedData", "prepare_data", "sample_batch", "iter_blocks", "heldout_prompts", "load_prompts",
-    "stdlib_files",
+    "stdlib_files", "token_counts",
 ]
