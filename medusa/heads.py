@@ -18,9 +18,14 @@ Initialisation, and why:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from einops import rearrange, repeat
 from torch import Tensor, nn
+
+from verify.vocab import check_vocab, trim_linear
 
 
 def check_head_sizes(*, num_heads: int, num_layers: int) -> None:
@@ -92,5 +97,51 @@ class MedusaHeads(nn.Module):
         logits = [proj(blocks(hidden)) for blocks, proj in zip(self.blocks, self.projections)]  # K x (B, T, V)
         return torch.stack(logits, dim=2)  # (B, T, K, V)
 
+    @torch.no_grad()
+    def stacked(self, vocab: Tensor | None = None) -> "StackedHeads":
+        """The heads' weights stacked once for decoding: all K heads in one batched computation per step.
+
+        A snapshot of the trained weights: build it after training. `vocab` (sorted ids (N,), None = all V) keeps only
+        those rows of the projections, so the logits come out over the subset."""
+        vocab = check_vocab(vocab, self.vocab_size)
+        blocks = [[block.linear for block in head] for head in self.blocks]  # K x L
+        block_w = torch.stack([torch.stack([lin.weight for lin in head]) for head in blocks])  # (K, L, d, d)
+        block_b = torch.stack([torch.stack([lin.bias for lin in head]) for head in blocks])  # (K, L, d)
+        if self.share_base_projection:
+            proj_w, proj_b = trim_linear(self._base_projection[0], vocab)  # (N, d), (N,) or None
+        else:
+            rows = [trim_linear(proj, vocab) for proj in self.projections]
+            proj_w = torch.stack([w for w, _ in rows])  # (K, N, d)
+            proj_b = None if rows[0][1] is None else torch.stack([b for _, b in rows])  # (K, N)
+        # torch.stack and row indexing copy; only the frozen base projection (shared, untrimmed) is read in place
+        return StackedHeads(block_w, block_b, proj_w, proj_b)
+
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, num_layers={self.num_layers}, share_base_projection={self.share_base_projection}"
+
+
+@dataclass(eq=False)
+class StackedHeads:
+    """All heads as stacked tensors: hidden (b, d) -> logits (b, K, N) in batched matmuls over K.
+
+    The training modules run K separate heads (K small matmuls, K projections); decoding runs one
+    batched matmul per block layer and one for the projections, whatever K is."""
+
+    block_weight: Tensor  # (K, L, d, d) nn.Linear layout (out, in)
+    block_bias: Tensor  # (K, L, d)
+    proj_weight: Tensor  # (K, N, d) one projection per head, or (N, d) the shared base projection
+    proj_bias: Tensor | None  # (K, N), (N,) or None
+
+    def __call__(self, hidden: Tensor) -> Tensor:
+        k, layers = self.block_weight.shape[:2]
+        x = repeat(hidden, "b d -> k b d", k=k)  # every head reads the same hidden state
+        for layer in range(layers):  # L is 1-2: a loop over layers, never over heads
+            w, bias = self.block_weight[:, layer], self.block_bias[:, layer]  # (K, d, d), (K, d)
+            x = x + F.silu(torch.baddbmm(rearrange(bias, "k d -> k 1 d"), x, w.mT))  # (K, b, d)
+        if self.proj_weight.ndim == 2:  # shared: one (K * b, d) @ (d, N)
+            logits = F.linear(x, self.proj_weight, self.proj_bias)  # (K, b, N)
+        elif self.proj_bias is None:
+            logits = torch.bmm(x, self.proj_weight.mT)  # (K, b, N)
+        else:
+            logits = torch.baddbmm(rearrange(self.proj_bias, "k n -> k 1 n"), x, self.proj_weight.mT)
+        return rearrange(logits, "k b n -> b k n")

@@ -1,11 +1,18 @@
-"""Trimmed drafter vocabularies: the subset helpers on hand-made numbers, and token counts."""
+"""Trimmed drafter vocabularies (the subset helpers on hand-made numbers, and token counts) and
+Medusa's stacked heads, which equal the heads' own forward."""
 
 import pytest
 import torch
 from torch import nn
 
 from experiments.data import PreparedData, token_counts
+from medusa.heads import MedusaHeads
+from tests.conftest import make_lm
 from verify.vocab import check_vocab, expand_probs, frequent_tokens, full_ids, subset_logits, trim_linear
+
+V = 97
+EVEN = torch.arange(0, V, 2)  # a subset that misses about half of what the models would draft
+
 
 # ------------------------------------------------------------------------------------------- helpers
 
@@ -59,3 +66,44 @@ def test_token_counts_count_the_training_split_only():
     assert frequent_tokens(token_counts(data, 7), 2).tolist() == [0, 3]
     with pytest.raises(ValueError, match="vocab_size=5: must exceed the largest training id 5"):
         token_counts(data, 5)
+
+
+# ------------------------------------------------------------------------------------------- stacked Medusa heads
+
+
+def perturb(module: nn.Module, seed: int, scale: float = 0.2) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return module
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("vocab", [None, EVEN])
+def test_stacked_heads_equal_the_heads_forward(share, layers, bias, vocab):
+    torch.manual_seed(0)
+    projection = perturb(nn.Linear(32, V, bias=bias), seed=5)
+    heads = perturb(MedusaHeads(projection=projection, num_heads=3, num_layers=layers, share_base_projection=share), seed=1)
+    stacked = heads.stacked(vocab)
+    assert stacked.block_weight.shape == (3, layers, 32, 32) and stacked.block_bias.shape == (3, layers, 32)
+    n = V if vocab is None else len(vocab)
+    assert stacked.proj_weight.shape == ((n, 32) if share else (3, n, 32))
+    hidden = torch.randn(5, 32)
+    expected = heads(hidden[:, None])[:, 0]  # (b, K, V)
+    if vocab is not None:
+        expected = expected[..., vocab]
+    got = stacked(hidden)
+    assert got.shape == (5, 3, n)
+    assert (got - expected).abs().max() < 1e-5
+
+
+def test_stacked_heads_load_from_a_checkpoint_of_the_heads():
+    base = make_lm(dim=32)
+    heads = perturb(MedusaHeads.from_base(base, num_heads=2, num_layers=1), seed=0)
+    rebuilt = MedusaHeads.from_base(base, num_heads=2, num_layers=1)
+    rebuilt.load_state_dict(heads.state_dict())  # the format is unchanged
+    hidden = torch.randn(3, 32)
+    assert torch.equal(rebuilt.stacked()(hidden), heads.stacked()(hidden))
