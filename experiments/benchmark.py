@@ -33,9 +33,9 @@ from experiments.artifacts import ensure
 from experiments.calibrate import cached_verify_cost, choose_chain_budget, choose_tree_budget, cpu_model, format_cost_table
 from experiments.checkpoint import load_lm
 from experiments.cli import exit_on_user_error
-from experiments.data import prepare_data
+from experiments.data import prepare_data, token_counts
 from experiments.prompts import heldout_prompts, load_prompts
-from experiments.report import write_report
+from experiments.report import label_of, write_report
 from experiments.train_base import resolve_device
 from experiments.train_drafter import load_drafter
 from verify.acceptance import check_rule, is_lossless
@@ -45,6 +45,7 @@ from verify.prompt_lookup import PromptLookupDrafter
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate
 from verify.target import Target
+from verify.vocab import frequent_tokens
 
 log = logging.getLogger(__name__)
 METHODS = ("draft_model", "prompt_lookup", "medusa_chain", "medusa_tree", "prophet_chain", "prophet_tree")
@@ -93,14 +94,15 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokeniz
     keyword overrides (a tree budget chosen by `budget=auto`)."""
     check_methods(cfg.methods)
     device = next(base.parameters()).device
-    methods: dict[str, Callable[[], Any]] = {}
+    vocab = drafter_vocab(cfg, base_meta, base.num_tokens)
+    methods: dict[str, Callable[..., Any]] = {}
     trained: dict[str, tuple] = {}  # family -> (module, package): chain and tree share one checkpoint
     for name in cfg.methods:
         if name == "draft_model":
             draft_lm, draft_tokenizer, _ = load_lm(checkpoint_for(cfg, "draft", base_meta=base_meta), device=str(device))
             if draft_tokenizer.to_str() != tokenizer.to_str():
                 raise ValueError("the draft model uses another tokenizer than the base: train it on the base's data config")
-            methods[name] = lambda lm=draft_lm, compile=False: DraftModelDrafter(lm, compile=compile)
+            methods[name] = lambda lm=draft_lm, compile=False: DraftModelDrafter(lm, compile=compile, vocab=vocab)
         elif name == "prompt_lookup":
             methods[name] = lambda compile=False: PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
         else:
@@ -113,8 +115,22 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokeniz
                 decode["tree"] = None
             compiles = family == "prophet"  # Medusa's heads have no decoder to compile
             methods[name] = lambda m=module, p=package, d=decode, c=compiles, compile=False, **over: p.drafter(
-                m, base, **{**d, **over}, **({"compile": compile} if c else {}))
+                m, base, **{**d, **over}, vocab=vocab, **({"compile": compile} if c else {}))
     return methods
+
+
+def drafter_vocab(cfg: DictConfig, base_meta: dict, vocab_size: int):
+    """The drafters' trimmed vocabulary: ids (N,) of the `vocab` most frequent training tokens, or None."""
+    n = cfg.get("vocab")
+    if n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"vocab={n!r}: must be null (the full vocabulary) or an integer >= 1")
+    data_cfg = base_meta.get("data", {}).get("config") or OmegaConf.to_container(cfg.data, resolve=True)
+    ids = frequent_tokens(token_counts(prepare_data(**data_cfg), vocab_size), n)
+    if ids is not None:
+        log.info("drafter vocabulary: the %d most frequent training tokens of %d", ids.numel(), vocab_size)
+    return ids
 
 
 def get_prompts(cfg: DictConfig, tokenizer, base_meta: dict) -> list[list[int]]:
@@ -154,7 +170,9 @@ def summarize_stats(stats: list, seconds: float) -> dict[str, Any]:
     prop = sum(pad(s.proposed_by_position) for s in stats)
     acc = sum(pad(s.accepted_by_position) for s in stats)
     draft, target = sum(s.time_draft for s in stats), sum(s.time_target for s in stats)
+    steps = max(sum(int(s.forwards.max()) - 1 for s in stats), 1)  # verification forwards (the prefill is not one)
     return {
+        "draft_seconds_per_step": draft / steps, "target_seconds_per_step": target / steps,
         "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
         "tau": tokens / max(forwards, 1), "alpha": accepted / max(proposed, 1),
         "acceptance_by_position": (acc.float() / prop.clamp(min=1).float()).tolist() if k else [],
@@ -184,8 +202,8 @@ def check_settings(cfg: DictConfig) -> list[tuple[int | None, bool]]:
     return [(t, c) for t in threads for c in modes]
 
 
-def label(threads: int | None, compiled: bool) -> str:
-    return f"{'compiled' if compiled else 'eager'}, {threads if threads is not None else torch.get_num_threads()} thread(s)"
+def label(threads: int, compiled: bool) -> str:
+    return label_of({"threads": threads, "compiled": compiled})
 
 
 def bench_temperature(cfg, setups: list[dict], batches, temperature: float, eos_id) -> tuple[list[dict], list[dict]]:
@@ -241,6 +259,7 @@ def method_row(e: dict, common: dict, best: dict, rule: str, plain: dict, cfg) -
         "budget": e.get("budget"), "tau": best["tau"], "alpha": best["alpha"],
         "efficiency": common["speedup"] / best["tau"], "acceptance_by_position": best["acceptance_by_position"],
         "draft_share": best["time_draft"] / best["seconds"], "target_share": best["time_target"] / best["seconds"],
+        "draft_seconds_per_step": best["draft_seconds_per_step"], "target_seconds_per_step": best["target_seconds_per_step"],
         "row_tau": best["row_tau"],
     }
 

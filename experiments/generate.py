@@ -136,7 +136,7 @@ def check_prompt(prompt: Any) -> str:
 
 def methods_config(cfg: DictConfig) -> DictConfig:
     """The keys make_methods reads, resolved, with the one chosen method."""
-    keys = ("checkpoints", "artifacts", "prompt_lookup", "medusa", "prophet")
+    keys = ("checkpoints", "artifacts", "prompt_lookup", "medusa", "prophet", "vocab", "data")
     resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in keys}
     return OmegaConf.create({"methods": [cfg.method], **resolved})
 

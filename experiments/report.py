@@ -18,6 +18,8 @@ from typing import Any
 
 import matplotlib
 
+from experiments.calibrate import format_cost_table
+
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -90,11 +92,28 @@ def plot_acceptance(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def cost_lines(results: dict) -> str:
+    """budget=auto's measured target cost by width k per setting, with each drafter's seconds per step
+    (from the benchmark rounds at the first temperature)."""
+    out = []
+    for setting, costs in results.get("cost_tables", {}).items():
+        t0 = results["methods"][0]["temperature"] if results["methods"] else None
+        drafters = {r["name"]: r["draft_seconds_per_step"] for r in results["methods"]
+                    if label_of(r) == setting and r["temperature"] == t0}
+        out.append(f"\nMeasured costs, {setting} (target forward of k new tokens; drafters per verification step):\n")
+        out.append(format_cost_table({int(k): v for k, v in costs.items()}, drafters))
+    return "\n".join(out) + ("\n" if out else "")
+
+
+def label_of(row: dict) -> str:
+    return f"{'compiled' if row['compiled'] else 'eager'}, {row['threads']} thread(s)"
+
+
 def write_report(results: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
     cpu = f"CPU: {results['cpu']}\n\n" if results.get("cpu") else ""
-    (out_dir / "results.md").write_text(cpu + markdown_table(results) + warmup_lines(results))
+    (out_dir / "results.md").write_text(cpu + markdown_table(results) + warmup_lines(results) + cost_lines(results))
     if results["methods"]:
         plot_speedup_tau(results, out_dir / "speedup_tau.png")
         plot_acceptance(results, out_dir / "acceptance_by_position.png")
