@@ -5,10 +5,14 @@ whose own projection chose the pending token. Head k reads it and guesses the to
 pending one. It comes for free from the target's forwards: the prefill's last position at `begin`, the
 last accepted node of the verification forward at `commit`. The drafter never runs the target.
 
-A step is one heads forward on (b, 1, d) and one top-k; the tree's shape (which head and rank each node
-reads, and its parent) is a table computed once per depth limit, so proposing has no Python loop over
-tokens or rows. Picks are deterministic (q = None): the loop's lossless rules treat q as one-hot, and its
-tree sampling tries siblings in turn, so a static tree stays lossless at any temperature.
+A step is one batched computation of all heads on (b, d) (`MedusaHeads.stacked`) and one top-k; the
+tree's shape (which head and rank each node reads, and its parent) is a table computed once per depth
+limit, so proposing has no Python loop over heads, tokens or rows. Picks are deterministic (q = None):
+the loop's lossless rules treat q as one-hot, and its tree sampling tries siblings in turn, so a static
+tree stays lossless at any temperature.
+
+`vocab` (sorted ids (N,), see verify/vocab.py) trims the heads' projections to the N most frequent
+tokens: argmax and top-k run over the subset and map back to full ids, so drafts never leave it.
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ from verify.drafter import Draft, Verdict
 from verify.sampling import SamplingConfig
 from verify.target import TargetOutput
 from verify.tree import Path, sort_paths
+from verify.vocab import check_vocab, full_ids
 
 MODES = ("chain", "tree")
 
 
 def check_tree(tree: list, vocab_size: int) -> list[Path]:
-    """Config rank paths (lists of ints) -> sorted tuples; one-line errors for anything else."""
+    """Config rank paths (lists of ints) -> sorted tuples; one-line errors for anything else.
+
+    `vocab_size` is how many tokens a head ranks: the trimmed subset's size when the vocabulary is trimmed."""
     if len(tree) == 0:
         raise ValueError("tree=[]: a tree needs at least one rank path, or null for the default tree")
     paths = [tuple(p) for p in tree]
@@ -36,19 +43,23 @@ def check_tree(tree: list, vocab_size: int) -> list[Path]:
         if not all(isinstance(r, int) and not isinstance(r, bool) for r in p):
             raise ValueError(f"tree path {list(p)}: ranks must be integers")
         if any(r >= vocab_size for r in p):
-            raise ValueError(f"tree path {list(p)}: ranks must be below the vocabulary size {vocab_size}")
+            raise ValueError(f"tree path {list(p)}: ranks must be below the vocabulary size {vocab_size} (trimmed: the subset's)")
     return sort_paths(paths)
 
 
 class MedusaDrafter:
-    def __init__(self, heads: MedusaHeads, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16):
+    def __init__(self, heads: MedusaHeads, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
+                 vocab: Tensor | None = None):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
         if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
             raise ValueError(f"tree_nodes={tree_nodes!r}: must be an integer >= 1")
         self.heads, self.mode = heads, mode
         self.vocab_size: int = heads.vocab_size
+        self.vocab = check_vocab(vocab, heads.vocab_size)  # (N,) or None = all V
+        ranked = heads.vocab_size if self.vocab is None else self.vocab.numel()  # tokens a head can rank
         self.dtype = next(heads.parameters()).dtype
+        self.stacked = heads.stacked(self.vocab)  # built once: hidden (b, d) -> logits (b, K, N)
         self._tables: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         if mode == "chain":
             if tree is not None:
@@ -56,8 +67,8 @@ class MedusaDrafter:
             self.paths, self.max_depth = [], heads.num_heads
             return
         if tree is None:  # tree_nodes only sizes the default tree; a given tree is used as it is
-            tree = default_tree(heads.num_heads, tree_nodes, ranks=min(RANKS, self.vocab_size))
-        self.paths = check_tree(tree, self.vocab_size)
+            tree = default_tree(heads.num_heads, tree_nodes, ranks=min(RANKS, ranked))
+        self.paths = check_tree(tree, ranked)
         self.ranks = max(max(p) for p in self.paths) + 1  # top-k width: the largest rank any node reads
         self.max_depth = min(heads.num_heads, max(map(len, self.paths)))  # deeper nodes have no head
 
@@ -67,12 +78,12 @@ class MedusaDrafter:
     @torch.inference_mode()
     def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         depth = min(gamma, self.max_depth)  # never deeper than the loop's budget or the number of heads
-        logits = self.heads(self.hidden[:, None].to(self.dtype))[:, 0]  # (b, K, V)
-        if self.mode == "chain":
-            return Draft(tokens=logits[:, :depth].argmax(dim=-1))  # (b, depth): head k's top-1 at k
-        top = logits.topk(self.ranks, dim=-1).indices  # (b, K, R)
+        logits = self.stacked(self.hidden.to(self.dtype))  # (b, K, N)
+        if self.mode == "chain":  # (b, depth): head k's top-1 at k
+            return Draft(tokens=full_ids(logits[:, :depth].argmax(dim=-1), self.vocab))
+        top = logits.topk(self.ranks, dim=-1).indices  # (b, K, R) positions in the subset
         parents, head, rank = self._table(depth, top.device)
-        return Draft(tokens=top[:, head, rank], parents=parents)  # (b, k), (k,)
+        return Draft(tokens=full_ids(top[:, head, rank], self.vocab), parents=parents)  # (b, k), (k,)
 
     def commit(self, verdict: Verdict) -> None:
         # path[:, a] is the verify index of the last accepted node (the old pending token when a = 0)

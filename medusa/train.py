@@ -97,6 +97,8 @@ def evaluate(module: MedusaHeads, base: nn.Module, *, tokens: Tensor, hidden: Te
     return dict(zip(names, torch.stack(values).tolist()))  # one host sync
 
 
-def drafter(module: MedusaHeads, base: nn.Module, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16) -> MedusaDrafter:
-    """The drafter for decoding (decode kwargs from conf/drafter/medusa.yaml `decode:`)."""
-    return MedusaDrafter(module, mode=mode, tree=tree, tree_nodes=tree_nodes)
+def drafter(module: MedusaHeads, base: nn.Module, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
+            vocab: Tensor | None = None) -> MedusaDrafter:
+    """The drafter for decoding (decode kwargs from conf/drafter/medusa.yaml `decode:`); `vocab` the sorted
+    token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary."""
+    return MedusaDrafter(module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab)

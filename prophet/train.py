@@ -74,10 +74,11 @@ def evaluate(
     return dict(zip(out, torch.stack(list(out.values())).tolist()))
 
 
-def drafter(module: Prophet, base: nn.Module, **decode_kwargs) -> ProphetDrafter:
-    """decode_kwargs: `decode:` of conf/drafter/prophet.yaml (mode, top_k, depth, tree_nodes)."""
+def drafter(module: Prophet, base: nn.Module, *, vocab: Tensor | None = None, **decode_kwargs) -> ProphetDrafter:
+    """decode_kwargs: `decode:` of conf/drafter/prophet.yaml (mode, top_k, depth, tree_nodes); `vocab` the
+    sorted token ids (N,) the drafts may use (verify.vocab.frequent_tokens), None for the full vocabulary."""
     _check_same_base(module, base)
-    return ProphetDrafter(module, **decode_kwargs)
+    return ProphetDrafter(module, vocab=vocab, **decode_kwargs)
 
 
 def _valid(pred: Tensor, hidden: Tensor, logits: Tensor, j: int) -> tuple[Tensor, Tensor, Tensor]:
