@@ -127,10 +127,20 @@ def test_numerical_check_catches_what_structure_misses():
     lm = project_lm(5)
     engine = lean(lm)
     with torch.no_grad():
-        lm.to_logits.weight.add_(1.0)  # the engine's own copy of the layer moves too: perturb the reference only
-        engine.to_logits = torch.nn.Linear(64, 101, bias=False)
+        lm.to_logits.weight.add_(1.0)  # the engine shares this weight: give it another one, so only the reference moves
+        engine.head_weight = torch.randn(101, 64)
         with pytest.raises(UnsupportedModel, match="differs from the x-transformers forward"):
             check_against_reference(lm, engine)
+
+
+def test_trimmed_output_layer_gives_the_subsets_logits():
+    lm = project_lm(11)
+    ids = torch.tensor([0, 3, 7, 50, 100])
+    target = Target(lm, vocab=ids)
+    seq = list(range(2, 20))
+    logits = target.prefill([seq]).logits[0]  # (n, N)
+    assert logits.shape == (len(seq), 5)
+    assert (logits - full(lm, seq)[:, ids]).abs().max() <= TOL
 
 
 def test_engine_rebuilt_when_weights_change():

@@ -262,8 +262,9 @@ class ForgetsTheSubset(DraftModelDrafter):
     def propose(self, gamma, sampling, generator):
         x, tokens, qs = self.uncached, [], []
         for _ in range(gamma):
-            logits = self.lm.extend(x).logits[:, -1]  # (b, V)
-            token = self.vocab[sample_from_probs(probs_from_logits(logits[:, self.vocab], sampling), generator)]
+            out = self.lm.extend(x)  # logits (b, 1, N) over the subset, hidden (b, 1, d)
+            logits = self.lm.model.to_logits(out.hidden[:, -1])  # (b, V): the untrimmed head
+            token = self.vocab[sample_from_probs(probs_from_logits(out.logits[:, -1], sampling), generator)]
             tokens.append(token)
             qs.append(probs_from_logits(logits, sampling))  # the bug: not zero outside the subset
             x = token[:, None]

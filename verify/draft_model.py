@@ -18,16 +18,17 @@ from torch import Tensor, nn
 from verify.drafter import Draft, Verdict
 from verify.sampling import SamplingConfig, probs_from_logits, sample_from_probs
 from verify.target import Target, TargetOutput
-from verify.vocab import check_vocab, expand_probs, full_ids, subset_logits
+from verify.vocab import check_vocab, expand_probs, full_ids
 
 
 class DraftModelDrafter:
     def __init__(self, model: nn.Module, *, pad_id: int = 0, compile: bool = False,
                  vocab: Tensor | None = None):
-        # a compiled draft LM runs steps of 1 token, plus 2 at the start of a cycle (the uncached pair)
-        self.lm = Target(model, pad_id=pad_id, compile=compile, widths=(1, 2))
+        self.vocab = check_vocab(vocab, model.num_tokens)  # (N,) or None = all V
+        # The draft LM's output layer keeps only the subset's rows: its logits are (b, n, N).
+        # A compiled draft LM runs steps of 1 token, plus 2 at the start of a cycle (the uncached pair).
+        self.lm = Target(model, pad_id=pad_id, compile=compile, widths=(1, 2), vocab=self.vocab)
         self.vocab_size = self.lm.vocab_size
-        self.vocab = check_vocab(vocab, self.vocab_size)  # (N,) or None = all V
 
     def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
         self.lm.prefill(prompts)
@@ -38,9 +39,7 @@ class DraftModelDrafter:
     def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         x, tokens, qs = self.uncached, [], []
         for _ in range(gamma):
-            # The draft LM runs on the target's engine, which projects onto all V rows; selecting the
-            # subset's columns afterwards restricts the drafts but saves no work (the prophet's does).
-            logits = subset_logits(self.lm.extend(x).logits[:, -1], self.vocab)  # (b, N)
+            logits = self.lm.extend(x).logits[:, -1]  # (b, N): already over the subset
             if sampling.greedy:
                 token = full_ids(logits.argmax(dim=-1), self.vocab)
             else:

@@ -49,6 +49,7 @@ def pad_prompts(prompts: list[list[int]], pad_id: int, device: torch.device) -> 
 class Target:
     """A frozen causal LM (x-transformers TransformerWrapper with rotary positions) plus its KV cache.
 
+    `vocab` (ids (N,)) makes every output's logits (b, n, N) over that subset: for a draft model.
     `max_draft` is the widest extend the cache makes room for beyond max_seq_len (a wider one grows it).
     `compile=True` runs every extend through a torch.compile'd step with static shapes: an extend of k
     tokens is padded to the smallest of `widths` that fits (else the next power of two), so a decode
@@ -56,12 +57,12 @@ class Target:
     """
 
     def __init__(self, model: nn.Module, *, pad_id: int = 0, max_draft: int = 64, compile: bool = False,
-                 widths: tuple[int, ...] = (1,)):
+                 widths: tuple[int, ...] = (1,), vocab: Tensor | None = None):
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
         self.model = model
-        self.engine = lean(model, compile=compile)
+        self.engine = lean(model, compile=compile, vocab=vocab)  # vocab: logits over a subset (a draft LM)
         self.compiled, self.widths = compile, tuple(sorted(widths))
         self.vocab_size: int = model.num_tokens
         self.max_seq_len: int = model.max_seq_len
