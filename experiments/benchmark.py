@@ -35,7 +35,7 @@ from experiments.checkpoint import load_lm
 from experiments.cli import exit_on_user_error
 from experiments.data import prepare_data, token_counts
 from experiments.prompts import heldout_prompts, load_prompts
-from experiments.report import label_of, write_report
+from experiments.report import mode, write_report
 from experiments.train_base import resolve_device
 from experiments.train_drafter import load_drafter
 from verify.acceptance import check_rule, is_lossless
@@ -203,7 +203,7 @@ def check_settings(cfg: DictConfig) -> list[tuple[int | None, bool]]:
 
 
 def label(threads: int, compiled: bool) -> str:
-    return label_of({"threads": threads, "compiled": compiled})
+    return mode({"threads": threads, "compiled": compiled})
 
 
 def bench_temperature(cfg, setups: list[dict], batches, temperature: float, eos_id) -> tuple[list[dict], list[dict]]:
@@ -272,8 +272,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         SamplingConfig(temperature=t, top_k=cfg.decode.top_k, top_p=cfg.decode.top_p)  # fail before any work
         check_rule(cfg.decode.rule, delta=cfg.decode.delta, temperature=t)
     spec = spec_from(cfg)
-    if cfg.budget not in ("fixed", "auto"):
-        raise ValueError(f"budget={cfg.budget!r}: must be fixed (decode.gamma and the drafters' tree settings) or auto")
+    check_budget(cfg)
     check_methods(cfg.methods)
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
@@ -282,7 +281,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     Target(base).check_tokens(prompts, max_new_tokens=cfg.decode.max_new_tokens)  # before any drafter trains
     methods = make_methods(cfg, base, base_meta, base_ckpt, tokenizer)
     batches = [prompts[i : i + cfg.decode.batch_size] for i in range(0, len(prompts), cfg.decode.batch_size)]
-    widths = (1, spec.gamma + 1, *(int(cfg[f].decode.tree_nodes) + 1 for f in ("medusa", "prophet")))
+    widths = compile_widths(cfg, spec)
     setups = []
     for threads, compiled in settings:
         threads = threads if threads is not None else torch.get_num_threads()
@@ -291,8 +290,9 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         setup["methods"] = {name: (lambda f=f, c=compiled: f(compile=c)) for name, f in methods.items()}
         if cfg.budget == "auto":
             torch.set_num_threads(threads)
-            setup["verify_cost"] = cached_verify_cost(target, key_parts={"base": base_meta["fingerprint"], "dtype": "float32"},
-                                                      cache_dir=cfg.budget_search.cache_dir)
+            setup["verify_cost"] = cached_verify_cost(  # at the batch size and prompt length the pilots decode
+                target, key_parts={"base": base_meta["fingerprint"], "dtype": "float32"}, cache_dir=cfg.budget_search.cache_dir,
+                batch_size=cfg.decode.batch_size, prompt_len=cfg.prompts.prompt_len)
             log.info("target cost by new tokens (%s):\n%s", label(threads, compiled), format_cost_table(setup["verify_cost"]))
             setup["pilot_prompts"] = pilot_prompts(cfg, tokenizer, base_meta, prompts)
         setups.append(setup)
@@ -322,11 +322,45 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     return {"plain_tokens_per_s": fastest["tokens_per_s"], "methods": [{k: row[k] for k in keys} for row in rows]}
 
 
+TREE_KEYS = {"medusa": {"tree_nodes", "depth"}, "prophet": {"tree_nodes", "depth", "top_k"}}
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+    return value
+
+
+def check_budget(cfg: DictConfig) -> None:
+    """budget and budget_search, checked before any model loads (one-line errors)."""
+    if cfg.budget not in ("fixed", "auto"):
+        raise ValueError(f"budget={cfg.budget!r}: must be fixed (decode.gamma and the drafters' tree settings) or auto")
+    search = cfg.budget_search
+    _positive_int("budget_search.max_gamma", search.max_gamma)
+    _positive_int("budget_search.pilot_prompts", search.pilot_prompts)
+    for family, allowed in TREE_KEYS.items():
+        candidates = search[f"{family}_trees"]
+        if not isinstance(candidates, ListConfig) or len(candidates) == 0:
+            raise ValueError(f"budget_search.{family}_trees={candidates!r}: must be a non-empty list of {{tree_nodes, depth}}")
+        for c in candidates:
+            if not isinstance(c, DictConfig) or set(c) - allowed or not {"tree_nodes", "depth"} <= set(c):
+                raise ValueError(f"budget_search.{family}_trees entry {c!r}: needs tree_nodes and depth (allowed keys: {sorted(allowed)})")
+            for key, value in c.items():
+                _positive_int(f"budget_search.{family}_trees {key}", value)
+
+
+def compile_widths(cfg: DictConfig, spec: SpecConfig) -> tuple[int, ...]:
+    """Verify widths a compiled target pads to: 1 (plain), a chain's gamma + 1, each tree's nodes + 1."""
+    trees = [_positive_int(f"{f}.decode.tree_nodes", cfg[f].decode.tree_nodes) for f in ("medusa", "prophet")]
+    if cfg.budget == "auto":
+        trees += [c.tree_nodes for f in TREE_KEYS for c in cfg.budget_search[f"{f}_trees"]]
+        return (1, *range(2, cfg.budget_search.max_gamma + 2), *(n + 1 for n in trees))
+    return (1, spec.gamma + 1, *(n + 1 for n in trees))
+
+
 def pilot_prompts(cfg: DictConfig, tokenizer, base_meta: dict, taken: list[list[int]]) -> list[list[int]]:
     """Prompts for `budget=auto`'s pilot runs: drawn with another seed, none equal to a benchmark prompt."""
     n = cfg.budget_search.pilot_prompts
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"budget_search.pilot_prompts={n!r}: must be an integer >= 1")
     draw = OmegaConf.merge(cfg, {"seed": cfg.seed + 1, "prompts": {"num_prompts": cfg.prompts.num_prompts + n}})
     return [p for p in get_prompts(draw, tokenizer, base_meta) if p not in taken][:n]
 

@@ -136,9 +136,9 @@ def check_prompt(prompt: Any) -> str:
 
 def methods_config(cfg: DictConfig) -> DictConfig:
     """The keys make_methods reads, resolved, with the one chosen method."""
-    keys = ("checkpoints", "artifacts", "prompt_lookup", "medusa", "prophet", "vocab", "data")
+    keys = ("checkpoints", "artifacts", "prompt_lookup", "medusa", "prophet", "data")
     resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in keys}
-    return OmegaConf.create({"methods": [cfg.method], **resolved})
+    return OmegaConf.create({"methods": [cfg.method], "vocab": cfg.vocab, **resolved})
 
 
 # ------------------------------------------------------------------------------------------- decoding
@@ -168,7 +168,7 @@ def load_session(cfg: DictConfig) -> Session:
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
     make = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[cfg.method]
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
-    target = Target(base, compile=cfg.compile, widths=(1, spec.gamma + 1))
+    target = Target(base, compile=cfg.compile, widths=(1, spec.gamma + 1, *(cfg[f].decode.tree_nodes + 1 for f in ("medusa", "prophet"))))
     return Session(target, lambda: make(compile=cfg.compile), tokenizer, eos_id, sampling, spec, rule, cfg)
 
 

@@ -35,6 +35,7 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 
 def mode(row: dict) -> str:
+    """A setting in a few characters: 'eager 1t', 'compiled 2t' (torch threads)."""
     return f"{'compiled' if row.get('compiled') else 'eager'} {row.get('threads', '?')}t"
 
 
@@ -99,14 +100,10 @@ def cost_lines(results: dict) -> str:
     for setting, costs in results.get("cost_tables", {}).items():
         t0 = results["methods"][0]["temperature"] if results["methods"] else None
         drafters = {r["name"]: r["draft_seconds_per_step"] for r in results["methods"]
-                    if label_of(r) == setting and r["temperature"] == t0}
+                    if mode(r) == setting and r["temperature"] == t0}
         out.append(f"\nMeasured costs, {setting} (target forward of k new tokens; drafters per verification step):\n")
         out.append(format_cost_table({int(k): v for k, v in costs.items()}, drafters))
     return "\n".join(out) + ("\n" if out else "")
-
-
-def label_of(row: dict) -> str:
-    return f"{'compiled' if row['compiled'] else 'eager'}, {row['threads']} thread(s)"
 
 
 def write_report(results: dict, out_dir: Path) -> None:

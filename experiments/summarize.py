@@ -14,9 +14,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from experiments.report import plt
+from experiments.report import mode, plt
 
-COLUMNS = ("overrides", "name", "temperature", "gamma", "tau", "alpha", "speedup", "efficiency", "draft_share", "lossless", "exact")
+COLUMNS = ("overrides", "name", "mode", "temperature", "gamma", "tau", "alpha", "speedup", "efficiency", "draft_share", "lossless", "exact")
 
 
 def job_rows(sweep_dir: Path) -> list[dict]:
@@ -30,7 +30,7 @@ def job_rows(sweep_dir: Path) -> list[dict]:
         overrides_file = results_file.parent / ".hydra" / "overrides.yaml"
         overrides = overrides_file.read_text().replace("\n- ", " ").strip("- \n") if overrides_file.exists() else ""
         for row in results["methods"]:
-            rows.append({"job": results_file.parent.name, "overrides": overrides, **row})
+            rows.append({"job": results_file.parent.name, "overrides": overrides, "mode": mode(row), **row})
     return rows
 
 
@@ -52,11 +52,11 @@ def table(rows: list[dict]) -> str:
 def plot_speedup_vs_gamma(rows: list[dict], path: Path) -> None:
     series = defaultdict(list)
     for row in rows:
-        series[(row["name"], row["temperature"])].append((row["gamma"], row["speedup"]))
+        series[(row["name"], row["mode"], row["temperature"])].append((row["gamma"], row["speedup"]))
     fig, ax = plt.subplots(figsize=(6, 4))
-    for (name, temperature), points in sorted(series.items()):
+    for (name, setting, temperature), points in sorted(series.items()):
         points = sorted(points)
-        ax.plot([g for g, _ in points], [s for _, s in points], marker="o", label=f"{name} T={temperature:g}")
+        ax.plot([g for g, _ in points], [s for _, s in points], marker="o", label=f"{name} {setting} T={temperature:g}")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xlabel("gamma (chain length / tree depth)")
     ax.set_ylabel("speedup over plain decoding")

@@ -70,7 +70,8 @@ class ProphetDrafter:
         rows = torch.arange(b, device=pending.device)
         next_tokens = torch.cat((tokens[:, 1:], tokens[:, :1]), dim=1)
         next_tokens[rows, lengths - 1] = pending
-        self.cache = self.prophet.new_cache(b, width + 128)
+        # A capacity that does not depend on the prompt width: a compiled step is one program per shape.
+        self.cache = self.prophet.new_cache(b, max(512, 2 * width))
         # eager even when compiled: every prompt width would be a new program to compile
         out = self.prophet.step(left_to_right(prefill.hidden, lengths), next_tokens, self.cache)  # (b, W, d_base)
         self.cache.commit(torch.arange(width, device=pending.device) < lengths[:, None])  # drop the padding entries

@@ -86,6 +86,20 @@ def test_padded_fixed_width_extends_equal_unpadded():
         assert a.shape == b.shape and (a - b).abs().max() <= 1e-5
 
 
+def test_eager_attention_reads_only_the_slots_in_use(monkeypatch):
+    """Eager steps attend over the used slots rounded up to 64, not the whole buffer, with the same logits."""
+    lm = project_lm(12)
+    target = Target(lm, max_draft=100)  # capacity 181
+    spans = []
+    real = LeanDecoder.forward
+    monkeypatch.setattr(LeanDecoder, "forward", lambda self, x, k, v, *a: spans.append(k[0].shape[2]) or real(self, x, k, v, *a))
+    seq = list(range(1, 75))
+    target.prefill([seq[:10]])
+    out = target.extend(torch.tensor([seq[10:74]])).logits[0]
+    assert spans == [64, 128] and target.cache.capacity == 181
+    assert (out - full(lm, seq)[10:]).abs().max() <= TOL
+
+
 def test_cache_grows_past_its_capacity():
     lm = project_lm(4)
     target = Target(lm, max_draft=1)
@@ -199,3 +213,11 @@ def test_compiled_drafters_stay_exact(family):
     ref = plain_generate(target, prompts, max_new_tokens=12).tokens
     out = speculative_generate(target, drafter, prompts, max_new_tokens=12, spec=SpecConfig(gamma=3))
     assert out.tokens == ref
+    # the same drafts as the eager drafter (greedy output alone would hold whatever was drafted), and no
+    # silent fallback to eager: the engine makes torch fail at its recompile limit instead
+    drafter.compile = False
+    if family == "draft_model":
+        drafter = DraftModelDrafter(project_lm(10))
+    eager = speculative_generate(Target(base), drafter, prompts, max_new_tokens=12, spec=SpecConfig(gamma=3))
+    assert out.stats.accepted.tolist() == eager.stats.accepted.tolist() and out.stats.forwards.tolist() == eager.stats.forwards.tolist()
+    assert torch._dynamo.config.fail_on_recompile_limit_hit

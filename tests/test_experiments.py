@@ -492,6 +492,10 @@ def test_benchmark_lenient_rule_is_not_checked_for_exactness(tiny_base: Path, dr
     ("threads=[]", "threads=[]"),
     ("compile=maybe", "compile='maybe'"),
     ("budget=sometimes", "budget='sometimes'"),
+    ("budget_search.max_gamma=0", "budget_search.max_gamma=0"),
+    ("budget_search.prophet_trees=[{tree_nodes: 4}]", "needs tree_nodes and depth"),
+    ("budget_search.medusa_trees=[{tree_nodes: 4, depth: 2, top_k: 3}]", "allowed keys"),
+    ("prophet.decode.tree_nodes=lots", "prophet.decode.tree_nodes='lots'"),
 ])
 def test_benchmark_bad_config_is_one_line_value_error(override: str, fragment: str, tiny_base: Path,
                                                       drafters: dict, tmp_path: Path) -> None:
@@ -527,7 +531,7 @@ def test_benchmark_budget_auto_picks_and_records_budgets(tiny_base: Path, drafte
     assert 1 <= lookup["gamma"] <= 3 and lookup["budget"]["gamma"] == lookup["gamma"] and len(lookup["budget"]["table"]) >= 1
     assert tree["budget"]["tree_nodes"] in (2, 4) and tree["gamma"] == {2: 2, 4: 3}[tree["budget"]["tree_nodes"]]
     assert lookup["exact"] and tree["exact"]
-    assert list(results["cost_tables"]) == ["eager, 1 thread(s)"] and "1" in results["cost_tables"]["eager, 1 thread(s)"]
+    assert list(results["cost_tables"]) == ["eager 1t"] and "1" in results["cost_tables"]["eager 1t"]
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1  # the verify costs, cached per machine and model
 
 
@@ -628,7 +632,7 @@ def test_summarize_multirun(bench_run: tuple[dict, Path], tmp_path: Path) -> Non
     assert table[0] == "| " + " | ".join(summ_mod.COLUMNS) + " |" and len(table) == 2 + 2 * n
     for gamma in (1, 2):
         for row in summary["methods"]:
-            line = f"| decode.gamma={gamma} | {row['name']} | {row['temperature']:.2f} | {gamma} |"
+            line = f"| decode.gamma={gamma} | {row['name']} | eager 1t | {row['temperature']:.2f} | {gamma} |"
             assert sum(line_.startswith(line) for line_ in table) == 1, line
 
 

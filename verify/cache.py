@@ -63,8 +63,9 @@ class StaticCache:
 
     Row b's entry at position p lives in slot p: rows need no padding, and a forward writes its n new
     entries at slots [length_b, length_b + n). Keys are stored already rotated (at the position the
-    writer gave them), so an entry stays valid wherever a compaction moves it, as long as it moves to
-    the slot of that position, which `commit` guarantees.
+    writer gave them), so a kept entry must end in the slot of its position: true for a chain, and for a
+    tree when the kept nodes are a root-to-node path (node at depth d at slot start + d), which is what
+    the decode loop keeps.
     """
 
     def __init__(self, *, layers: int, batch: int, heads: int, dim_head: int, capacity: int,
@@ -78,10 +79,6 @@ class StaticCache:
     @property
     def capacity(self) -> int:
         return self.k[0].shape[2]
-
-    @property
-    def row_lengths(self) -> Tensor:
-        return self.lengths
 
     def reserve(self, n: int) -> Tensor:
         """Make room for n new entries per row; returns each row's first new slot (b,)."""

@@ -151,7 +151,7 @@ class LeanDecoder:
         self.final_gain = None if type(final).__name__ == "Identity" else _layer_norm_weight(final, where + ".final_norm")
         self.inv_freq = rotary.inv_freq.detach()
         self.dim = layers.dim
-        self.step = self.forward  # or its compiled version (`lean(..., compile=True)`)
+        self.step, self.compiled = self.forward, False  # or its compiled version (`lean(..., compile=True)`)
         self.dtype = self.inv_freq.new_empty(0).dtype if not self.blocks else self.blocks[0][1][0].dtype
         self.cos = self.sin = None
         self._table(1)
@@ -189,7 +189,8 @@ class LeanDecoder:
         entry sees; older slots are always visible (default: causal among the new entries).
         """
         start = cache.reserve(x.shape[1])  # host-side bookkeeping stays outside the tensor program
-        hidden = self.step(x, *cache.buffers(x.shape[1], full=self.step is not self.forward), start, pos, allow)
+        self._table(cache.capacity)  # grown here, never inside a compiled step (it would invalidate it)
+        hidden = self.step(x, *cache.buffers(x.shape[1], full=self.compiled), start, pos, allow)
         cache.advance(x.shape[1])
         return hidden
 
@@ -239,7 +240,7 @@ class LeanLM:
         self.head_weight = head.weight.detach() if vocab is None else head.weight.detach()[vocab]  # (N, d)
         self.head_bias = None if head.bias is None else (head.bias.detach() if vocab is None else head.bias.detach()[vocab])
         self.vocab_size, self.max_seq_len = wrapper.num_tokens, wrapper.max_seq_len
-        self.step = self.forward  # or its compiled version (`lean(..., compile=True)`)
+        self.step, self.compiled = self.forward, False  # or its compiled version (`lean(..., compile=True)`)
 
     def __call__(self, tokens: Tensor, cache: StaticCache, *, pos: Tensor | None = None,
                  allow: Tensor | None = None, eager: bool = False) -> tuple[Tensor, Tensor]:
@@ -247,8 +248,9 @@ class LeanLM:
 
         `eager` skips the compiled step (a prefill has a new width for every prompt length)."""
         start = cache.reserve(tokens.shape[1])
-        step = self.forward if eager else self.step
-        out = step(tokens, *cache.buffers(tokens.shape[1], full=step is not self.forward), start, pos, allow)
+        self.decoder._table(cache.capacity)  # grown here, never inside a compiled step
+        compiled = self.compiled and not eager
+        out = (self.step if compiled else self.forward)(tokens, *cache.buffers(tokens.shape[1], full=compiled), start, pos, allow)
         cache.advance(tokens.shape[1])
         return out
 
@@ -258,9 +260,11 @@ class LeanLM:
         return F.linear(hidden, self.head_weight, self.head_bias), hidden
 
 
-# Measured on the 10.5M base's 1-token step here (AMD EPYC, 1 thread): eager 3.8 ms, plain compile 3.6 ms,
-# + freezing 3.4 ms, + freezing and cpp_wrapper 3.1 ms. The step is bound by streaming the weights.
+# Measured on the 10.5M base's 1-token step here (AMD EPYC, 1 thread, full-buffer attention): eager 3.8 ms,
+# plain compile 3.6 ms, with Inductor's freezing 3.4 ms (within noise: the weights are plain tensors passed
+# as inputs, so there is little to fold), with freezing and the C++ wrapper 3.1 ms (less per-call Python).
 COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+RECOMPILE_LIMIT = 256
 
 _BUILT: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
@@ -286,11 +290,16 @@ def lean(module: nn.Module, build=None, *, compile: bool = False, vocab: Tensor 
         return cached[1]
     engine = build(module) if vocab is None else build(module, vocab)
     check_against_reference(module, engine)
-    if compile:  # freezing folds the weights in as constants; cpp_wrapper trims the per-call Python
+    if compile:
         # Inductor's on-disk cache lets a second process skip code generation (26 s -> 7 s here); keep
         # it with the project's other caches unless the user chose a place.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(os.path.join(".cache", "inductor")))
-        engine.step = torch.compile(engine.forward, dynamic=False, options=COMPILE_OPTIONS)
+        # One program per input width and thread count, and all targets share one code object: past
+        # torch's default of 8 it would silently run eager while reported as compiled. Fail instead.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        engine.step, engine.compiled = torch.compile(engine.forward, dynamic=False, options=COMPILE_OPTIONS), True
     built[key] = (version, engine)
     return engine
 
