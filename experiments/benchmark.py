@@ -290,9 +290,11 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         setup["methods"] = {name: (lambda f=f, c=compiled: f(compile=c)) for name, f in methods.items()}
         if cfg.budget == "auto":
             torch.set_num_threads(threads)
+            start = time.perf_counter()
             setup["verify_cost"] = cached_verify_cost(  # at the batch size and prompt length the pilots decode
                 target, key_parts={"base": base_meta["fingerprint"], "dtype": "float32"}, cache_dir=cfg.budget_search.cache_dir,
                 batch_size=cfg.decode.batch_size, prompt_len=cfg.prompts.prompt_len)
+            setup["calibration_s"] = time.perf_counter() - start  # compiled: includes compiling every width
             log.info("target cost by new tokens (%s):\n%s", label(threads, compiled), format_cost_table(setup["verify_cost"]))
             setup["pilot_prompts"] = pilot_prompts(cfg, tokenizer, base_meta, prompts)
         setups.append(setup)
@@ -303,6 +305,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         rows += method_rows
     results = {
         "cost_tables": {label(s["threads"], s["compiled"]): s["verify_cost"] for s in setups if "verify_cost" in s},
+        "calibration_s": {label(s["threads"], s["compiled"]): s["calibration_s"] for s in setups if "calibration_s" in s},
         "base_checkpoint": base_ckpt, "base_fingerprint": base_meta["fingerprint"], "cpu": cpu_model(),
         "prompts": len(prompts), "batch_size": cfg.decode.batch_size, "max_new_tokens": cfg.decode.max_new_tokens,
         "repeats": cfg.repeats, "device": str(device), "dtype": "float32",

@@ -57,7 +57,8 @@ def markdown_table(results: dict) -> str:
 
 def warmup_lines(results: dict) -> str:
     """Compile (warm-up) time per setting, reported apart from tokens/s."""
-    out = []
+    out = [f"- {setting}: cost calibration{' incl. compiling every verify width' if 'compiled' in setting else ''} {s:.1f} s"
+           for setting, s in results.get("calibration_s", {}).items()]
     for row in results["plain"] + results["methods"]:
         if row.get("compiled"):
             out.append(f"- {row.get('name', 'plain')} {mode(row)} T={row['temperature']:g}: warm-up incl. compilation {row['warmup_s']:.1f} s")
