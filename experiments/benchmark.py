@@ -4,7 +4,7 @@
     python -m experiments.benchmark experiment=demo                      # what `make demo` runs
     python -m experiments.benchmark -m decode.gamma=1,2,4,8 medusa.module.num_heads=2,3,4,5
 
-Protocol (DESIGN §3): the same prompts, decoding settings and process for plain decoding and every
+Protocol: the same prompts, decoding settings and process for plain decoding and every
 method; each method (plain included) is warmed up first; then `repeats` rounds, each timing plain
 decoding and every method back to back (interleaved, so a slow patch of the shared machine hits all
 of them); speedup = method tokens/s over plain tokens/s within a round, median over rounds. At

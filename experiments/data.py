@@ -4,7 +4,7 @@ One entry point, `prepare_data`, returns a `PreparedData` with the tokenizer and
 token streams (documents joined with EOS). Batching for training (`sample_batch`, random windows) and
 for validation (`iter_blocks`, every target once, in order) lives here too; prompts live in prompts.py.
 
-The default corpus is the Python standard library's own source (DESIGN.md section 8): real code nobody
+The default corpus is the Python standard library's own source: real code nobody
 here wrote, on every machine, no download. Other corpora (local text files, a hub dataset) flow through
 the same `datasets.Dataset` with two columns, "path" (a document id) and "text".
 

@@ -6,11 +6,11 @@ rebuild the exact network with `build_lm(**meta["model_config"])`.
 
 Choices, and why:
 - rotary positions and no absolute position embedding: drafters and tree verification pass explicit
-  `pos` and additive attention biases, which x-transformers supports with rotary only (DESIGN section 7);
+  `pos` and additive attention biases, which x-transformers supports with rotary only;
 - pre-norm with a final norm (the x-transformers default): the final hidden state that Medusa heads and
   the prophet read is normalised, like the published bases;
 - `attn_dim_head` defaults to dim // heads, so the attention width equals the model width (x-transformers
-  would otherwise use 64 per head whatever the width; the DESIGN figures, 2.9M and 10.5M, assume dim // heads).
+  would otherwise use 64 per head whatever the width; the 2.9M and 10.5M presets assume dim // heads).
 """
 
 from __future__ import annotations

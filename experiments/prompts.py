@@ -1,7 +1,7 @@
 """Prompts for generation and benchmarks: held out from the validation split, or a user's file.
 
 Held-out prompts matter because a base model continues text it was trained on too well: drafters then
-look better than they are (DESIGN.md section 7). Prompts come only from validation documents, never
+look better than they are. Prompts come only from validation documents, never
 cross a document boundary (EOS), and are spread over as many different files as possible.
 """
 

@@ -1,6 +1,6 @@
 """Benchmark results as files people read: results.json, a markdown table and PNG plots.
 
-Columns (DESIGN §3): tau = tokens emitted per target forward (bonus included; plain = 1);
+Columns: tau = tokens emitted per target forward (bonus included; plain = 1);
 alpha = accepted / proposed draft tokens (for a tree: accepted depth / tree depth);
 speedup = median over rounds of method tokens/s over the FASTEST plain decoding's tokens/s in the same round
 (over every threads/compile setting of the run, so plain rows below 1.00 are the slower plain settings);
@@ -57,7 +57,8 @@ def markdown_table(results: dict) -> str:
 
 def warmup_lines(results: dict) -> str:
     """Compile (warm-up) time per setting, reported apart from tokens/s."""
-    out = [f"- {setting}: cost calibration{' incl. compiling every verify width' if 'compiled' in setting else ''} {s:.1f} s"
+    out = [f"- {setting}: cost calibration {s:.1f} s (about 0 when read from its cache"
+           f"{'; on a fresh machine it includes compiling every verify width' if 'compiled' in setting else ''})"
            for setting, s in results.get("calibration_s", {}).items()]
     for row in results["plain"] + results["methods"]:
         if row.get("compiled"):

@@ -1,4 +1,4 @@
-"""Medusa heads (Cai et al. 2024; DESIGN §6): K small heads on the frozen base's final hidden state.
+"""Medusa heads (Cai et al. 2024): K small heads on the frozen base's final hidden state.
 
 Head k (k = 1..K) reads the hidden state at position t (after the base's final norm) and guesses token
 t + 1 + k; the base's own output layer already guesses t + 1. A head is `num_layers` residual blocks

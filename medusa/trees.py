@@ -1,11 +1,11 @@
-"""Static Medusa trees (DESIGN §5): rank paths grown from head accuracies, and their node tables.
+"""Static Medusa trees: rank paths grown from head accuracies, and their node tables.
 
 A tree is a list of rank paths: node (r1, .., rd) carries head d's rank-rd guess, under the node
 (r1, .., r_{d-1}). `verify.tree.grow_tree` adds nodes greedily by the product of their rank accuracies,
 accuracies[d][r] = how often head d + 1's rank-r guess is the base's own next-next.. token.
 
 Before any measurement there is `default_tree`, grown from a fixed table of typical accuracies:
-- top-1 accuracy of heads 1..5: 0.56, 0.32, 0.20, 0.15, 0.12 (Medusa on Vicuna-7B, DESIGN §1); a head
+- top-1 accuracy of heads 1..5: 0.56, 0.32, 0.20, 0.15, 0.12 (Medusa on Vicuna-7B); a head
   beyond the fifth keeps losing a fifth: 0.12 * 0.8^(k - 5);
 - rank decay: accuracy(rank r) = top1 * rho^r with rho = 1 - sqrt(top1). This is our assumption, not a
   published table. It makes the ranks of head k sum to sqrt(top1_k) < 1 (a head cannot be right more than

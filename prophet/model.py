@@ -1,4 +1,4 @@
-"""The prophet: a small x-transformers decoder that drafts in the frozen base's feature space (DESIGN §6).
+"""The prophet: a small x-transformers decoder that drafts in the frozen base's feature space.
 
 At position t it reads the base's final hidden state f_t (after the final norm) fused with the
 embedding of the next token x_{t+1}, and predicts f_{t+1}; logits come from the frozen base output

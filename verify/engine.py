@@ -152,17 +152,18 @@ class LeanDecoder:
         self.inv_freq = rotary.inv_freq.detach()
         self.dim = layers.dim
         self.step, self.compiled = self.forward, False  # or its compiled version (`lean(..., compile=True)`)
-        self.dtype = self.inv_freq.new_empty(0).dtype if not self.blocks else self.blocks[0][1][0].dtype
+        self.dtype = self.blocks[0][1][0].dtype  # the first block's norm gain: the model's dtype
         self.cos = self.sin = None
         self._table(1)
 
     def _attention(self, attn: nn.Module, where: str) -> tuple:
         _check_attention(attn, where)
         self.heads, self.scale = attn.heads, attn.scale
-        w = torch.cat([attn.to_q.weight, attn.to_k.weight, attn.to_v.weight]).detach()  # (3 h dh, d)
-        biases = [_bias(getattr(attn, n)) for n in ("to_q", "to_k", "to_v")]
-        b = None if all(x is None for x in biases) else torch.cat([x if x is not None else torch.zeros(l.out_features, device=w.device)
-                                                                  for x, l in zip(biases, (attn.to_q, attn.to_k, attn.to_v))])
+        layers = (attn.to_q, attn.to_k, attn.to_v)
+        w = torch.cat([layer.weight for layer in layers]).detach()  # (3 h dh, d): one matmul for q, k and v
+        b = None  # a bias on any of them: zeros stand in for the others
+        if any(layer.bias is not None for layer in layers):
+            b = torch.cat([_bias(layer) if layer.bias is not None else w.new_zeros(layer.out_features) for layer in layers])
         self.dim_head = attn.to_q.out_features // attn.heads
         return w, b, attn.to_out.weight.detach(), _bias(attn.to_out)
 

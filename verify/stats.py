@@ -1,4 +1,4 @@
-"""Decoding statistics with the project's fixed names (DESIGN §3).
+"""Decoding statistics with the project's fixed names.
 
 tau   = tokens emitted / target forward passes (bonus token included; the prefill counts as the
         forward that produced the first token, so plain decoding has tau = 1 exactly)

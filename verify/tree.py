@@ -1,4 +1,4 @@
-"""Draft trees (DESIGN §5): static trees from rank paths, greedy tree growth, and tree acceptance.
+"""Draft trees: static trees from rank paths, greedy tree growth, and tree acceptance.
 
 Indexing. A draft tree has k nodes with parents in draft indexing (-1 = child of the pending token).
 Verification runs [pending, node_1 .. node_k]; in that "verify indexing" node 0 is the root (the
