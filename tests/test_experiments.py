@@ -671,6 +671,7 @@ def test_benchmark_multirun_then_summarize(tiny_base: Path, drafters: dict, tmp_
     proc = run_module("experiments.summarize", str(sweep))
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("| decode.gamma=")]
-    assert {line.split(" | ")[3] for line in lines} == {"1", "2"}
+    assert {line.split(" | ")[4] for line in lines} == {"1", "2"}  # overrides, name, mode, temperature, gamma
+    assert {line.split(" | ")[2] for line in lines} == {"eager 1t"}
     assert len(lines) == 2 * 2 * len(bench_mod.METHODS)
     assert (sweep / "summary.md").is_file() and (sweep / "speedup_vs_gamma.png").is_file()
