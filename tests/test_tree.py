@@ -152,3 +152,26 @@ def test_tree_sampling_reproduces_the_target_distribution(sampled):
 def test_tree_negative_control_typical_is_detected():
     (stat, critical), _ = run_tree(RandomTreeStub(False), rule="typical")
     assert stat > critical, f"typical acceptance (biased) passed: chi2 {stat:.1f} < {critical:.1f}"
+
+
+def random_tree(gen: torch.Generator, n: int) -> torch.Tensor:
+    """Verify-indexed parents (n,): root at 0, each later node under a random earlier one."""
+    return torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
+
+
+def test_vectorised_greedy_tree_walk_equals_the_sibling_walk():
+    """tree_greedy_accept == tree_sampling_accept with one-hot p, on random trees and logits in which
+    siblings often share a token (so the first-matching-sibling rule matters)."""
+    from verify.tree import tree_greedy_accept, tree_sampling_accept
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        b, n, vocab = 3, int(torch.randint(2, 12, (1,), generator=gen)), 4  # tiny vocabulary: many matches
+        parents = torch.stack([random_tree(gen, n) for _ in range(b)])
+        tokens = torch.randint(0, vocab, (b, n), generator=gen)
+        logits = torch.randn(b, n, vocab, generator=gen)
+        p = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
+        want = tree_sampling_accept(p, tokens, parents)
+        got = tree_greedy_accept(logits, tokens, parents)
+        for w, g, name in zip(want, got, ("accepted", "path", "next")):
+            assert torch.equal(w, g), (trial, name, parents, tokens, w, g)

@@ -19,7 +19,7 @@ from verify.plain import Generation, check_max_new_tokens, rows_to_lists
 from verify.sampling import SamplingConfig, probs_from_logits, sample_token
 from verify.stats import DecodeStats
 from verify.target import Target
-from verify.tree import tree_sampling_accept, tree_typical_accept, verify_parents
+from verify.tree import tree_greedy_accept, tree_sampling_accept, tree_typical_accept, verify_parents
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,12 @@ def _verify_tree(target: Target, pending: Tensor, draft: Draft, rule: str, spec:
     parents = verify_parents(draft.parents.expand(b, -1).to(pending.device))  # (b, k + 1)
     tokens = torch.cat((pending[:, None], draft.tokens), dim=1)
     verified = target.extend(tokens, parents=parents)
+    if rule == "greedy":  # the walk below with one-hot p, vectorised
+        return (verified, *tree_greedy_accept(verified.logits, tokens, parents))
     p = probs_from_logits(verified.logits, sampling)
     if rule == "typical":
         accepted, path, nxt = tree_typical_accept(p, tokens, parents, epsilon=spec.typical_epsilon, alpha=spec.typical_alpha, generator=generator)
-    else:  # greedy is the same walk with one-hot p: exact acceptance of the target's argmax
+    else:  # lossless sampling: the walk of tree_sampling_accept
         q = None if draft.q is None else torch.cat((torch.zeros_like(draft.q[:, :1]), draft.q), dim=1)
         accepted, path, nxt = tree_sampling_accept(p, tokens, parents, q, generator)
     return verified, accepted, path, nxt
