@@ -271,25 +271,27 @@ RECOMPILE_LIMIT = 256
 _BUILT: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def _weights_version(module: nn.Module) -> int:
+def _weights_version(params: tuple[Tensor, ...]) -> int:
     # in-place updates (optimizer steps, load_state_dict) bump a tensor's version counter
-    return sum(p._version for p in module.parameters()) + sum(id(p) for p in module.parameters())
+    return sum(p._version for p in params)
 
 
 def lean(module: nn.Module, build=None, *, compile: bool = False, vocab: Tensor | None = None):
     """The lean engine of `module` (a TransformerWrapper, or AttentionLayers with `build=LeanDecoder`),
-    built once and rebuilt only when its weights changed; checked against the x-transformers forward.
-    `vocab`: a LeanLM's output layer trimmed to these ids (see `LeanLM`).
+    built once and rebuilt only when its parameters changed in place (optimizer steps, load_state_dict);
+    checked against the x-transformers forward. `vocab`: a LeanLM's output layer trimmed to these ids (see `LeanLM`).
 
     compile=True: the engine's step goes through torch.compile with static shapes (one compiled
     program per input width; Inductor's on-disk cache makes a second process reuse them)."""
     build = build or LeanLM
-    version = _weights_version(module)
     built = _BUILT.setdefault(module, {})
     key = (build, compile, None if vocab is None else tuple(vocab.tolist()))
-    cached = built.get(key)
-    if cached is not None and cached[0] == version:
-        return cached[1]
+    cached = built.get(key)  # (parameters, their version then, engine)
+    # The prophet calls this every draft step: checking the stored parameters' versions costs a few
+    # microseconds, where walking module.parameters() again cost ~50.
+    if cached is not None and _weights_version(cached[0]) == cached[1]:
+        return cached[2]
+    params = tuple(module.parameters())
     engine = build(module) if vocab is None else build(module, vocab)
     check_against_reference(module, engine)
     if compile:
@@ -302,7 +304,7 @@ def lean(module: nn.Module, build=None, *, compile: bool = False, vocab: Tensor 
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         engine.step, engine.compiled = torch.compile(engine.forward, dynamic=False, options=COMPILE_OPTIONS), True
-    built[key] = (version, engine)
+    built[key] = (params, _weights_version(params), engine)
     return engine
 
 
