@@ -16,6 +16,16 @@ def make_lm(*, num_tokens: int = 97, dim: int = 32, depth: int = 2, heads: int =
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and lose several-fold when the cores are shared.
+    Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def lm():
     return make_lm()

@@ -102,11 +102,13 @@ def test_eager_attention_reads_only_the_slots_in_use(monkeypatch):
 
 def test_cache_grows_past_its_capacity():
     lm = project_lm(4)
-    target = Target(lm, max_draft=1)
-    seq = list(range(1, 70))
-    target.prefill([seq[:60]])
-    out = target.extend(torch.tensor([seq[60:69]])).logits[0]  # 60 + 9 > 80 + 1 slots: the buffers grow
-    assert (out - full(lm, seq)[60:]).abs().max() <= TOL
+    target = Target(lm, max_draft=1)  # 80 + 1 + 1 = 82 slots
+    seq = list(range(1, 90))
+    target.prefill([seq[:70]])
+    assert target.cache.capacity == 82
+    out = target.extend(torch.tensor([seq[70:89]])).logits[0]  # 70 + 19 > 82: the buffers grow
+    assert target.cache.capacity >= 89
+    assert (out - full(lm, seq)[70:]).abs().max() <= TOL
 
 
 def _wrapper(**decoder_kwargs):
