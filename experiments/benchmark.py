@@ -202,10 +202,6 @@ def check_settings(cfg: DictConfig) -> list[tuple[int | None, bool]]:
     return [(t, c) for t in threads for c in modes]
 
 
-def label(threads: int, compiled: bool) -> str:
-    return mode({"threads": threads, "compiled": compiled})
-
-
 def bench_temperature(cfg, setups: list[dict], batches, temperature: float, eos_id) -> tuple[list[dict], list[dict]]:
     """Plain and every method in every setting at one temperature: warm-up, interleaved rounds, medians.
 
@@ -295,7 +291,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
                 target, key_parts={"base": base_meta["fingerprint"], "dtype": "float32"}, cache_dir=cfg.budget_search.cache_dir,
                 batch_size=cfg.decode.batch_size, prompt_len=cfg.prompts.prompt_len)
             setup["calibration_s"] = time.perf_counter() - start  # compiled: includes compiling every width
-            log.info("target cost by new tokens (%s):\n%s", label(threads, compiled), format_cost_table(setup["verify_cost"]))
+            log.info("target cost by new tokens (%s):\n%s", mode(setup), format_cost_table(setup["verify_cost"]))
             setup["pilot_prompts"] = pilot_prompts(cfg, tokenizer, base_meta, prompts)
         setups.append(setup)
     plains, rows = [], []
@@ -304,8 +300,8 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         plains += plain
         rows += method_rows
     results = {
-        "cost_tables": {label(s["threads"], s["compiled"]): s["verify_cost"] for s in setups if "verify_cost" in s},
-        "calibration_s": {label(s["threads"], s["compiled"]): s["calibration_s"] for s in setups if "calibration_s" in s},
+        "cost_tables": {mode(s): s["verify_cost"] for s in setups if "verify_cost" in s},
+        "calibration_s": {mode(s): s["calibration_s"] for s in setups if "calibration_s" in s},
         "base_checkpoint": base_ckpt, "base_fingerprint": base_meta["fingerprint"], "cpu": cpu_model(),
         "prompts": len(prompts), "batch_size": cfg.decode.batch_size, "max_new_tokens": cfg.decode.max_new_tokens,
         "repeats": cfg.repeats, "device": str(device), "dtype": "float32",
@@ -316,7 +312,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     logger = instantiate(cfg.logger, dir=str(out_dir), run_config=results["config"], _convert_="all", _recursive_=False)
     try:
         for i, row in enumerate(rows):
-            key = f"{row['name']}/t{row['temperature']}/{label(row['threads'], row['compiled']).replace(', ', '/')}"
+            key = f"{row['name']}/t{row['temperature']}/{mode(row).replace(' ', '/')}"
             logger.log({f"{key}/{k}": v for k, v in row.items() if isinstance(v, (int, float))}, step=i)
     finally:
         logger.finish()
@@ -392,7 +388,7 @@ def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_i
             gamma, factory, kwargs = result["gamma"], setup["methods"][name], {}
         spec = replace(setup["spec"], gamma=gamma, max_gamma=max(setup["spec"].max_gamma, gamma))
         chosen[name] = dict(factory=factory, spec=spec, budget={"gamma": gamma, **kwargs, "table": result["table"]})
-        log.info("budget=auto %s (%s, T=%g): gamma %d %s", name, label(setup["threads"], compile_), sampling.temperature, gamma, kwargs)
+        log.info("budget=auto %s (%s, T=%g): gamma %d %s", name, mode(setup), sampling.temperature, gamma, kwargs)
     return chosen
 
 
