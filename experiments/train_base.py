@@ -36,6 +36,7 @@ from experiments.checkpoint import checkpoint_exists, load_checkpoint, save_chec
 from experiments.cli import exit_on_user_error, one_line
 from experiments.data import PreparedData, prepare_data, sample_batch
 from experiments.lm import check_lm_sizes, count_parameters
+from experiments.precision import autocast, check_precision, resolve_precision
 
 log = logging.getLogger(__name__)
 LN2 = math.log(2.0)
@@ -79,7 +80,6 @@ def _validate_optim(optim: DictConfig, max_steps: int) -> None:
     _require(optim.eps > 0, f"optim.eps must be positive, got {optim.eps}")
     _require(optim.weight_decay >= 0, f"optim.weight_decay must be non-negative, got {optim.weight_decay}")
     _require(optim.grad_clip >= 0, f"optim.grad_clip must be non-negative (0 disables), got {optim.grad_clip}")
-    _require(isinstance(optim.bf16, bool), f"optim.bf16 must be true or false, got {optim.bf16!r}")
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -100,6 +100,7 @@ def validate_config(cfg: DictConfig) -> None:
     _require(cfg.seq_len <= cfg.base.max_seq_len,
              f"seq_len ({cfg.seq_len}) must not exceed base.max_seq_len ({cfg.base.max_seq_len})")
     _validate_optim(cfg.optim, cfg.max_steps)
+    check_precision(cfg.precision)
     _require(isinstance(cfg.device, str), f"device must be auto, cpu or cuda[:N], got {cfg.device!r}")
     resolve_device(cfg.device)
 
@@ -158,10 +159,11 @@ def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, *,
-               lr: float, grad_clip: float, bf16: bool) -> float:
+               lr: float, grad_clip: float, precision: str) -> float:
+    """One optimizer step; `precision` is the resolved one ("bf16": autocast forward and loss, else fp32)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=bf16):
+    with autocast(precision, batch.device):
         loss = lm_loss(model, batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -247,9 +249,11 @@ class Trainer:
     """The loop's moving parts; `run` is the loop itself."""
 
     def __init__(self, cfg: DictConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 data: PreparedData, out_dir: Path, device: torch.device, logger: Any) -> None:
+                 data: PreparedData, out_dir: Path, device: torch.device, logger: Any,
+                 precision: dict[str, str]) -> None:
         self.cfg, self.model, self.optimizer, self.data = cfg, model, optimizer, data
         self.out_dir, self.device, self.logger = out_dir, device, logger
+        self.precision = precision  # resolve_precision's dict: what ran and why (checkpoint and summary record it)
         self.state = RunState()
         self.blocks = validation_blocks(data.val_ids, seq_len=cfg.seq_len, eval_blocks=cfg.eval_blocks)  # (n, T+1)
         self.budget_s = cfg.max_minutes * 60 if cfg.max_minutes is not None else math.inf
@@ -275,7 +279,7 @@ class Trainer:
         cfg, data = self.cfg, self.data
         extra = {
             "kind": "base_lm", "tokens_seen": self.state.tokens_seen, "elapsed_s": self.elapsed(),
-            "metrics": metrics,
+            "metrics": metrics, "precision": self.precision,
             "data": {"config": OmegaConf.to_container(cfg.data, resolve=True), "cache_key": data.cache_key, "train_tokens": data.train_ids.numel(),
                      "val_tokens": data.val_ids.numel(), "train_bytes": data.train_bytes,
                      "val_bytes": data.val_bytes, "eos_id": data.eos_id, "vocab_size": data.vocab_size},
@@ -323,7 +327,7 @@ class Trainer:
         batch = batch_for_step(self.data.train_ids, step=self.state.step, seed=cfg.seed,
                                batch_size=cfg.batch_size, seq_len=cfg.seq_len, device=self.device)  # (B, T+1)
         loss = train_step(self.model, self.optimizer, batch, lr=lr, grad_clip=cfg.optim.grad_clip,
-                          bf16=cfg.optim.bf16)
+                          precision=self.precision["used"])
         self.train_time += time.perf_counter() - started
         self.state.step += 1
         self.state.tokens_seen += batch[:, 1:].numel()
@@ -367,7 +371,7 @@ class Trainer:
             "train_tokens": self.state.tokens_seen, "val_tokens": int(self.blocks[:, 1:].numel()),
             "train_corpus_tokens": int(self.data.train_ids.numel()),
             "val_corpus_tokens": int(self.data.val_ids.numel()),
-            "tokens_per_s": self.tokens_per_s(), "elapsed_s": self.elapsed(),
+            "tokens_per_s": self.tokens_per_s(), "elapsed_s": self.elapsed(), "precision": self.precision,
             "parameters": count_parameters(self.model), "checkpoint": str(self.out_dir / "checkpoint"),
             "out_dir": str(self.out_dir),
         }
@@ -379,6 +383,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.device)
+    precision = resolve_precision(cfg.precision, device)  # once per session; a resume on another machine re-resolves
+    log.info("precision: %s (requested %s; %s)", precision["used"], precision["requested"], precision["reason"])
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -393,7 +399,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     logger = instantiate(cfg.logger, dir=str(out_dir), run_config=OmegaConf.to_container(cfg, resolve=True),
                          _convert_="all", _recursive_=False)
     trainer = Trainer(cfg, model=model, optimizer=optimizer, data=data, out_dir=out_dir, device=device,
-                      logger=logger)
+                      logger=logger, precision=precision)
     try:
         if cfg.resume and checkpoint_exists(out_dir / "checkpoint"):
             trainer.resume(out_dir / "checkpoint")

@@ -74,17 +74,19 @@ def test_logger_targets_exist(name: str) -> None:
 
 def test_optim_keys() -> None:
     keys = set(OmegaConf.load(CONF / "optim" / "adamw.yaml").keys())
-    assert keys == {"lr", "min_lr", "betas", "eps", "weight_decay", "warmup_steps", "grad_clip", "bf16"}
+    assert keys == {"lr", "min_lr", "betas", "eps", "weight_decay", "warmup_steps", "grad_clip"}  # precision is top-level
 
 
 def test_defaults_and_recipes() -> None:
     cfg = make_cfg()
     assert cfg.base.dim == 128 and cfg.base.depth == 4 and cfg.data.source == "stdlib"
-    assert cfg.logger.mode == "offline" and cfg.resume is True
+    assert cfg.logger.mode == "offline" and cfg.resume is True and cfg.precision == "auto"
     tiny = make_cfg("experiment=base_tiny")
     assert tiny.optim.lr == 3e-3 and tiny.batch_size == 16 and tiny.seq_len == 256 and tiny.base.dim == 128
     small = make_cfg("experiment=base_small")
     assert small.optim.lr == 1.5e-3 and small.base.dim == 256 and small.base.depth == 8
+    for recipe in (tiny, small, make_cfg("experiment=base_draft")):  # the machine chooses, not the recipe
+        assert recipe.precision == "auto" and "bf16" not in recipe.optim
     assert make_cfg("experiment=base_small", "optim.lr=1e-4").optim.lr == 1e-4  # command line wins
 
 

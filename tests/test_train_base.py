@@ -1,4 +1,5 @@
-"""Base training through Hydra's compose API: the loss drops, resume continues, bad configs fail fast."""
+"""Base training through Hydra's compose API: the loss drops, resume continues, bad configs fail fast,
+precision=auto follows the (faked) CPU flags and the checkpoint records what ran."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from experiments import train_base
+from experiments import precision, train_base
 from experiments.checkpoint import load_checkpoint, load_lm
 from experiments.train_base import MetricsFile, lr_at, train
 
@@ -106,6 +107,24 @@ def test_wandb_logger_offline(tmp_path: Path, cache_dir: str) -> None:
     assert list((tmp_path / "wandb").glob("offline-run-*"))
 
 
+def test_precision_follows_the_machine_and_is_recorded(tmp_path: Path, cache_dir: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    def run(name: str, requested: str, flags: set[str]) -> tuple[str, list[float]]:
+        monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
+        result = train(make_cfg(tmp_path / name, cache_dir, "max_steps=3", f"precision={requested}", "device=cpu"))
+        assert load_checkpoint(tmp_path / name / "checkpoint").meta["precision"] == result["precision"]
+        assert result["precision"]["requested"] == requested
+        return result["precision"]["used"], [r["train_loss"] for r in train_rows(tmp_path / name)]
+
+    fp32 = run("fp32", "fp32", {"avx2", "avx512_bf16"})
+    bf16 = run("bf16", "bf16", {"avx2"})
+    assert fp32[0] == "fp32" and bf16[0] == "bf16"
+    assert fp32[1][0] != bf16[1][0]  # bf16 autocast really ran: it changes the very first loss
+    # auto trains exactly as the explicit choice the flags call for (same losses, bit for bit)
+    assert run("auto_without", "auto", {"avx2", "avx512f"}) == fp32
+    assert run("auto_with", "auto", {"avx2", "amx_bf16"}) == bf16
+
+
 def test_lr_schedule() -> None:
     sched = dict(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
     assert lr_at(0, **sched) == pytest.approx(0.1)
@@ -138,6 +157,8 @@ def test_lr_schedule() -> None:
     ("base.heads=3", "must be divisible by heads (3)"),
     ("device=tpu", "device must be auto, cpu or cuda"),
     ("data=files", "data.paths"),
+    ("precision=fp16", "precision='fp16': must be one of auto, fp32, bf16"),
+    ("precision=null", "precision=None: must be one of auto, fp32, bf16"),
 ])
 def test_bad_config_fails_before_work(tmp_path: Path, override: str, fragment: str,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
