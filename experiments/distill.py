@@ -1,0 +1,81 @@
+"""Self-distillation targets shared by every drafter family: the frozen base's own distribution.
+
+A drafter's draft is accepted when it agrees with the base, not with the data: so its training target is
+the base's distribution for the same token (Medusa-2 and EAGLE train this way), and its validation
+figure is agreement with the base's top-1, which is what greedy acceptance measures.
+
+The teacher is stored sparse: the base's `k` most likely tokens and their log-probabilities (over the
+full vocabulary), `ids (..., k)` and `logp (..., k)`, computed once in fp32 (experiments/features.py).
+Three targets:
+- `kl`: cross-entropy to the teacher renormalised over its top-k, i.e. KL(p_topk || q) up to a constant.
+  With k = 16 the top-k holds most of the base's mass on this corpus, and the student's full softmax
+  still normalises over every token it can emit.
+- `argmax`: cross-entropy to the base's top-1 (what greedy acceptance checks, nothing more).
+- `true`: cross-entropy to the corpus token (learning the data, the pre-distillation recipe).
+
+A trimmed drafter vocabulary (`vocab`, sorted ids (N,)) gives student logits over the subset only; teacher
+tokens outside it are dropped (the drafter can never propose them), and positions whose target falls
+wholly outside it are left out of the mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+TARGETS = ("kl", "argmax", "true")
+
+
+def check_target(target: str) -> str:
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r}: must be one of {', '.join(TARGETS)} (kl and argmax distil the base)")
+    return target
+
+
+def subset_index(vocab: Tensor | None, vocab_size: int, device: torch.device) -> Tensor | None:
+    """(V,) long: the position of each full-vocabulary id in the subset `vocab`, -1 outside; None for no subset."""
+    if vocab is None:
+        return None
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=device)
+    index[vocab.to(device)] = torch.arange(vocab.numel(), device=device)
+    return index
+
+
+def distill_loss(
+    logits: Tensor, *, top_ids: Tensor, top_logp: Tensor, true_ids: Tensor | None = None, target: str = "kl",
+    index: Tensor | None = None,
+) -> Tensor:
+    """Mean loss of student logits (N, V') against the teacher top-k (N, k) (or true ids (N,)).
+
+    `index` (from `subset_index`) maps full ids to the student's subset columns when V' < V."""
+    check_target(target)
+    log_q = logits.float().log_softmax(dim=-1)  # (N, V')
+    if target == "true":
+        if true_ids is None:
+            raise ValueError("target='true' needs the corpus tokens")
+        ids, weight = true_ids[:, None], torch.ones_like(true_ids, dtype=log_q.dtype)[:, None]
+    elif target == "argmax":
+        ids, weight = top_ids[:, :1], torch.ones_like(top_logp[:, :1], dtype=log_q.dtype)
+    else:
+        ids, weight = top_ids, top_logp.float().exp()
+    if index is not None:  # teacher tokens the subset cannot emit carry no target
+        ids = index[ids]
+        weight = weight * (ids >= 0)
+        ids = ids.clamp(min=0)
+    mass = weight.sum(dim=-1)  # (N,)
+    keep = mass > 0
+    p = weight[keep] / mass[keep, None]  # (n, k) renormalised teacher
+    ce = -(p * log_q[keep].gather(-1, ids[keep])).sum(dim=-1)  # (n,)
+    return ce.mean() if ce.numel() else log_q.sum() * 0.0  # no target at all: a zero that still has a graph
+
+
+def student_top1(logits: Tensor, vocab: Tensor | None) -> Tensor:
+    """(..., V') student logits -> (...) its top-1 as a full-vocabulary id."""
+    top = logits.argmax(dim=-1)
+    return top if vocab is None else vocab.to(top.device)[top]
+
+
+def agreement(logits: Tensor, top_ids: Tensor, vocab: Tensor | None = None) -> Tensor:
+    """Share of positions where the student's top-1 is the base's top-1: logits (..., V'), top_ids (..., k)."""
+    return (student_top1(logits, vocab) == top_ids[..., 0]).float().mean()

@@ -1,0 +1,309 @@
+"""The feature cache: the frozen base's outputs over the training corpus, computed once, read by every drafter.
+
+A drafter trains on what the frozen base computes for each window of tokens: its final hidden states
+(the prophet regresses them, Medusa's heads read them), optionally the residual states of chosen layers
+(the prophet's EAGLE-3 fusion), and the base's own next-token distribution as its top-k ids and
+log-probabilities (the self-distillation teacher, experiments/distill.py). None of it changes while the
+base is frozen, so running the base on every training step (the old recipe) wasted most of the step.
+
+Layout of a cache directory:
+    meta.json                   the FeatureSpec (base fingerprint, data key, windows, ...), dims, shard sizes
+    shard-00000.safetensors     tokens (n, T+1) int32, hidden (n, T, d), [layers (n, T, S, d)],
+    ...                         top_ids (n, T, k) int32, top_logp (n, T, k) float32
+Shards are written to a temporary name and renamed, so a shard that exists is complete; an interrupted
+run resumes at the first missing shard. meta.json records the spec, and a cache for another base, data
+config or setting is refused in one line (the default directory's name is the spec's hash, so a
+retrained base simply gets a new cache).
+
+Sources: `corpus` caches windows of the training split; `greedy` and `sample` cache the base's own
+continuations (T = 0 and T = 1) of the first `prompt_len` tokens of those windows: the text the drafter
+will really draft for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from prophet.model import base_features
+from verify.plain import plain_generate
+from verify.sampling import SamplingConfig
+from verify.target import Target
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+SOURCES = ("corpus", "greedy", "sample")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class StaleFeatures(ValueError):
+    """A cache directory that holds features of another base, data config or setting."""
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Everything that decides a cache's contents; its hash names the default directory."""
+
+    base_fingerprint: str
+    data_key: str  # PreparedData.cache_key: the corpus, split and tokenizer
+    seq_len: int  # positions per window (each window holds seq_len + 1 tokens)
+    windows: int  # number of windows cached
+    source: str = "corpus"
+    prompt_len: int = 32  # greedy / sample: corpus tokens before the base's own continuation
+    layers: tuple[int, ...] = ()  # base blocks whose residual states are kept (1-based)
+    top_k: int = 16  # teacher tokens kept per position
+    dtype: str = "float16"  # storage of hidden and layer states (the teacher's log-probs stay float32)
+    seed: int = 0  # which windows, and the sampling of `sample`
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "windows", "top_k", "prompt_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"features.{name}={value!r}: must be an integer >= 1")
+        if self.seq_len < 2:
+            raise ValueError(f"features seq_len={self.seq_len}: must be at least 2")
+        if self.source not in SOURCES:
+            raise ValueError(f"features.source={self.source!r}: must be one of {', '.join(SOURCES)}")
+        if self.source != "corpus" and self.prompt_len > self.seq_len:
+            raise ValueError(f"features.prompt_len={self.prompt_len}: must be at most seq_len={self.seq_len}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"features.dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}")
+        object.__setattr__(self, "layers", tuple(self.layers))
+
+    def key(self) -> str:
+        record = {**asdict(self), "format": FORMAT_VERSION}
+        return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+
+    def bytes_per_window(self, dim: int) -> int:
+        t, width = self.seq_len, DTYPES[self.dtype].itemsize
+        return 4 * (t + 1) + width * t * dim * (1 + len(self.layers)) + 8 * t * self.top_k
+
+
+@dataclass
+class FeatureBatch:
+    """What a drafter's loss reads for B windows: the tokens and the frozen base's outputs on tokens[:, :-1]."""
+
+    tokens: Tensor  # (B, T + 1) long
+    hidden: Tensor  # (B, T, d) float32: final hidden states (after the final norm)
+    top_ids: Tensor  # (B, T, k) long: the base's k most likely next tokens, most likely first
+    top_logp: Tensor  # (B, T, k) float32: their log-probabilities under the base (full vocabulary)
+    layers: Tensor | None = None  # (B, T, S, d) float32: residual states after the chosen blocks
+
+    def check(self) -> tuple[int, int]:
+        """(B, T) after checking that every field describes the same windows; a one-line ValueError otherwise."""
+        b, t = self.hidden.shape[:2]
+        shapes = {"tokens": self.tokens.shape, "hidden": self.hidden.shape, "top_ids": self.top_ids.shape,
+                  "top_logp": self.top_logp.shape, **({} if self.layers is None else {"layers": self.layers.shape})}
+        ok = self.tokens.shape == (b, t + 1) and self.top_ids.shape[:2] == (b, t) and self.top_logp.shape == self.top_ids.shape
+        if not ok or (self.layers is not None and self.layers.shape[:2] != (b, t)):
+            raise ValueError(f"a feature batch needs tokens (B, T + 1) and hidden, top_ids, top_logp[, layers] "
+                             f"of (B, T, ...); got {', '.join(f'{k} {tuple(v)}' for k, v in shapes.items())}")
+        return b, t
+
+    def to(self, device: torch.device) -> "FeatureBatch":
+        move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
+        return FeatureBatch(*(move(x) for x in (self.tokens, self.hidden, self.top_ids, self.top_logp, self.layers)))
+
+    def crop(self, seq_len: int) -> "FeatureBatch":
+        """The first seq_len positions: exact, since the base is causal."""
+        if seq_len >= self.hidden.shape[1]:
+            return self
+        cut = lambda x: None if x is None else x[:, :seq_len]  # noqa: E731
+        return FeatureBatch(self.tokens[:, : seq_len + 1], *(cut(x) for x in (self.hidden, self.top_ids, self.top_logp, self.layers)))
+
+
+@torch.no_grad()
+def teacher_batch(base: nn.Module, tokens: Tensor, *, layers: tuple[int, ...] = (), top_k: int = 16) -> FeatureBatch:
+    """Run the frozen base (fp32, no autocast: the teacher is the base that decodes) on tokens (B, T + 1)."""
+    hidden, logits, states = base_features(base, tokens[:, :-1], tuple(layers))
+    top = logits.float().log_softmax(dim=-1).topk(min(top_k, logits.shape[-1]), dim=-1)
+    return FeatureBatch(tokens=tokens.long(), hidden=hidden.float(), top_ids=top.indices, top_logp=top.values,
+                        layers=None if states is None else states.float())
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def corpus_windows(ids: Tensor, *, seq_len: int, windows: int | None, seed: int) -> Tensor:
+    """(N, seq_len + 1) non-overlapping windows of a token stream, a seeded random choice of them."""
+    available = (ids.numel() - 1) // seq_len
+    if available < 1:
+        raise ValueError(f"the training split has {ids.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+    if windows is not None and windows > available:
+        raise ValueError(f"features.windows={windows}: the training split holds only {available} windows of {seq_len} tokens")
+    order = torch.randperm(available, generator=torch.Generator().manual_seed(seed))[: windows or available]
+    return ids[order[:, None] * seq_len + torch.arange(seq_len + 1)].long()
+
+
+def continue_windows(base: nn.Module, windows: Tensor, *, prompt_len: int, temperature: float, seed: int) -> Tensor:
+    """The base's own continuation of each window's first prompt_len tokens, to the window's length."""
+    new = windows.shape[1] - prompt_len
+    prompts = windows[:, :prompt_len].tolist()
+    generator = torch.Generator(device=windows.device).manual_seed(seed)
+    out = plain_generate(Target(base), prompts, max_new_tokens=new, sampling=SamplingConfig(temperature=temperature),
+                         generator=generator).tokens  # no EOS stop: every row runs to full length
+    return torch.cat((windows[:, :prompt_len], torch.tensor(out, dtype=torch.long, device=windows.device)), dim=1)
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("[bold]features"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=console, disable=not console.is_terminal)
+
+
+def _shard_path(directory: Path, i: int) -> Path:
+    return directory / f"shard-{i:05d}.safetensors"
+
+
+def _check_meta(directory: Path, spec: FeatureSpec) -> dict | None:
+    """The directory's meta.json, refused in one line when it records another spec; None when absent.
+
+    A cache that holds more layers than asked serves the request (a fused prophet's cache serves Medusa)."""
+    path = directory / "meta.json"
+    if not path.exists():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+        found = FeatureSpec(**{**meta["spec"], "layers": tuple(meta["spec"]["layers"])})
+    except (ValueError, KeyError, TypeError) as e:
+        raise StaleFeatures(f"{path} is not a feature cache's meta.json ({type(e).__name__}): delete {directory} or choose another directory") from None
+    wanted = asdict(spec) | {"layers": found.layers if set(spec.layers) <= set(found.layers) else spec.layers}
+    diff = ", ".join(f"{k}: cached {v!r}, wanted {wanted[k]!r}" for k, v in asdict(found).items() if v != wanted[k])
+    if diff:
+        raise StaleFeatures(f"feature cache {directory} was written for another setting ({diff}): delete it or choose another directory")
+    return meta
+
+
+def write_features(directory: str | Path, base: nn.Module, train_ids: Tensor, spec: FeatureSpec, *,
+                   shard_windows: int = 256, batch_size: int = 16) -> Path:
+    """Compute and store the cache for `spec` (resumes an interrupted one); returns the directory."""
+    directory = Path(directory)
+    meta = _check_meta(directory, spec)
+    if meta is not None and meta.get("complete"):
+        return directory
+    dim = base.to_logits.in_features
+    size = spec.windows * spec.bytes_per_window(dim)
+    shards = -(-spec.windows // shard_windows)
+    log.info("feature cache %s: %d windows x %d positions (%s), %d shards, about %.2f GB", directory, spec.windows,
+             spec.seq_len, spec.source, shards, size / 1e9)
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = {"spec": asdict(spec), "format": FORMAT_VERSION, "dim": dim, "shard_windows": shard_windows,
+            "shards": shards, "bytes": size, "complete": False}
+    (directory / "meta.json").write_text(json.dumps(meta, indent=1))
+    device = next(base.parameters()).device
+    windows = corpus_windows(train_ids, seq_len=spec.seq_len, windows=spec.windows, seed=spec.seed)
+    console = Console(stderr=True)
+    with _progress(console) as progress:
+        task = progress.add_task("features", total=spec.windows)
+        for i in range(shards):
+            rows = windows[i * shard_windows : (i + 1) * shard_windows]
+            if not _shard_path(directory, i).exists():
+                _write_shard(directory, i, base, rows.to(device), spec, batch_size=batch_size)
+            progress.update(task, advance=rows.shape[0])
+    meta["complete"] = True
+    (directory / "meta.json").write_text(json.dumps(meta, indent=1))
+    return directory
+
+
+def _write_shard(directory: Path, i: int, base: nn.Module, rows: Tensor, spec: FeatureSpec, *, batch_size: int) -> None:
+    parts: dict[str, list[Tensor]] = {"tokens": [], "hidden": [], "top_ids": [], "top_logp": [], "layers": []}
+    for j, chunk in enumerate(rows.split(batch_size)):
+        if spec.source != "corpus":  # every chunk has its own seed, so a resumed shard samples the same text
+            chunk = continue_windows(base, chunk, prompt_len=spec.prompt_len, seed=spec.seed * 1_000_003 + i * 4099 + j,
+                                     temperature=0.0 if spec.source == "greedy" else 1.0)
+        batch = teacher_batch(base, chunk, layers=spec.layers, top_k=spec.top_k)
+        store = DTYPES[spec.dtype]
+        parts["tokens"].append(batch.tokens.int().cpu())
+        parts["hidden"].append(batch.hidden.to(store).cpu())
+        parts["top_ids"].append(batch.top_ids.int().cpu())
+        parts["top_logp"].append(batch.top_logp.float().cpu())
+        if batch.layers is not None:
+            parts["layers"].append(batch.layers.to(store).cpu())
+    tensors = {name: torch.cat(chunks).contiguous() for name, chunks in parts.items() if chunks}
+    tmp = directory / f".shard-{i:05d}.{os.getpid()}.tmp"
+    save_file(tensors, str(tmp))
+    os.replace(tmp, _shard_path(directory, i))  # atomic: a shard that exists is whole
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+class FeatureCache:
+    """A complete cache, loaded into memory (only the fields and layers `spec` asks for), checked against it."""
+
+    def __init__(self, directory: str | Path, spec: FeatureSpec) -> None:
+        directory = Path(directory)
+        meta = _check_meta(directory, spec)
+        if meta is None or not meta.get("complete"):
+            raise ValueError(f"feature cache {directory} is missing or incomplete: write it first (experiments.cache_features)")
+        cached_layers = list(meta["spec"]["layers"])
+        keep = [cached_layers.index(layer) for layer in spec.layers]  # the asked layers, in the asked order
+        parts: dict[str, list[Tensor]] = {}
+        for i in range(meta["shards"]):
+            with safe_open(str(_shard_path(directory, i)), framework="pt") as shard:
+                for name in ("tokens", "hidden", "top_ids", "top_logp"):
+                    parts.setdefault(name, []).append(shard.get_tensor(name))
+                if keep:
+                    parts.setdefault("layers", []).append(shard.get_tensor("layers")[:, :, keep])
+        self.data = {name: torch.cat(chunks) for name, chunks in parts.items()}
+        self.directory, self.spec, self.dim = directory, spec, meta["dim"]
+        if self.data["tokens"].shape != (spec.windows, spec.seq_len + 1):
+            raise StaleFeatures(f"feature cache {directory} holds tokens {tuple(self.data['tokens'].shape)}, "
+                                f"not ({spec.windows}, {spec.seq_len + 1}): delete it and write it again")
+
+    @property
+    def windows(self) -> int:
+        return self.spec.windows
+
+    def batch(self, rows: Tensor) -> FeatureBatch:
+        """Windows `rows` (B,) as float32 / long tensors on the CPU."""
+        d = self.data
+        layers = d["layers"][rows].float() if "layers" in d else None
+        return FeatureBatch(tokens=d["tokens"][rows].long(), hidden=d["hidden"][rows].float(),
+                            top_ids=d["top_ids"][rows].long(), top_logp=d["top_logp"][rows], layers=layers)
+
+    def sample(self, *, step: int, seed: int, batch_size: int) -> FeatureBatch:
+        """B random windows, a pure function of (seed, step) like the base's batches: resuming needs no state."""
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        return self.batch(torch.randint(0, self.windows, (batch_size,), generator=generator))
+
+
+def open_features(base: nn.Module, train_ids: Tensor, spec: FeatureSpec, *, directory: str | Path | None = None,
+                  root: str | Path = ".cache/features") -> FeatureCache:
+    """The cache for `spec`, written first when missing or incomplete (in `directory`, or root/<spec key>).
+
+    An explicit `directory` may hold more layers than `spec` asks for: one cache serves every drafter."""
+    directory = Path(directory) if directory is not None else Path(root) / spec.key()
+    write_features(directory, base, train_ids, spec)
+    return FeatureCache(directory, spec)
+
+
+def check_features_config(features: dict) -> None:
+    """One-line errors for conf/features values, before any base runs (a placeholder spec validates them)."""
+    for key in ("use",):
+        if not isinstance(features[key], bool):
+            raise ValueError(f"features.{key} must be true or false, got {features[key]!r}")
+    windows = features["windows"]
+    if windows is not None and (isinstance(windows, bool) or not isinstance(windows, int) or windows < 1):
+        raise ValueError(f"features.windows={windows!r}: must be a positive integer or null (every window)")
+    FeatureSpec(base_fingerprint="", data_key="", seq_len=2, windows=1, source=features["source"],
+                prompt_len=features["prompt_len"], top_k=features["top_k"], dtype=features["dtype"], seed=features["seed"])
+
+
+def feature_spec(features: dict, *, base_meta: dict, data, seq_len: int, layers: tuple[int, ...] = ()) -> FeatureSpec:
+    """The spec of conf/features for this base, data and window length; windows=null means every
+    non-overlapping window of the training split."""
+    windows = features["windows"] if features["windows"] is not None else (data.train_ids.numel() - 1) // seq_len
+    return FeatureSpec(base_fingerprint=base_meta["fingerprint"], data_key=data.cache_key, seq_len=seq_len,
+                       windows=windows, source=features["source"], prompt_len=features["prompt_len"], layers=tuple(layers),
+                       top_k=features["top_k"], dtype=features["dtype"], seed=features["seed"])
