@@ -89,13 +89,21 @@ class MedusaHeads(nn.Module):
         """Heads for an x-transformers TransformerWrapper: its `to_logits` is the projection to copy or share."""
         return cls(projection=base.to_logits, num_heads=num_heads, num_layers=num_layers, share_base_projection=share_base_projection)
 
-    def forward(self, hidden: Tensor) -> Tensor:
-        # K is small (4-5): a loop over separate modules costs K small matmuls and copies no weights.
-        if self.share_base_projection:  # one projection for all heads: one matmul over (B, T, K, d)
-            features = torch.stack([blocks(hidden) for blocks in self.blocks], dim=2)  # (B, T, K, d)
-            return self._base_projection[0](features)  # (B, T, K, V)
-        logits = [proj(blocks(hidden)) for blocks, proj in zip(self.blocks, self.projections)]  # K x (B, T, V)
-        return torch.stack(logits, dim=2)  # (B, T, K, V)
+    def forward(self, hidden: Tensor, vocab: Tensor | None = None) -> Tensor:
+        """hidden (..., d) -> logits (..., K, V), or (..., K, N) over the sorted ids `vocab` (N,).
+
+        Training on a trimmed vocabulary projects onto its N rows only (4x fewer logits for 2048 of 8192);
+        the rows are gathered per call, so their gradients reach the full projections."""
+        features = torch.stack([blocks(hidden) for blocks in self.blocks], dim=-2)  # (..., K, d)
+        if self.share_base_projection:  # one frozen projection for all heads: one matmul
+            weight, bias = trim_linear(self._base_projection[0], vocab)
+            return F.linear(features, weight, bias)
+        logits = []  # K is small (4-5): K separate matmuls copy no weights
+        for k, proj in enumerate(self.projections):
+            weight = proj.weight if vocab is None else proj.weight[vocab]
+            bias = proj.bias if vocab is None or proj.bias is None else proj.bias[vocab]
+            logits.append(F.linear(features[..., k, :], weight, bias))
+        return torch.stack(logits, dim=-2)  # (..., K, N)
 
     @torch.no_grad()
     def stacked(self, vocab: Tensor | None = None) -> "StackedHeads":

@@ -1,26 +1,31 @@
 """Medusa's side of the generic drafter training entry point (experiments/train_drafter.py).
 
-The entry point owns the loop: it freezes the base, draws batches tokens (B, T + 1), runs the base once
-under no_grad on tokens[:, :-1] for hidden (B, T, d) and logits (B, T, V), and calls these four functions:
+The entry point owns the loop and hands over a FeatureBatch (experiments/features.py): tokens (B, T + 1)
+and the frozen base's outputs on tokens[:, :-1]: hidden (B, T, d) and its top-k next-token distribution
+(top_ids, top_logp (B, T, k)). These four functions are Medusa's:
 
-    build(base, **module)             -> the heads (module kwargs are JSON-able: a checkpoint rebuilds them)
-    loss(heads, base, ..., **loss)    -> (scalar to minimise, per-head metrics)
-    evaluate(heads, base, ...)        -> accuracies, including the rank accuracies a static tree grows from
-    drafter(heads, base, **decode)    -> a MedusaDrafter for verify.speculative_generate
+    build(base, **module)                   -> the heads (module kwargs are JSON-able: a checkpoint rebuilds them)
+    loss(heads, base, batch, **loss)        -> (scalar to minimise, per-head metrics)
+    evaluate(heads, base, batch)            -> agreement with the base, and the rank rates a static tree grows from
+    drafter(heads, base, **decode)          -> a MedusaDrafter for verify.speculative_generate
 
-Alignment. logits[:, t] is the base's guess for tokens[:, t + 1]; head k at t guesses tokens[:, t + 1 + k].
-So head k has targets only for t < T - k: positions t >= T - k are dropped, not padded. The base's own
-distribution for that same token is logits[:, t + k] (it sees the true prefix up to t + k), which is the
-teacher of self-distillation and the reference of the rank accuracies.
+Alignment. Head k at position t guesses tokens[:, t + 1 + k]. The base's own distribution for that token,
+given the true prefix, is its output at t + k: the teacher of self-distillation and the reference of
+agreement. So head k has a target only for t < T - k.
+
+Position subsampling. Consecutive positions of a window are highly correlated, and every head's cost is
+per position; so each step trains on `positions` positions drawn at random from all windows of the batch
+(all with t < T - K, where every head has a target) rather than on every position of a few windows: many
+more windows for the same compute.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import Tensor, nn
 
+from experiments.distill import agreement, check_target, distill_loss, subset_index
+from experiments.features import FeatureBatch
 from medusa.drafter import MedusaDrafter
 from medusa.heads import MedusaHeads
 from medusa.trees import RANKS
@@ -33,68 +38,78 @@ def build(base: nn.Module, *, num_heads: int = 4, num_layers: int = 1, share_bas
     return MedusaHeads.from_base(base, num_heads=num_heads, num_layers=num_layers, share_base_projection=share_base_projection)
 
 
-def _check_batch(module: MedusaHeads, tokens: Tensor, hidden: Tensor, logits: Tensor) -> None:
-    b, t, _ = hidden.shape
-    if tokens.shape != (b, t + 1) or logits.shape[:2] != (b, t):
-        raise ValueError(
-            f"tokens {tuple(tokens.shape)}, hidden {tuple(hidden.shape)}, logits {tuple(logits.shape)}: "
-            "need tokens (B, T + 1) and the base's hidden (B, T, d) and logits (B, T, V) on tokens[:, :-1]"
-        )
+def _check_batch(module: MedusaHeads, batch: FeatureBatch) -> None:
+    _, t = batch.check()
     if t <= module.num_heads:
         raise ValueError(f"sequence length T={t}: head {module.num_heads} needs T > num_heads to have any target")
 
 
-def _head_term(pred: Tensor, k: int, tokens: Tensor, logits: Tensor, distill: bool) -> Tensor:
-    """Head k's loss on its predictions pred (B, T - k, V) for tokens[:, 1 + k:]."""
-    if distill:  # KL(p || q): p the base at t + k, q head k at t, averaged over positions
-        log_p = logits[:, k:].float().log_softmax(dim=-1)
-        log_q = pred.float().log_softmax(dim=-1)
-        return F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1).mean()
-    return F.cross_entropy(rearrange(pred.float(), "b t v -> (b t) v"), rearrange(tokens[:, k + 1 :], "b t -> (b t)"))
+def _sample_positions(b: int, usable: int, positions: int | None, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Row and position indices (n,) of `positions` random positions t < usable (all of them when None)."""
+    total = b * usable
+    pick = torch.randperm(total, device=device)[: total if positions is None else min(positions, total)]
+    return pick // usable, pick % usable
 
 
 def loss(
-    module: MedusaHeads, base: nn.Module, *, tokens: Tensor, hidden: Tensor, logits: Tensor,
-    weight: float = 0.8, distill: bool = False,
+    module: MedusaHeads, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None,
+    weight: float = 0.8, target: str = "kl", positions: int | None = 2048,
 ) -> tuple[Tensor, dict[str, float]]:
-    """sum_k weight^k * L_k, L_k = CE of head k against the true token t + 1 + k (or, with distill,
-    KL from the base's distribution at t + k to head k's). Metrics: each L_k (`head{k}_loss`) and `loss`.
+    """sum_k weight^k * L_k, L_k head k's loss against the base's distribution for token t + 1 + k (`kl`),
+    its top-1 (`argmax`) or the corpus token (`true`), on `positions` random positions of the batch.
+    Metrics: each L_k (`head{k}_loss`), `loss`, `positions`.
 
     Medusa's own code weights head k by weight^(k - 1); weight^k differs by the constant factor `weight`.
     """
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
         raise ValueError(f"weight={weight!r}: must be a number > 0 (0.8 is the common choice)")
-    if not isinstance(distill, bool):
-        raise ValueError(f"distill={distill!r}: must be true or false")
-    _check_batch(module, tokens, hidden, logits)
-    out = module(hidden)  # (B, T, K, V)
-    t = hidden.shape[1]
-    terms = [_head_term(out[:, : t - k, k - 1], k, tokens, logits, distill) for k in range(1, module.num_heads + 1)]
+    if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 1):
+        raise ValueError(f"positions={positions!r}: must be an integer >= 1, or null for every position")
+    check_target(target)
+    _check_batch(module, batch)
+    b, t, _ = batch.hidden.shape
+    k_max = module.num_heads
+    row, pos = _sample_positions(b, t - k_max, positions, batch.hidden.device)  # (n,), (n,)
+    logits = module(batch.hidden[row, pos], vocab)  # (n, K, N)
+    index = subset_index(vocab, module.vocab_size, logits.device)
+    terms = [
+        distill_loss(logits[:, k - 1], top_ids=batch.top_ids[row, pos + k], top_logp=batch.top_logp[row, pos + k],
+                     true_ids=batch.tokens[row, pos + k + 1], target=target, index=index)
+        for k in range(1, k_max + 1)
+    ]
     total = sum(weight**k * term for k, term in enumerate(terms, start=1))
     values = torch.stack([total.detach(), *[term.detach() for term in terms]]).tolist()  # one host sync
     metrics = {"loss": values[0]} | {f"head{k}_loss": v for k, v in enumerate(values[1:], start=1)}
-    return total, metrics
+    return total, metrics | {"positions": row.numel()}
 
 
 @torch.no_grad()
-def evaluate(module: MedusaHeads, base: nn.Module, *, tokens: Tensor, hidden: Tensor, logits: Tensor) -> dict[str, float]:
-    """Per head k: `head{k}_top1` / `head{k}_top5` against the true token t + 1 + k, and for each rank
-    r < 10 `head{k}_rank{r}`: how often the rank-r guess equals the base's argmax for that token given the
-    true prefix (logits[:, t + k]). The rank rates are what a static tree is grown from
+def evaluate(module: MedusaHeads, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None) -> dict[str, float]:
+    """Per head k: `head{k}_agree`, how often its top-1 is the base's own top-1 for that token given the
+    true prefix (what greedy acceptance of head k's chain token needs); `head{k}_top1` / `head{k}_top5`
+    against the corpus token; and for each rank r < 10 `head{k}_rank{r}`: how often the rank-r guess is
+    the base's top-1 (rank0 = agree). The rank rates are what a static tree is grown from
     (medusa.trees.tree_from_accuracies); a vocabulary smaller than 10 has fewer ranks."""
-    _check_batch(module, tokens, hidden, logits)
-    out = module(hidden)  # (B, T, K, V)
-    t, ranks = hidden.shape[1], min(RANKS, module.vocab_size)
+    _check_batch(module, batch)
+    t = batch.hidden.shape[1]
+    out = module(batch.hidden, vocab)  # (B, T, K, N)
+    ranks = min(RANKS, out.shape[-1])
     names, values = [], []
     for k in range(1, module.num_heads + 1):
-        top = out[:, : t - k, k - 1].topk(ranks, dim=-1).indices  # (B, T - k, R)
-        truth = tokens[:, k + 1 :, None] == top  # (B, T - k, R)
-        names += [f"head{k}_top1", f"head{k}_top5"]
-        values += [truth[..., 0].float().mean(), truth[..., :5].any(-1).float().mean()]
-        base_pick = logits[:, k:].argmax(dim=-1)  # (B, T - k): the base's own choice of token t + 1 + k
+        logits = out[:, : t - k, k - 1]  # (B, T - k, N)
+        top = _full_ids(logits.topk(ranks, dim=-1).indices, vocab)  # (B, T - k, R) full-vocabulary ids
+        truth = batch.tokens[:, k + 1 :, None] == top  # (B, T - k, R)
+        base_pick = batch.top_ids[:, k:, 0]  # (B, T - k): the base's own choice of token t + 1 + k
+        names += [f"head{k}_agree", f"head{k}_top1", f"head{k}_top5"]
+        values += [agreement(logits, batch.top_ids[:, k:], vocab), truth[..., 0].float().mean(), truth[..., :5].any(-1).float().mean()]
         names += [f"head{k}_rank{r}" for r in range(ranks)]
         values += list((top == base_pick[..., None]).float().mean(dim=(0, 1)))
     return dict(zip(names, torch.stack(values).tolist()))  # one host sync
+
+
+def _full_ids(columns: Tensor, vocab: Tensor | None) -> Tensor:
+    """Columns of subset logits -> full-vocabulary ids."""
+    return columns if vocab is None else vocab.to(columns.device)[columns]
 
 
 def drafter(module: MedusaHeads, base: nn.Module, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,

@@ -2,10 +2,12 @@
 static trees, and the drafter in the one loop (exact greedy, lossless sampling, state after rollback)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
+from experiments.features import FeatureBatch, teacher_batch
 from experiments.lm import build_lm
 from medusa import train
 from medusa.drafter import MedusaDrafter
@@ -55,9 +57,8 @@ def perturb(heads: MedusaHeads, seed: int, scale: float = 0.2) -> MedusaHeads:
 
 
 def batch_of(base, tokens):
-    with torch.no_grad():
-        logits, hidden = base(tokens[:, :-1], return_logits_and_embeddings=True)
-    return dict(tokens=tokens, hidden=hidden, logits=logits)
+    """The frozen base's outputs with its whole distribution as the teacher (top_k = V)."""
+    return teacher_batch(base, tokens, top_k=base.num_tokens)
 
 
 def random_batch(base, b=3, t=24, seed=0):
@@ -82,22 +83,25 @@ def test_heads_and_blocks_are_separate_modules():
 def test_fresh_heads_predict_exactly_the_base_projection(share):
     base = make_base()
     heads = MedusaHeads.from_base(base, num_heads=3, num_layers=2, share_base_projection=share)
-    batch = random_batch(base)
-    out = heads(batch["hidden"])
+    hidden = random_batch(base).hidden
+    out = heads(hidden)
     assert out.shape == (3, 24, 3, 97)
     for k in range(3):
-        assert torch.equal(out[:, :, k], batch["logits"])  # zero blocks are the identity, projections copies
+        assert torch.equal(out[:, :, k], base.to_logits(hidden))  # zero blocks are the identity, projections copies
+    vocab = torch.tensor([2, 5, 40, 96])
+    assert torch.allclose(heads(hidden[0, 3], vocab), heads(hidden[0, 3])[:, vocab], atol=1e-6)  # (K, N): the subset columns
 
 
 def test_only_head_parameters_get_gradients():
     base = make_base()
     heads = train.build(base, num_heads=3, num_layers=2)
-    total, metrics = train.loss(heads, base, **random_batch(base))
+    total, metrics = train.loss(heads, base, random_batch(base))
     total.backward()
     for name, p in heads.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     assert all(p.grad is None and not p.requires_grad for p in base.parameters())
-    assert set(metrics) == {"loss", "head1_loss", "head2_loss", "head3_loss"}
+    assert set(metrics) == {"loss", "head1_loss", "head2_loss", "head3_loss", "positions"}
+    assert metrics["positions"] == 3 * (24 - 3)  # fewer than 2048 candidates: every position with all targets
 
 
 def test_shared_base_projection_is_not_a_head_parameter():
@@ -106,7 +110,7 @@ def test_shared_base_projection_is_not_a_head_parameter():
     assert all(key.startswith("blocks.") for key in heads.state_dict())
     assert sum(p.numel() for p in heads.parameters()) == 2 * (32 * 32 + 32)
     assert all(p is not base.to_logits.weight for p in heads.parameters())
-    train.loss(heads, base, **random_batch(base))[0].backward()
+    train.loss(heads, base, random_batch(base))[0].backward()
     assert base.to_logits.weight.grad is None
     assert all(p.grad is not None for p in heads.parameters())
     rebuilt = train.build(base, num_heads=2, num_layers=1, share_base_projection=True)
@@ -128,8 +132,8 @@ def trained():
     heads = train.build(base, num_heads=3, num_layers=1)
     opt = torch.optim.AdamW(heads.parameters(), lr=1e-2)
     losses = []
-    for _ in range(60):
-        total, metrics = train.loss(heads, base, **batch, weight=0.8)
+    for _ in range(120):
+        total, metrics = train.loss(heads, base, batch, weight=0.8, target="argmax")  # a floor of 0, unlike kl
         opt.zero_grad()
         total.backward()
         opt.step()
@@ -141,47 +145,70 @@ def test_loss_drops_on_a_small_batch(trained):
     base, heads, _, batch, losses = trained
     assert losses[-1] < 0.3 * losses[0], losses[::10]
     assert all(p.grad is None for p in base.parameters())
-    metrics = train.evaluate(heads, base, **batch)
+    metrics = train.evaluate(heads, base, batch)
     assert metrics["head1_top1"] > 0.8  # the base's own greedy text is easy to learn
+    assert metrics["head1_agree"] > 0.8  # ... and on it the corpus token is the base's top-1
 
 
-def test_distill_loss_is_zero_when_heads_match_the_base():
+def test_distill_loss_is_the_teachers_entropy_when_heads_match_the_base():
     base = make_base()
     heads = train.build(base, num_heads=1, num_layers=1)  # fresh: head 1 at t = base projection at t
     hidden = torch.randn(2, 10, 32)
     logits = torch.randn(2, 10, 97)
     logits[:, 1:] = base.to_logits(hidden[:, :-1])  # the base at t + 1 equals head 1 at t
-    tokens = torch.randint(0, 97, (2, 11))
-    zero, metrics = train.loss(heads, base, tokens=tokens, hidden=hidden, logits=logits, distill=True)
-    assert abs(zero.item()) < 1e-5 and abs(metrics["head1_loss"]) < 1e-5
-    three = train.build(base, num_heads=3, num_layers=1)  # every head equal to the base's next-token guess:
-    same = hidden[:, :1].expand(-1, 10, -1)  # a hidden state constant over t makes all positions agree
-    assert abs(train.loss(three, base, tokens=tokens, hidden=same, logits=base.to_logits(same), distill=True)[0].item()) < 1e-5
-    positive, _ = train.loss(three, base, **random_batch(base), distill=True)
-    assert positive.item() > 1e-3
+    logp = logits.log_softmax(-1)
+    top = logp.topk(97, dim=-1)
+    batch = FeatureBatch(tokens=torch.randint(0, 97, (2, 11)), hidden=hidden, top_ids=top.indices, top_logp=top.values)
+    loss, _ = train.loss(heads, base, batch, positions=None)
+    entropy = -(logp[:, 1:].exp() * logp[:, 1:]).sum(-1).mean()  # CE to itself: the minimum over heads
+    assert abs(loss.item() - 0.8 * entropy.item()) < 1e-4
+    worse, _ = train.loss(perturb(heads, seed=3), base, batch, positions=None)
+    assert worse.item() > loss.item() + 1e-3
+
+
+def test_argmax_target_is_the_base_top1_and_true_target_the_corpus_token():
+    base = make_base()
+    heads = perturb(train.build(base, num_heads=1, num_layers=1), seed=1)
+    batch = random_batch(base)
+    pred = heads(batch.hidden[:, :-1])[:, :, 0].log_softmax(-1)  # head 1 at t, for token t + 2
+    argmax = -pred.gather(-1, batch.top_ids[:, 1:, :1]).mean()
+    true = -pred.gather(-1, batch.tokens[:, 2:, None]).mean()
+    assert abs(train.loss(heads, base, batch, target="argmax", positions=None, weight=1)[0].item() - argmax.item()) < 1e-4
+    assert abs(train.loss(heads, base, batch, target="true", positions=None, weight=1)[0].item() - true.item()) < 1e-4
+
+
+def test_positions_subsample_the_batch():
+    base = make_base()
+    heads = train.build(base, num_heads=2, num_layers=1)
+    _, metrics = train.loss(heads, base, random_batch(base), positions=7)
+    assert metrics["positions"] == 7
 
 
 def test_ce_loss_weights_heads_by_powers_of_weight():
     base = make_base()
     heads = perturb(train.build(base, num_heads=2, num_layers=1), seed=0)
-    total, m = train.loss(heads, base, **random_batch(base), weight=0.5)
+    total, m = train.loss(heads, base, random_batch(base), weight=0.5, target="true")
     assert abs(total.item() - (0.5 * m["head1_loss"] + 0.25 * m["head2_loss"])) < 1e-4
 
 
 def test_evaluate_keys_and_ranges():
     base = make_base()
     heads = perturb(train.build(base, num_heads=2, num_layers=1), seed=0)
-    metrics = train.evaluate(heads, base, **random_batch(base))
-    expected = {f"head{k}_{m}" for k in (1, 2) for m in ["top1", "top5", *[f"rank{r}" for r in range(10)]]}
+    metrics = train.evaluate(heads, base, random_batch(base))
+    expected = {f"head{k}_{m}" for k in (1, 2) for m in ["agree", "top1", "top5", *[f"rank{r}" for r in range(10)]]}
     assert set(metrics) == expected
     assert all(0 <= v <= 1 for v in metrics.values())
     for k in (1, 2):
         assert metrics[f"head{k}_top1"] <= metrics[f"head{k}_top5"]
         assert sum(metrics[f"head{k}_rank{r}"] for r in range(10)) <= 1 + 1e-6  # distinct ranks: one can match
-    fresh = train.evaluate(train.build(base, num_heads=1, num_layers=1), base, **random_batch(base))
+        assert metrics[f"head{k}_agree"] == metrics[f"head{k}_rank0"]
+    fresh = train.evaluate(train.build(base, num_heads=1, num_layers=1), base, random_batch(base))
     assert fresh["head1_rank0"] < 1  # a fresh head guesses t + 1 again, rarely the base's choice for t + 2
     tiny = make_base(num_tokens=6)
-    assert len(train.evaluate(train.build(tiny, num_heads=1, num_layers=1), tiny, **random_batch(tiny))) == 2 + 6
+    assert len(train.evaluate(train.build(tiny, num_heads=1, num_layers=1), tiny, random_batch(tiny))) == 3 + 6
+    vocab = torch.arange(0, 97, 2)  # a trimmed vocabulary: the heads' top-1 is an id of the subset
+    trimmed = train.evaluate(heads, base, random_batch(base), vocab=vocab)
+    assert 0 <= trimmed["head1_agree"] <= 1 and trimmed["head1_agree"] != metrics["head1_agree"]
 
 
 # ------------------------------------------------------------------------------------------- trees
@@ -272,7 +299,7 @@ class HiddenSpy:
 def test_trained_heads_accept_often_exactly_and_track_the_accepted_position(trained, mode, gamma):
     base, heads, prompts, batch, _ = trained
     # ragged: a training prompt, a shortened one (unseen), a prompt extended into its own continuation
-    ragged = [prompts[0], prompts[1][2:], batch["tokens"][2, :11].tolist()]
+    ragged = [prompts[0], prompts[1][2:], batch.tokens[2, :11].tolist()]
     spy = HiddenSpy(train.drafter(heads, base, mode=mode), base, 30)
     out = spec(base, spy, ragged, 30, gamma)
     assert out.tokens == plain(base, ragged, 30)
@@ -317,10 +344,11 @@ def test_medusa_sampling_reproduces_the_target_distribution(mode):
         (lambda b, h: MedusaDrafter(h, tree=[[97]]), "below the vocabulary size 97"),
         (lambda b, h: MedusaDrafter(h, tree=[[0.5]]), "must be integers"),
         (lambda b, h: MedusaDrafter(h, mode="chain", tree=[[0]]), "mode='chain'"),
-        (lambda b, h: train.loss(h, b, **random_batch(b), weight=0), "weight=0"),
-        (lambda b, h: train.loss(h, b, **random_batch(b), distill="yes"), "distill='yes'"),
-        (lambda b, h: train.loss(h, b, **random_batch(b, t=2)), "T=2"),
-        (lambda b, h: train.evaluate(h, b, **{**random_batch(b), "tokens": torch.zeros(3, 5, dtype=torch.long)}), r"tokens \(3, 5\)"),
+        (lambda b, h: train.loss(h, b, random_batch(b), weight=0), "weight=0"),
+        (lambda b, h: train.loss(h, b, random_batch(b), target="yes"), "target='yes'"),
+        (lambda b, h: train.loss(h, b, random_batch(b), positions=0), "positions=0"),
+        (lambda b, h: train.loss(h, b, random_batch(b, t=2)), "T=2"),
+        (lambda b, h: train.evaluate(h, b, replace(random_batch(b), tokens=torch.zeros(3, 5, dtype=torch.long))), r"tokens \(3, 5\)"),
         (lambda b, h: tree_from_accuracies({"head1_rank0": 0.5}, 2, 4), "no head2_rank0"),
         (lambda b, h: default_tree(2, 0), "tree_nodes=0"),
     ],
