@@ -35,7 +35,7 @@ from experiments.checkpoint import load_lm
 from experiments.cli import exit_on_user_error
 from experiments.data import prepare_data, token_counts
 from experiments.prompts import heldout_prompts, load_prompts
-from experiments.report import mode, write_report
+from experiments.report import mode, repeated_ngram_share, write_report
 from experiments.train_base import resolve_device
 from experiments.train_drafter import load_drafter
 from verify.acceptance import check_rule, is_lossless
@@ -227,6 +227,14 @@ def bench_temperature(cfg, setups: list[dict], batches, temperature: float, eos_
             e["rounds"].append((tokens, summarize_stats(stats, seconds)))
     fastest = [max(e["rounds"][r][1]["tokens_per_s"] for e in entries if e["factory"] is None) for r in range(cfg.repeats)]
     plain_of = {id(e["setup"]): e for e in entries if e["factory"] is None}
+    # How much of plain decoding's own output at this temperature repeats an earlier 4-gram of its row: a
+    # base looping at T=0 makes drafting trivially easy, so every row carries this figure beside its tau.
+    # One figure per temperature (the first setting's plain decoding, its rounds pooled: at T=0 they are
+    # identical, at T>0 they are more samples); other settings decode the same prompts with the same seeds.
+    first_plain = next(e for e in entries if e["factory"] is None)
+    prompts = [p for batch in batches for p in batch]
+    repeat4 = repeated_ngram_share(prompts * len(first_plain["rounds"]),
+                                   [row for tokens, _ in first_plain["rounds"] for row in tokens], n=4)
     plains, rows = [], []
     for e in entries:
         per_round = [m for _, m in e["rounds"]]
@@ -234,7 +242,7 @@ def bench_temperature(cfg, setups: list[dict], batches, temperature: float, eos_
         median = per_round[sorted(range(len(speedups)), key=speedups.__getitem__)[len(speedups) // 2]]
         common = {
             "temperature": temperature, "threads": e["setup"]["threads"], "compiled": e["setup"]["compiled"],
-            "tokens_per_s": statistics.median(m["tokens_per_s"] for m in per_round),
+            "repeat4": repeat4, "tokens_per_s": statistics.median(m["tokens_per_s"] for m in per_round),
             "speedup": statistics.median(speedups), "speedups": speedups, "warmup_s": e["warmup_s"],
         }
         if e["factory"] is None:
@@ -317,7 +325,8 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     finally:
         logger.finish()
     fastest = max(plains, key=lambda p: (p["temperature"] == plains[0]["temperature"], p["tokens_per_s"]))
-    keys = ("name", "temperature", "threads", "compiled", "tau", "alpha", "speedup", "tokens_per_s", "exact", "lossless")
+    keys = ("name", "temperature", "threads", "compiled", "tau", "repeat4", "alpha", "speedup", "tokens_per_s", "exact",
+            "lossless")
     return {"plain_tokens_per_s": fastest["tokens_per_s"], "methods": [{k: row[k] for k in keys} for row in rows]}
 
 

@@ -1,6 +1,8 @@
 """Benchmark results as files people read: results.json, a markdown table and PNG plots.
 
 Columns: tau = tokens emitted per target forward (bonus included; plain = 1);
+rep4 (`repeat4` in results.json) = share of PLAIN decoding's output tokens at the row's temperature that repeat
+an earlier 4-gram of their row (prompt included): the base's degeneration, which inflates tau at T = 0;
 alpha = accepted / proposed draft tokens (for a tree: accepted depth / tree depth);
 speedup = median over rounds of method tokens/s over the FASTEST plain decoding's tokens/s in the same round
 (over every threads/compile setting of the run, so plain rows below 1.00 are the slower plain settings);
@@ -23,7 +25,32 @@ from experiments.calibrate import format_cost_table
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-HEADER = "| method | mode | T | rule | lossless | tau | alpha | tokens/s | speedup | efficiency | draft % | exact |"
+HEADER = "| method | mode | T | rule | lossless | tau | rep4 | alpha | tokens/s | speedup | efficiency | draft % | exact |"
+
+
+def repeated_ngram_share(prompts: list[list[int]], outputs: list[list[int]], n: int = 4) -> float:
+    """Share of generated tokens that complete an n-gram already seen earlier in the same row.
+
+    Row r is the sequence s = prompts[r] + outputs[r]; each output token at index i >= n - 1 of s counts,
+    and repeats when s[i-n+1 : i+1] also ends at an earlier index j (n - 1 <= j < i). Pooled over rows:
+    repeats summed over tokens counted, so long rows weigh more. 0.0 when no output token is counted.
+    A base stuck in a loop scores near 1, and copying its own loop is easy to draft: a tau measured
+    on such output says little about a drafter's skill."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r}: must be an integer >= 1")
+    if len(prompts) != len(outputs):
+        raise ValueError(f"{len(prompts)} prompts but {len(outputs)} outputs: need one output per prompt")
+    repeats = counted = 0
+    for prompt, output in zip(prompts, outputs):
+        s = [*prompt, *output]
+        seen: set[tuple[int, ...]] = set()  # n-grams ending before index i
+        for i in range(n - 1, len(s)):
+            gram = tuple(s[i - n + 1 : i + 1])
+            if i >= len(prompt):
+                counted += 1
+                repeats += gram in seen
+            seen.add(gram)
+    return repeats / counted if counted else 0.0
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
@@ -41,16 +68,16 @@ def mode(row: dict) -> str:
 
 def markdown_table(results: dict) -> str:
     """Plain decoding in every setting, then every method, per temperature."""
-    lines = [HEADER, "|" + "|".join(["---"] * 12) + "|"]
+    lines = [HEADER, "|" + "|".join(["---"] * (HEADER.count("|") - 1)) + "|"]
     for t in dict.fromkeys(p["temperature"] for p in results["plain"]):
         for plain in (p for p in results["plain"] if p["temperature"] == t):
-            lines.append(f"| plain | {mode(plain)} | {t:g} | - | yes | 1.00 | - | {plain['tokens_per_s']:.1f} "
-                         f"| {plain['speedup']:.2f} | - | 0 | - |")
+            lines.append(f"| plain | {mode(plain)} | {t:g} | - | yes | 1.00 | {plain['repeat4']:.2f} | - "
+                         f"| {plain['tokens_per_s']:.1f} | {plain['speedup']:.2f} | - | 0 | - |")
         for row in (r for r in results["methods"] if r["temperature"] == t):
             lines.append(
                 f"| {row['name']} | {mode(row)} | {t:g} | {row['rule']} | {_fmt(row['lossless'])} | {row['tau']:.2f} "
-                f"| {row['alpha']:.2f} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f} | {row['efficiency']:.2f} "
-                f"| {100 * row['draft_share']:.0f} | {_fmt(row['exact'])} |"
+                f"| {row['repeat4']:.2f} | {row['alpha']:.2f} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f} "
+                f"| {row['efficiency']:.2f} | {100 * row['draft_share']:.0f} | {_fmt(row['exact'])} |"
             )
     return "\n".join(lines) + "\n"
 

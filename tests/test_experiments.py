@@ -25,6 +25,9 @@ from experiments.checkpoint import (
     RESERVED_META_KEYS, CheckpointError, fingerprint, load_checkpoint, load_lm, save_checkpoint,
 )
 from experiments.lm import build_lm
+from experiments.report import repeated_ngram_share
+from verify.plain import plain_generate
+from verify.target import Target
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -36,7 +39,8 @@ DRAFTER = [*DATA, "logger=none", "max_steps=4", "eval_every=2", "log_every=1", "
            "seq_len=32", "optim.warmup_steps=1"]
 SMALL = {"medusa": [], "prophet": ["drafter.module.dim=32", "drafter.module.heads=2"]}  # a prophet as narrow as the base
 FAMILIES = ("medusa", "prophet")
-ROW_KEYS = {"name", "tau", "alpha", "speedup", "tokens_per_s", "exact", "lossless", "temperature", "threads", "compiled"}
+ROW_KEYS = {"name", "tau", "repeat4", "alpha", "speedup", "tokens_per_s", "exact", "lossless", "temperature", "threads",
+            "compiled"}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -423,6 +427,7 @@ def test_benchmark_summary_schema(bench_run: tuple[dict, Path]) -> None:
         for key in ("tau", "alpha", "speedup", "tokens_per_s"):
             assert isinstance(row[key], float) and row[key] >= 0, (key, row)
         assert row["tau"] >= 1 and 0 <= row["alpha"] <= 1 and row["speedup"] > 0
+        assert isinstance(row["repeat4"], float) and 0 <= row["repeat4"] <= 1, row
         assert row["lossless"] is True  # rule auto, delta 0: greedy at T = 0, speculative sampling at T = 1
         assert row["exact"] is (True if row["temperature"] == 0 else None), row
     json.dumps(summary)  # what main prints
@@ -451,7 +456,32 @@ def test_benchmark_files(bench_run: tuple[dict, Path], tiny_base: Path) -> None:
         for name in ("plain", *bench_mod.METHODS):
             assert sum(line.startswith(f"| {name} | eager 1t | {t} |") for line in table) == 1, (name, t)
     assert len(table) == 2 + 2 * (1 + len(bench_mod.METHODS))
+    # rep4, right after tau: plain decoding's repeated-4-gram share, one figure per temperature on every row
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    assert header[header.index("tau") + 1] == "rep4"
+    for t in (0.0, 1.0):
+        rows = [r for r in results["plain"] + results["methods"] if r["temperature"] == t]
+        assert len({r["repeat4"] for r in rows}) == 1 and 0 <= rows[0]["repeat4"] <= 1, rows
+    for line in table[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == len(header) and 0 <= float(cells[header.index("rep4")]) <= 1, line
     assert [p["speedup"] for p in results["plain"]] == [1.0, 1.0]  # the only plain setting is the fastest
+
+
+def test_benchmark_rep4_is_plain_greedy_decodings_share(tiny_base: Path, drafters: dict, tmp_path: Path) -> None:
+    """rep4 at T=0 is repeated_ngram_share of plain greedy decoding on the benchmark's own prompts (40 new
+    tokens, so the barely trained base repeats itself and the figure is not a trivial 0)."""
+    cfg = make_cfg("benchmark", *bench_overrides(tiny_base, drafters), f"out_dir={tmp_path}", "methods=[prompt_lookup]",
+                   "decode.temperatures=[0]", "decode.max_new_tokens=40")
+    bench_mod.benchmark(cfg)
+    base, tokenizer, meta = load_lm(tiny_base)
+    prompts = bench_mod.get_prompts(cfg, tokenizer, meta)
+    assert cfg.decode.batch_size == 1 and cfg.stop_at_eos  # so: one prompt at a time, stopping at EOS
+    greedy = [plain_generate(Target(base), [p], max_new_tokens=40, eos_id=meta["data"]["eos_id"]).tokens[0]
+              for p in prompts]
+    results = json.loads((tmp_path / "results.json").read_text())
+    expected = repeated_ngram_share(prompts, greedy)
+    assert 0 < expected and [r["repeat4"] for r in results["plain"] + results["methods"]] == [expected, expected]
 
 
 def fast_bench_cfg(tiny_base: Path, drafters: dict, out_dir: Path, *overrides: str) -> DictConfig:

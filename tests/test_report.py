@@ -1,0 +1,58 @@
+"""repeated_ngram_share (the benchmark's rep4 column) on hand-computed rows, and its one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.report import repeated_ngram_share
+
+
+def test_no_repeats_is_zero() -> None:
+    assert repeated_ngram_share([[1, 2, 3]], [list(range(10, 40))]) == 0.0
+
+
+def test_echo_of_the_prompt_hand_computed() -> None:
+    # s = 1 2 3 4 | 1 2 3 4: the output's 4-grams end at 4..7: (2,3,4,1) (3,4,1,2) (4,1,2,3) new, (1,2,3,4) seen
+    assert repeated_ngram_share([[1, 2, 3, 4]], [[1, 2, 3, 4]]) == 0.25
+
+
+def test_only_tokens_that_end_a_4gram_count() -> None:
+    # no prompt: indices 0-2 end no 4-gram; index 3 (7,7,7,7) is new, index 4 repeats it -> 1 of 2
+    assert repeated_ngram_share([[]], [[7, 7, 7, 7, 7]]) == 0.5
+    assert repeated_ngram_share([[]], [[7, 7, 7]]) == 0.0  # nothing counted
+    assert repeated_ngram_share([[1]], [[]]) == 0.0
+
+
+def test_a_loop_is_near_one() -> None:
+    # the output loops the prompt's last four tokens 25 times: all but the first 3 of 100 tokens repeat
+    share = repeated_ngram_share([[9, 9, 5, 6, 7, 8]], [[5, 6, 7, 8] * 25])
+    assert share == pytest.approx(97 / 100)
+
+
+def test_rows_are_pooled_not_averaged() -> None:
+    # row 1: 1 repeat of 4 counted (as above); row 2: 0 of 2 -> 1 / 6, not the mean of ratios (1/8)
+    share = repeated_ngram_share([[1, 2, 3, 4], [20, 21, 22, 23]], [[1, 2, 3, 4], [24, 25]])
+    assert share == pytest.approx(1 / 6)
+
+
+def test_rows_do_not_see_each_other() -> None:
+    # the second row's 4-gram occurred in the first row only: not a repeat
+    assert repeated_ngram_share([[1, 2, 3], [1, 2, 3]], [[4], [4]]) == 0.0
+
+
+def test_other_n() -> None:
+    assert repeated_ngram_share([[5]], [[5, 6, 5]], n=1) == pytest.approx(2 / 3)  # 5 seen, 6 new, 5 seen
+    # bigrams ending at output indices 2..4 of s = 1 2 | 1 2 3: (2,1) new, (1,2) seen, (2,3) new
+    assert repeated_ngram_share([[1, 2]], [[1, 2, 3]], n=2) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.5, True, "4"])
+def test_bad_n_is_a_one_line_error(n) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        repeated_ngram_share([[1]], [[2]], n=n)
+    assert str(excinfo.value) == f"n={n!r}: must be an integer >= 1"
+
+
+def test_prompts_and_outputs_must_pair_up() -> None:
+    with pytest.raises(ValueError, match="2 prompts but 1 outputs"):
+        repeated_ngram_share([[1], [2]], [[3]])
