@@ -15,6 +15,10 @@ from the prophet's distribution after the shared sampling transform and q is ret
 whole frontier of every row; growth stops early once no deeper node can make the final cut.
 Per-step Python work is kept small: no per-row or per-node loops anywhere.
 
+A prophet with `fuse_layers` reads the target's residual states after those blocks too: the drafter
+names them in `target_layers`, the loop asks the target for them, and every true pair is made from
+`prophet.seed(hidden, layers)` of the accepted positions (predicted features stay as they are).
+
 `vocab` (sorted ids (N,), see verify/vocab.py) trims the frozen output layer to the N most frequent
 tokens, once, at construction: every draft step projects onto N rows instead of V (the prophet's
 largest matmul at a real vocabulary). Argmax, sampling and the tree's top-k run over the subset and map
@@ -56,6 +60,7 @@ class ProphetDrafter:
         # The frozen base's output rows for the subset, copied once: (N, d_base), (N,) or None.
         self.weight, self.bias = trim_linear(prophet.head.to_logits, self.vocab)
         self.prophet = prophet.eval()  # drafting is inference; a training loop switches back with .train()
+        self.target_layers = prophet.fuse_layers  # blocks whose states the target hands over (verify/drafter.py)
         self.vocab_size = prophet.vocab_size
         self.mode, self.top_k, self.depth, self.tree_nodes = mode, top_k, depth, tree_nodes
         self.cache = None
@@ -64,7 +69,8 @@ class ProphetDrafter:
 
     @torch.inference_mode()
     def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
-        """Seed the cache with (f_t, x_{t+1}) for every prompt position, the last pairing f_{L-1} with `pending`."""
+        """Seed the cache with (f_t, x_{t+1}) for every prompt position, the last pairing f_{L-1} with `pending`
+        (f_t the true features as the prophet reads them, `seed`)."""
         tokens, lengths = pad_prompts(prompts, 0, pending.device)  # (b, W), rows from index 0
         b, width = tokens.shape
         rows = torch.arange(b, device=pending.device)
@@ -73,7 +79,9 @@ class ProphetDrafter:
         # A capacity that does not depend on the prompt width: a compiled step is one program per shape.
         self.cache = self.prophet.new_cache(b, max(512, 2 * width))
         # eager even when compiled: every prompt width would be a new program to compile
-        out = self.prophet.step(left_to_right(prefill.hidden, lengths), next_tokens, self.cache)  # (b, W, d_base)
+        layers = None if prefill.layers is None else left_to_right(prefill.layers, lengths)  # (b, W, S, d_base)
+        features = self.prophet.seed(left_to_right(prefill.hidden, lengths), self._check_layers(layers))
+        out = self.prophet.step(features, next_tokens, self.cache)  # (b, W, d_base)
         self.cache.commit(torch.arange(width, device=pending.device) < lengths[:, None])  # drop the padding entries
         self.feature = out[rows, lengths - 1]  # (b, d_base)
         self.drafted = 0
@@ -109,9 +117,21 @@ class ProphetDrafter:
         return F.linear(features, self.weight, self.bias)
 
     def _seed_features(self, verdict: Verdict) -> Tensor:
-        """The base's features at the accepted path nodes [old pending, accepted drafts...]: (b, D + 1, d_base)."""
-        hidden = verdict.target.hidden
-        return hidden.gather(1, repeat(verdict.path, "b n -> b n d", d=hidden.shape[-1]))
+        """The true features at the accepted path nodes [old pending, accepted drafts...]: (b, D + 1, d_base),
+        from the base's final hidden states and, for a fused prophet, its layer states at the same nodes."""
+        hidden, layers = verdict.target.hidden, self._check_layers(verdict.target.layers)
+        hidden = hidden.gather(1, repeat(verdict.path, "b n -> b n d", d=hidden.shape[-1]))
+        if layers is not None:  # gathered like hidden: (b, k + 1, S, d) -> (b, D + 1, S, d)
+            layers = layers.gather(1, repeat(verdict.path, "b n -> b n s d", s=layers.shape[2], d=layers.shape[3]))
+        return self.prophet.seed(hidden, layers)
+
+    def _check_layers(self, layers: Tensor | None) -> Tensor | None:
+        """A fused prophet needs the target's layer states: say how to get them when they are missing."""
+        if self.target_layers and layers is None:
+            raise ValueError(f"the target returned no layer states, and this prophet fuses blocks {list(self.target_layers)}: "
+                             "decode with verify.speculative.speculative_generate, which asks the target for drafter.target_layers "
+                             "(a wrapper around this drafter must expose target_layers too)")
+        return layers
 
     def _chain(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         """gamma autoregressive steps in feature space: gamma - 1 one-entry forwards."""

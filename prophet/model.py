@@ -5,20 +5,27 @@ embedding of the next token x_{t+1}, and predicts f_{t+1}; logits come from the 
 layer. Drafting feeds predicted features back in (EAGLE), so the prophet learns a feature dynamics
 rather than a token distribution.
 
+`fuse_layers` (EAGLE-3's fusion of low, middle and high features): the TRUE features the prophet reads
+become a learned mix of the base's residual states after those blocks and f_t (`seed`), initialised to
+f_t exactly, so a fresh fused prophet is the unfused one. Predicted features are fed back unmixed, and
+the regression target stays f_{t+1}. `base_features` computes f, the logits and the layer states.
+
 The base's embedding and output layer are reused frozen. They are kept in `FrozenHead`, a plain
 object and not an nn.Module, so they are neither parameters nor state_dict entries of the prophet, and
 they are applied with detached weights, so no gradient ever reaches the base.
 
 Three forwards share one network:
-- `forward(features, next_tokens)`: teacher forcing on true features (training step 1);
-- `unroll(features, next_tokens, steps)`: EAGLE-3's training-time test, step j reading the prophet's own
-  predictions of the j - 1 previous steps, with exactly the attention a draft chain sees;
+- `forward(features, next_tokens, layers=None)`: teacher forcing on true features (training step 1);
+- `unroll(features, next_tokens, steps, layers=None)`: EAGLE-3's training-time test, step j reading the
+  prophet's own predictions of the j - 1 previous steps, with exactly the attention a draft chain sees;
 - `step(features, next_tokens, cache, allow=None, pos=None)`: decoding on top of a `verify.cache.StaticCache`,
-  on the lean engine (verify/engine.py) built from the same decoder weights.
+  on the lean engine (verify/engine.py) built from the same decoder weights; true features come in
+  already through `seed`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +35,31 @@ from torch import Tensor, nn
 from x_transformers import Decoder
 
 from verify.cache import StaticCache
-from verify.engine import LeanDecoder, lean
+from verify.engine import LeanDecoder, block_depth, check_layers, lean
+
+
+@torch.no_grad()
+def base_features(base: nn.Module, tokens: Tensor, layers: Sequence[int] = ()) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The frozen base's outputs for input tokens (B, T), as given (a training loop passes tokens[:, :-1]):
+    hidden (B, T, d) the final hidden states after the final norm, logits (B, T, V), and the states of
+    `layers` (B, T, S, d) in that order, or None when `layers` is empty. All float32, without gradients.
+
+    Layer i is the residual stream after block i, before the final norm (verify.engine.check_layers);
+    read from the x-transformers forward's `layer_hiddens[2 * i]`. That keeps every block's attention
+    intermediates alive until the forward returns, so the plain path is taken when no layer is asked for.
+    """
+    layers = check_layers(layers, base_depth(base))
+    if not layers:
+        logits, hidden = base(tokens, return_logits_and_embeddings=True)
+        return hidden.float(), logits.float(), None
+    logits, inter = base(tokens, return_intermediates=True)
+    states = torch.stack([inter.layer_hiddens[2 * i] for i in layers], dim=2)  # (B, T, S, d)
+    return inter.last_layer_hiddens.float(), logits.float(), states.float()
+
+
+def base_depth(base: nn.Module) -> int | None:
+    """Blocks of an x-transformers TransformerWrapper's decoder; None unless they are (attention, feed-forward) pairs."""
+    return block_depth(base.attn_layers.layer_types)
 
 
 @dataclass(eq=False)
@@ -37,6 +68,7 @@ class FrozenHead:
 
     embedding: nn.Embedding
     to_logits: nn.Linear
+    depth: int | None = None  # blocks of the base's decoder (see verify.engine.block_depth): what fuse_layers may name
 
     def embed(self, tokens: Tensor) -> Tensor:
         """(..., n) ids -> (..., n, d_base) embeddings; detached weights keep the base out of autograd."""
@@ -66,6 +98,7 @@ class Prophet(nn.Module):
         heads: int = 4,
         attn_dim_head: int | None = None,
         ff_mult: int = 4,
+        fuse_layers: Sequence[int] | None = None,
     ):
         super().__init__()
         for name, value in dict(dim=dim, depth=depth, heads=heads, ff_mult=ff_mult).items():
@@ -86,38 +119,67 @@ class Prophet(nn.Module):
             verbose=False,
         )
         self.out = nn.Linear(dim, base_dim)  # back to the base width, where the frozen output layer reads
+        # Built last, and only when asked for: the other weights draw the same random numbers as an
+        # unfused prophet's, and an unfused prophet's state_dict is unchanged.
+        if isinstance(fuse_layers, (list, tuple)) and not fuse_layers:
+            raise ValueError(f"fuse_layers={fuse_layers!r}: name at least one block, or pass None for no fusion")
+        self.fuse_layers: tuple[int, ...] = () if fuse_layers is None else check_layers(fuse_layers, head.depth, name="fuse_layers")
+        if self.fuse_layers:
+            s = len(self.fuse_layers)
+            self.mix = nn.Linear((s + 1) * base_dim, base_dim)  # [layer states ; f_t] -> the true features read
+            with torch.no_grad():  # mix(...) == f_t exactly: zero on the layer states, identity on f_t, zero bias
+                self.mix.weight.zero_()
+                self.mix.weight[:, s * base_dim :] = torch.eye(base_dim)
+                self.mix.bias.zero_()
 
     @classmethod
-    def from_base(cls, base: nn.Module, *, dim: int, depth: int = 1, heads: int = 4, **kwargs) -> "Prophet":
-        """A prophet for an x-transformers TransformerWrapper `base` (embedding and output layer borrowed)."""
-        head = FrozenHead(embedding=base.token_emb.emb, to_logits=base.to_logits)
-        prophet = cls(head=head, dim=dim, depth=depth, heads=heads, **kwargs)
+    def from_base(cls, base: nn.Module, *, dim: int, depth: int = 1, heads: int = 4,
+                  fuse_layers: Sequence[int] | None = None, **kwargs) -> "Prophet":
+        """A prophet for an x-transformers TransformerWrapper `base` (embedding and output layer borrowed).
+        `fuse_layers`: blocks of the base (1-based, below the last) whose states `seed` mixes in; None: none."""
+        head = FrozenHead(embedding=base.token_emb.emb, to_logits=base.to_logits, depth=base_depth(base))
+        prophet = cls(head=head, dim=dim, depth=depth, heads=heads, fuse_layers=fuse_layers, **kwargs)
         return prophet.to(base.to_logits.weight.device)
 
     def logits(self, features: Tensor) -> Tensor:
         """(..., d_base) predicted features -> (..., V) logits (frozen base output layer)."""
         return self.head.logits(features)
 
+    def seed(self, features: Tensor, layers: Tensor | None = None) -> Tensor:
+        """The true features the prophet reads: final hidden states f (b, n, d_base) and the base's states of
+        `fuse_layers` (b, n, S, d_base) -> (b, n, d_base). f itself without fusion (`layers` is then not read)."""
+        if not self.fuse_layers:
+            return features
+        s = len(self.fuse_layers)
+        if layers is None or layers.shape != (*features.shape[:-1], s, self.base_dim):
+            got = None if layers is None else tuple(layers.shape)
+            raise ValueError(f"layers={got}: this prophet fuses blocks {list(self.fuse_layers)} and needs their states "
+                             f"{(*features.shape[:-1], s, self.base_dim)} (prophet.model.base_features)")
+        return self.mix(torch.cat((rearrange(layers, "b n s d -> b n (s d)"), features), dim=-1))
+
     def fused(self, features: Tensor, next_tokens: Tensor) -> Tensor:
         """features (b, n, d_base), next_tokens (b, n) -> decoder inputs (b, n, dim)."""
         return self.fuse(torch.cat((features, self.head.embed(next_tokens)), dim=-1))
 
-    def forward(self, features: Tensor, next_tokens: Tensor) -> Tensor:
-        """Teacher forcing: features f_t (B, T, d_base) and tokens x_{t+1} (B, T) -> predicted f_{t+1} (B, T, d_base)."""
-        return self.out(self.decoder(self.fused(features, next_tokens)))
+    def forward(self, features: Tensor, next_tokens: Tensor, layers: Tensor | None = None) -> Tensor:
+        """Teacher forcing: features f_t (B, T, d_base), tokens x_{t+1} (B, T) and, when fused, the layer
+        states (B, T, S, d_base) -> predicted f_{t+1} (B, T, d_base)."""
+        return self.out(self.decoder(self.fused(self.seed(features, layers), next_tokens)))
 
-    def unroll(self, features: Tensor, next_tokens: Tensor, steps: int) -> list[Tensor]:
+    def unroll(self, features: Tensor, next_tokens: Tensor, steps: int, layers: Tensor | None = None) -> list[Tensor]:
         """EAGLE-3's training-time test: predictions (B, T, d_base) for steps 1..`steps`.
 
         Step j at index t predicts f_{t+1} from the true features up to index t - j + 1 and the
         prophet's own predictions for the j - 1 indices after it, as drafting step j does. Step j's input
         at index t pairs step j - 1's prediction at t - 1 with x_{t+1}; indices t < j - 1 have no such
         chain and are filler that no valid query sees. Each forward runs all steps so far side by side
-        with the attention mask of `unroll_attention`.
+        with the attention mask of `unroll_attention`. `layers` (B, T, S, d_base): the base's states of
+        `fuse_layers`, mixed into the true features (`seed`); predictions are fed back as they are.
         """
         _check_positive_int("steps", steps)
         t = features.shape[1]
         emb = self.head.embed(next_tokens)
+        features = self.seed(features, layers)  # the true features as the prophet reads them, here and in the filler
         inputs, preds = [self.fuse(torch.cat((features, emb), dim=-1))], []
         for j in range(1, steps + 1):
             if j == 1:  # plain causal attention: no mask to build, x-transformers' own fast path

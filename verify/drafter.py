@@ -38,7 +38,7 @@ class Verdict:
     accepted: Tensor  # (b,) draft tokens accepted (0..k); 0 for rows that were already finished
     tokens: Tensor  # (b, k + 1) the step's tokens: accepted drafts, then the new pending token at index `accepted`
     pending: Tensor  # (b,) the new pending token (emitted, not yet in the target's cache)
-    target: TargetOutput  # the verification forward over [old pending, draft...]: logits and hidden (b, k + 1, .)
+    target: TargetOutput  # the verification forward over [old pending, draft...]: logits, hidden and layers (b, k + 1, .)
     active: Tensor  # (b,) rows that were still generating; finished rows carry placeholders in every field
     path: Tensor  # (b, D + 1) indices into that forward of [old pending, accepted nodes...], padded by repeating
     #               the last accepted node (a chain: 0, 1, .., accepted, accepted, ..)
@@ -46,6 +46,11 @@ class Verdict:
 
 @runtime_checkable
 class Drafter(Protocol):
+    """A drafter may also have `target_layers: tuple[int, ...]` (read with getattr, default ()): blocks of the
+    target whose residual states it reads (layer i as verify.engine.check_layers defines it). The loop asks
+    the target for them, and the drafter finds them in `TargetOutput.layers` of the prefill (begin) and of
+    every verdict (commit). It is not a protocol member, so drafters without it need no change."""
+
     vocab_size: int
 
     def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,35 @@ _ATTEND_OFF = dict(
     pre_softmax_talking_heads=None, post_softmax_talking_heads=None, pre_scale_post_talking_heads=None,
     selective=False, add_zero_kv=False, head_attn_sink=None, softclamp_logits=False, cope=None,
 )
+
+
+def block_depth(layer_types: Sequence[str]) -> int | None:
+    """Blocks of a decoder whose layers are (attention, feed-forward) pairs; None for any other layout."""
+    depth = len(layer_types) // 2
+    return depth if tuple(layer_types) == ("a", "f") * depth and depth > 0 else None
+
+
+def check_layers(layers: object, depth: int | None, *, name: str = "layers") -> tuple[int, ...]:
+    """Block indices whose residual states a caller asks a base for -> the same indices as a tuple.
+
+    Layer i of a base (the one definition the project uses: prophet.model.base_features, the lean engine,
+    the Target's `layers` output, the prophet's fusion) is the residual stream after the i-th block
+    (attention + feed-forward) of the base's decoder, before the final norm, i in 1..depth. In
+    x-transformers 2.31 it is `layer_hiddens[2 * i]` of `base(tokens, return_intermediates=True)`
+    (index 0 is the embedding input). Layer `depth` is refused: after the final norm it is the final
+    hidden state, which every output carries anyway. Order is kept: states come back in the order asked.
+    """
+    if not isinstance(layers, (list, tuple)):
+        raise ValueError(f"{name}={layers!r}: must be a list of block indices")
+    if layers and (depth is None or depth < 2):
+        why = "its decoder is not made of attention + feed-forward blocks" if depth is None else "it has a single block"
+        raise ValueError(f"{name}={list(layers)!r}: the base has no layer states to give ({why})")
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= depth - 1:
+            raise ValueError(f"{name}={list(layers)!r}: {i!r} is not a block index in [1, {depth - 1}]")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"{name}={list(layers)!r}: each block at most once")
+    return tuple(layers)
 
 
 class UnsupportedModel(ValueError):
@@ -121,7 +151,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tens
 
 
 class LeanDecoder:
-    """The layers of an x-transformers decoder as fused tensors: inputs (b, n, d) -> hidden (b, n, d) after the final norm."""
+    """The layers of an x-transformers decoder as fused tensors: inputs (b, n, d) -> hidden (b, n, d) after the
+    final norm, and on request the residual states after chosen blocks (`check_layers` says what layer i is)."""
 
     def __init__(self, layers: nn.Module, *, where: str = "decoder"):
         _require(layers, _LAYERS_OFF, where)
@@ -147,6 +178,7 @@ class LeanDecoder:
                 raise UnsupportedModel(f"{here}: layer type {kind!r}; the lean engine implements 'a' and 'f' only")
         if not self.num_layers:
             raise UnsupportedModel(f"{where} has no attention layer")
+        self.depth = block_depth([kind for kind, _ in self.blocks])  # None: no layer states to give
         final = layers.final_norm
         self.final_gain = None if type(final).__name__ == "Identity" else _layer_norm_weight(final, where + ".final_norm")
         self.inv_freq = rotary.inv_freq.detach()
@@ -196,16 +228,21 @@ class LeanDecoder:
         return hidden
 
     def forward(self, x: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, pos: Tensor | None,
-                allow: Tensor | None) -> Tensor:
+                allow: Tensor | None, layers: tuple[int, ...] = ()) -> Tensor | tuple[Tensor, Tensor]:
         """The tensor program of a step (what torch.compile sees): writes keys/values into the layers'
-        buffers k_buf, v_buf (b, h, S, dh) at slots start (b,) + [0, n) and returns hidden (b, n, d)."""
+        buffers k_buf, v_buf (b, h, S, dh) at slots start (b,) + [0, n) and returns hidden (b, n, d).
+
+        With `layers` (checked by the caller, see `check_layers`) it returns (hidden, states), states
+        (b, n, len(layers), d) the residual streams after those blocks, in that order. A compiled step
+        is one program per `layers` value; with none, the program is the plain one."""
         n, capacity = x.shape[1], k_buf[0].shape[2]
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
         pos = slots if pos is None else pos
         cos, sin = (rearrange(t[pos], "b n r -> b 1 n r") for t in self._table(capacity))
         mask = visibility(start, n, allow, capacity)  # (b, 1, n, S)
-        layer = 0
-        for kind, w in self.blocks:
+        layer, saved = 0, {}
+        ends = {2 * i - 1: i for i in layers}  # block i (1-based) ends with layer 2i - 1 (0-based), its feed-forward
+        for index, (kind, w) in enumerate(self.blocks):
             h = F.layer_norm(x, (self.dim,), w[0])
             if kind == "a":
                 qkv = rearrange(F.linear(h, w[1], w[2]), "b n (three h d) -> three b h n d", three=3, h=self.heads)
@@ -215,7 +252,12 @@ class LeanDecoder:
                 layer += 1
             else:
                 x = x + F.linear(F.gelu(F.linear(h, w[1], w[2])), w[3], w[4])
-        return x if self.final_gain is None else F.layer_norm(x, (self.dim,), self.final_gain)
+            if index in ends:
+                saved[ends[index]] = x
+        hidden = x if self.final_gain is None else F.layer_norm(x, (self.dim,), self.final_gain)
+        if not layers:
+            return hidden
+        return hidden, torch.stack([saved[i] for i in layers], dim=2)  # (b, n, S, d)
 
 
 class LeanLM:
@@ -243,22 +285,27 @@ class LeanLM:
         self.vocab_size, self.max_seq_len = wrapper.num_tokens, wrapper.max_seq_len
         self.step, self.compiled = self.forward, False  # or its compiled version (`lean(..., compile=True)`)
 
-    def __call__(self, tokens: Tensor, cache: StaticCache, *, pos: Tensor | None = None,
-                 allow: Tensor | None = None, eager: bool = False) -> tuple[Tensor, Tensor]:
-        """tokens (b, n) on top of `cache` (see `LeanDecoder.__call__`) -> logits (b, n, V), hidden (b, n, d).
+    def __call__(self, tokens: Tensor, cache: StaticCache, *, pos: Tensor | None = None, allow: Tensor | None = None,
+                 eager: bool = False, layers: tuple[int, ...] = ()) -> tuple[Tensor, ...]:
+        """tokens (b, n) on top of `cache` (see `LeanDecoder.__call__`) -> logits (b, n, V), hidden (b, n, d),
+        and with `layers` (block indices, see `check_layers`) a third output: states (b, n, len(layers), d).
 
         `eager` skips the compiled step (a prefill has a new width for every prompt length)."""
+        if layers:
+            layers = check_layers(layers, self.decoder.depth)
         start = cache.reserve(tokens.shape[1])
         self.decoder._table(cache.capacity)  # grown here, never inside a compiled step
         compiled = self.compiled and not eager
-        out = (self.step if compiled else self.forward)(tokens, *cache.buffers(tokens.shape[1], full=compiled), start, pos, allow)
+        out = (self.step if compiled else self.forward)(tokens, *cache.buffers(tokens.shape[1], full=compiled), start, pos, allow, layers)
         cache.advance(tokens.shape[1])
         return out
 
     def forward(self, tokens: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, pos: Tensor | None,
-                allow: Tensor | None) -> tuple[Tensor, Tensor]:
-        hidden = self.decoder.forward(F.embedding(tokens, self.embedding), k_buf, v_buf, start, pos, allow)
-        return F.linear(hidden, self.head_weight, self.head_bias), hidden
+                allow: Tensor | None, layers: tuple[int, ...] = ()) -> tuple[Tensor, ...]:
+        out = self.decoder.forward(F.embedding(tokens, self.embedding), k_buf, v_buf, start, pos, allow, layers)
+        hidden, states = out if layers else (out, None)
+        logits = F.linear(hidden, self.head_weight, self.head_bias)
+        return (logits, hidden) if states is None else (logits, hidden, states)
 
 
 # Measured on the 10.5M base's 1-token step here (AMD EPYC, 1 thread, full-buffer attention): eager 3.8 ms,

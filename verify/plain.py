@@ -45,6 +45,7 @@ def plain_generate(
     """Decode each prompt token by token; a row stops at EOS or after max_new_tokens."""
     check_max_new_tokens(max_new_tokens)
     target.check_tokens(prompts, max_new_tokens=max_new_tokens)
+    target.use_layers(())  # a target reused after speculative decoding: return no layer states, pay nothing for them
     b, device = len(prompts), target.device
     stats = DecodeStats.zeros(b, device)
     out = torch.zeros(b, max_new_tokens, dtype=torch.long, device=device)

@@ -106,6 +106,9 @@ def speculative_generate(
     rule = check_rule(spec.rule, delta=spec.delta, temperature=sampling.temperature)
     check_drafter(target, drafter)
     target.check_tokens(prompts, max_new_tokens=max_new_tokens)
+    # The target's residual states after these blocks, in every TargetOutput the drafter sees; most
+    # drafters read none, and then the target computes none.
+    target.use_layers(getattr(drafter, "target_layers", ()))
     b, device = len(prompts), target.device
     stats = DecodeStats.zeros(b, device)
     out = torch.zeros(b, max_new_tokens + spec.max_gamma + 1, dtype=torch.long, device=device)

@@ -16,13 +16,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from verify.cache import StaticCache, tree_attention
-from verify.engine import lean
+from verify.engine import check_layers, lean
 
 
 @dataclass
 class TargetOutput:
     logits: Tensor  # (b, n, V) next-token logits at each new position
     hidden: Tensor  # (b, n, d) final hidden states (after the final norm) at each new position
+    layers: Tensor | None = None  # (b, n, S, d) residual states after the blocks `Target.use_layers` chose; None: none chosen
 
 
 def left_to_right(x: Tensor, lengths: Tensor) -> Tensor:
@@ -54,6 +55,7 @@ class Target:
     `compile=True` runs every extend through a torch.compile'd step with static shapes: an extend of k
     tokens is padded to the smallest of `widths` that fits (else the next power of two), so a decode
     loop compiles one program per width it uses (plain decoding: 1; a chain: gamma + 1).
+    `use_layers` makes every output also carry the residual states after chosen blocks (`layers`).
     """
 
     def __init__(self, model: nn.Module, *, pad_id: int = 0, max_draft: int = 64, compile: bool = False,
@@ -69,10 +71,17 @@ class Target:
         self.pad_id = pad_id
         self.max_draft = max_draft
         self.device = next(model.parameters()).device
+        self.layers: tuple[int, ...] = ()  # blocks whose residual states every output carries (`use_layers`)
         self.reset()
 
     def reset(self) -> None:
         self.cache: StaticCache | None = None
+
+    def use_layers(self, layers: tuple[int, ...]) -> None:
+        """From the next prefill on, outputs carry `layers` (b, n, S, d): the residual states after these
+        blocks of the model (layer i as `verify.engine.check_layers` defines it), in this order. () for
+        none: then the forwards compute and return nothing extra. Refuses blocks the model does not have."""
+        self.layers = check_layers(layers, self.engine.decoder.depth)
 
     @property
     def row_lengths(self) -> Tensor:
@@ -100,9 +109,10 @@ class Target:
         """Run the prompts; returns outputs for every prompt position, left-padded (row b ends at index W - 1)."""
         tokens, lengths = pad_prompts(prompts, self.pad_id, self.device)
         self.cache = self.engine.decoder.new_cache(len(prompts), self.max_seq_len + self.max_draft + 1, device=self.device)
-        logits, hidden = self.engine(tokens, self.cache, eager=True)
+        logits, hidden, *states = self.engine(tokens, self.cache, eager=True, layers=self.layers)
         self.cache.commit(torch.arange(tokens.shape[1], device=self.device) < lengths[:, None])  # drop the padding
-        return TargetOutput(logits=right_to_left(logits, lengths), hidden=right_to_left(hidden, lengths))
+        layers = right_to_left(states[0], lengths) if states else None  # left-padded like hidden
+        return TargetOutput(logits=right_to_left(logits, lengths), hidden=right_to_left(hidden, lengths), layers=layers)
 
     @torch.inference_mode()
     def extend(self, tokens: Tensor, *, parents: Tensor | None = None) -> TargetOutput:
@@ -121,11 +131,13 @@ class Target:
         k, width = tokens.shape[1], self._width(tokens.shape[1])
         if width > k:
             tokens, kwargs = self._pad(tokens, kwargs, width)
-        logits, hidden = self.engine(tokens, self.cache, **kwargs)
+        logits, hidden, *states = self.engine(tokens, self.cache, layers=self.layers, **kwargs)
+        layers = states[0] if states else None
         if width > k:  # drop the padding entries again: a length rewind
             self.cache.commit(torch.arange(width, device=self.device).expand(tokens.shape[0], width) < k)
             logits, hidden = logits[:, :k], hidden[:, :k]
-        return TargetOutput(logits=logits, hidden=hidden)
+            layers = None if layers is None else layers[:, :k]
+        return TargetOutput(logits=logits, hidden=hidden, layers=layers)
 
     def _width(self, k: int) -> int:
         if not self.compiled:
