@@ -223,3 +223,98 @@ def test_compiled_drafters_stay_exact(family):
     eager = speculative_generate(Target(base), drafter, prompts, max_new_tokens=12, spec=SpecConfig(gamma=3))
     assert out.stats.accepted.tolist() == eager.stats.accepted.tolist() and out.stats.forwards.tolist() == eager.stats.forwards.tolist()
     assert torch._dynamo.config.fail_on_recompile_limit_hit
+
+
+# ------------------------------------------------------------------------ layer states (prophet fusion)
+
+
+def layer_states(lm, seq, layers):
+    """x-transformers' residual states after `layers` for one sequence: (n, S, d) (prophet.model.base_features)."""
+    from prophet.model import base_features
+
+    return base_features(lm, torch.tensor([seq]), layers)[2][0]
+
+
+def test_layer_states_match_base_features():
+    """prefill (left-padded like hidden), a chain and a tree after a ragged rollback: each position's states
+    after the chosen blocks, in the order chosen, equal x-transformers' for its own context."""
+    lm = project_lm(13)
+    layers = (2, 1)
+    prompts = [[5, 6, 7, 8], list(range(20, 31))]
+    target = Target(lm)
+    target.use_layers(layers)
+    first = target.prefill(prompts)
+    assert first.layers.shape == (2, 11, 2, 64)
+    for i, p in enumerate(prompts):
+        assert (first.layers[i, -len(p):] - layer_states(lm, p, layers)).abs().max() <= TOL
+    drafts = [[50, 51, 52], [60, 61, 62]]
+    chain = target.extend(torch.tensor(drafts))
+    for i, p in enumerate(prompts):
+        assert (chain.layers[i] - layer_states(lm, p + drafts[i], layers)[len(p):]).abs().max() <= TOL
+        assert (chain.hidden[i, :, None] - chain.layers[i]).abs().max() > 0.1  # not the final hidden state
+    target.commit(torch.tensor([[True, True, False], [True, False, False]]))
+    parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 1, 0]])
+    tokens = torch.tensor([[70, 71, 72, 73, 74], [80, 81, 82, 83, 84]])
+    tree = target.extend(tokens, parents=parents)
+    ancestors, _ = tree_attention(parents)
+    for i, p in enumerate(prompts):
+        ctx = p + [[50, 51], [60]][i]
+        for node in range(5):
+            path = ancestors[i, node].nonzero().flatten().tolist()
+            ref = layer_states(lm, ctx + tokens[i, path].tolist(), layers)[-1]
+            assert (tree.layers[i, node] - ref).abs().max() <= TOL
+
+
+def test_layer_states_cost_nothing_unless_asked_and_survive_padding():
+    """No layers asked: the engine returns logits and hidden only and outputs carry None. A padded
+    fixed-width extend (what a compiled target does) gives the unpadded layer states."""
+    lm = project_lm(14)
+    prompts = [[5, 6, 7], list(range(10, 22))]
+    target = Target(lm)
+    assert len(target.engine(torch.tensor([[1, 2]]), target.engine.decoder.new_cache(1, 8))) == 2
+    assert target.prefill(prompts).layers is None and target.extend(torch.tensor([[1], [2]])).layers is None
+    plain, padded = Target(lm), Target(lm)
+    padded.compiled, padded.widths = True, (8,)  # the padding path, on the eager engine
+    outs = []
+    for t in (plain, padded):
+        t.use_layers([1])
+        t.prefill(prompts)
+        outs.append([t.extend(torch.tensor([[30, 31, 32], [33, 34, 35]])).layers,
+                     t.extend(torch.tensor([[40, 41, 42, 43]] * 2), parents=torch.tensor([-1, 0, 0, 1])).layers])
+    for a, b in zip(*outs):
+        assert a.shape == b.shape and a.shape[2] == 1 and (a - b).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("layers, match", [
+    ((0,), r"0 is not a block index in \[1, 2\]"),
+    ((3,), r"3 is not a block index in \[1, 2\]"),
+    ((-1,), r"-1 is not a block index"),
+    ((1.0,), r"1.0 is not a block index"),
+    ((True,), r"True is not a block index"),
+    ((1, 1), "each block at most once"),
+    (2, "must be a list of block indices"),
+])
+def test_bad_layers_refused_in_one_line(layers, match):
+    target = Target(project_lm(15))
+    with pytest.raises(ValueError, match=match) as err:
+        target.use_layers(layers)
+    assert "\n" not in str(err.value) and target.layers == ()
+    with pytest.raises(ValueError, match="single block"):
+        Target(_wrapper()).use_layers((1,))
+
+
+@pytest.mark.slow
+def test_compiled_layer_states_match_eager():
+    lm = project_lm(16)
+    prompts = [[5, 6, 7], list(range(10, 22))]
+    eager, compiled = Target(lm), Target(lm, compile=True, widths=(1, 4))
+    outs = []
+    for t in (eager, compiled):
+        t.use_layers((1, 2))
+        t.prefill(prompts)
+        outs.append([t.extend(torch.tensor([[30, 31, 32], [33, 34, 35]])), t.extend(torch.tensor([[1], [2]]))])
+    for a, b in zip(*outs):
+        assert b.layers.shape == a.layers.shape
+        assert (a.layers - b.layers).abs().max() <= TOL and (a.hidden - b.hidden).abs().max() <= TOL
+    seq = prompts[1] + [33, 34, 35, 2]
+    assert (outs[1][1].layers[1] - layer_states(lm, seq, (1, 2))[-1:]).abs().max() <= TOL

@@ -1,12 +1,17 @@
 """The prophet drafter: training touches only the prophet; cached, tree and unrolled forwards equal their
 from-scratch counterparts; the drafter's state always follows the accepted context (a stale-state test
 with negative controls); greedy output equals plain decoding; dynamic trees are valid trees; sampling
-stays lossless (chi-square)."""
+stays lossless (chi-square). Fusion of the base's layer states (fuse_layers): the states are
+x-transformers' residual stream after each block; a fresh fused prophet is the unfused one; a fused
+drafter follows the accepted context, layer states included, and stays exact."""
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from einops import repeat
 from omegaconf import OmegaConf
 
@@ -14,7 +19,7 @@ from experiments.lm import build_lm
 import prophet.drafter as drafter_module
 from prophet import train
 from prophet.drafter import ProphetDrafter, _settled
-from prophet.model import Prophet
+from prophet.model import Prophet, base_features
 from tests.test_lossless import run, sharp_lm
 from verify.cache import tree_attention
 from verify.plain import plain_generate
@@ -145,15 +150,25 @@ def test_unroll_step_j_is_a_draft_chain():
 # ---------------------------------------------------------------- drafting follows the accepted context
 
 
+def true_features(base, prophet, x):
+    """The base's features of x (1, n) as the prophet reads them (mixed with the layer states when it fuses)."""
+    hidden, _, layers = base_features(base, x, prophet.fuse_layers)
+    return prophet.seed(hidden, layers)
+
+
+def seeded_forward(prophet, feats, toks):
+    """The prophet's forward on features already seeded: true ones mixed, predicted ones as they are."""
+    return prophet.out(prophet.decoder(prophet.fused(feats, toks)))
+
+
 def chain_reference(base, prophet):
     """From scratch on the true context: the base's features, then the prophet autoregressively."""
 
     def reference(ctx, gamma):
         x = torch.tensor([ctx])
-        _, hidden = base(x, return_logits_and_embeddings=True)
-        feats, toks, out = hidden[:, :-1], x[:, 1:], []  # the pending token's feature is not known yet
+        feats, toks, out = true_features(base, prophet, x)[:, :-1], x[:, 1:], []  # the pending token's feature is not known yet
         for _ in range(gamma):
-            f = prophet(feats, toks)[:, -1:]
+            f = seeded_forward(prophet, feats, toks)[:, -1:]
             d = prophet.logits(f).argmax(-1)
             feats, toks = torch.cat((feats, f), 1), torch.cat((toks, d), 1)
             out.append(int(d))
@@ -167,14 +182,14 @@ def tree_reference(base, prophet, *, top_k, depth, tree_nodes):
 
     def reference(ctx, gamma):
         x = torch.tensor([ctx])
-        _, hidden = base(x, return_logits_and_embeddings=True)
+        true = true_features(base, prophet, x)
 
         def children(path):  # top-k (log-prob, token) after the pending token and `path`
-            feats, toks = hidden[:, :-1], x[:, 1:]
-            f = prophet(feats, toks)[:, -1:]
+            feats, toks = true[:, :-1], x[:, 1:]
+            f = seeded_forward(prophet, feats, toks)[:, -1:]
             for tok in path:
                 feats, toks = torch.cat((feats, f), 1), torch.cat((toks, torch.tensor([[tok]])), 1)
-                f = prophet(feats, toks)[:, -1:]
+                f = seeded_forward(prophet, feats, toks)[:, -1:]
             s, t = prophet.logits(f[0, 0]).log_softmax(-1).topk(top_k)
             return zip(s.tolist(), t.tolist())
 
@@ -201,6 +216,7 @@ class Spy:
 
     def __init__(self, inner, reference, max_new_tokens):
         self.inner, self.reference, self.vocab_size, self.checked = inner, reference, inner.vocab_size, 0
+        self.target_layers = inner.target_layers  # a fused prophet reads the target's layer states
         self.max_new_tokens = max_new_tokens
 
     def begin(self, prompts, prefill, pending):
@@ -389,3 +405,198 @@ def test_bad_arguments_raise_one_line_errors(make, match):
     with pytest.raises(ValueError, match=match) as err:
         make(base, prophet)
     assert "\n" not in str(err.value)
+
+
+# ---------------------------------------------------------------- fusion of the base's layer states (fuse_layers)
+
+
+def deep_base(seed: int = 0):
+    """Three blocks: two layer states below the final hidden state."""
+    torch.manual_seed(seed)
+    return build_lm(num_tokens=V, dim=32, depth=3, heads=2, max_seq_len=96).eval()
+
+
+def test_layer_states_are_the_residual_stream_after_each_block():
+    """base_features' layer i = the input of block i + 1's pre-norm (the residual stream after block i), caught
+    by hooks on the x-transformers modules; index 2i of layer_hiddens; hidden and logits as the plain forward."""
+    base = deep_base()
+    tokens = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    hooks = [base.attn_layers.layers[2 * i][0][0].register_forward_pre_hook(lambda m, args, i=i: seen.setdefault(i, args[0]))
+             for i in (1, 2)]  # the norm before block i + 1's attention reads the stream after block i
+    try:
+        hidden, logits, states = base_features(base, tokens, [2, 1])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert states.shape == (2, 9, 2, 32) and states.dtype == hidden.dtype == logits.dtype == torch.float32
+    assert torch.equal(states[:, :, 0], seen[2]) and torch.equal(states[:, :, 1], seen[1])
+    with torch.no_grad():
+        ref_logits, ref_hidden = base(tokens, return_logits_and_embeddings=True)
+        _, inter = base(tokens, return_intermediates=True)
+    assert torch.equal(hidden, ref_hidden) and torch.equal(logits, ref_logits)
+    assert len(inter.layer_hiddens) == 2 * 3 + 1 and torch.equal(inter.layer_hiddens[0], base.token_emb(tokens))
+    assert torch.allclose(base.attn_layers.final_norm(inter.layer_hiddens[6]), hidden, atol=1e-6)  # layer 3 = depth
+    assert base_features(base, tokens)[2] is None
+    assert torch.equal(base_features(base, tokens)[0], hidden)
+
+
+def test_fresh_fused_prophet_is_the_unfused_one():
+    base = deep_base()
+    data = batch(base, b=2, t=10)
+    hidden, nxt = data["hidden"], data["tokens"][:, 1:]
+    _, _, layers = base_features(base, data["tokens"][:, :-1], (1, 2))
+    torch.manual_seed(0)
+    plain = Prophet.from_base(base, dim=32, depth=2, heads=2)
+    torch.manual_seed(0)
+    fused = Prophet.from_base(base, dim=32, depth=2, heads=2, fuse_layers=[1, 2])
+    assert set(fused.state_dict()) - set(plain.state_dict()) == {"mix.weight", "mix.bias"}
+    assert all(torch.equal(v, fused.state_dict()[k]) for k, v in plain.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(fused.seed(hidden, layers), hidden)
+        assert torch.equal(fused(hidden, nxt, layers), plain(hidden, nxt))
+        for a, b in zip(fused.unroll(hidden, nxt, 3, layers=layers), plain.unroll(hidden, nxt, 3), strict=True):
+            assert torch.equal(a, b)
+        fused.mix.weight[:, :64].normal_(0, 0.1, generator=torch.Generator().manual_seed(1))  # the layer-state columns
+        moved = fused.unroll(hidden, nxt, 3, layers=layers)
+        assert all((a - b).abs().max() > 1e-3 for a, b in zip(moved, plain.unroll(hidden, nxt, 3)))
+        # the filler and the true prefix of every step read the mixed features; predictions stay unmixed
+        assert torch.equal(moved[0], fused(hidden, nxt, layers))
+
+
+def test_fused_prophet_rebuilds_from_json_kwargs():
+    base = deep_base()
+    kwargs = json.loads(json.dumps(dict(dim=32, depth=1, heads=2, fuse_layers=[2, 1])))  # as a checkpoint saves them
+    fused = Prophet.from_base(base, **kwargs)
+    assert fused.fuse_layers == (2, 1) and fused.mix.in_features == 3 * 32
+    Prophet.from_base(base, **kwargs).load_state_dict(fused.state_dict(), strict=True)
+    assert Prophet.from_base(base, dim=32, depth=1, heads=2, fuse_layers=(2, 1)).fuse_layers == (2, 1)
+    plain = Prophet.from_base(base, dim=32, depth=1, heads=2, fuse_layers=None)
+    assert plain.fuse_layers == () and not hasattr(plain, "mix")
+    Prophet.from_base(base, dim=32, depth=1, heads=2).load_state_dict(plain.state_dict(), strict=True)
+    with pytest.raises(RuntimeError, match="mix"):
+        plain.load_state_dict(fused.state_dict(), strict=True)
+
+
+FUSE = [1, 2]
+
+
+def fit_fused(base, prophet, steps: int = 60) -> None:
+    """Teacher forcing on the base's own outputs, as prophet/train.py does (feature SmoothL1 + 0.1 CE)."""
+    data = batch(base, b=16, t=32)
+    hidden, logits, layers = base_features(base, data["tokens"][:, :-1], prophet.fuse_layers)
+    nxt = data["tokens"][:, 1:]
+    opt = torch.optim.AdamW(prophet.parameters(), lr=1e-2)
+    for _ in range(steps):
+        pred = prophet(hidden, nxt, layers)[:, :-1]
+        ce = -(logits[:, 1:].softmax(-1) * prophet.logits(pred).log_softmax(-1)).sum(-1).mean()
+        loss = F.smooth_l1_loss(pred, hidden[:, 1:]) + 0.1 * ce
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.fixture(scope="module")
+def fused_trained():
+    """A prophet fusing blocks 1 and 2 of a 3-block base, trained briefly: drafts get accepted, and the
+    layer states matter (the mix left its identity start)."""
+    base = deep_base()
+    torch.manual_seed(0)
+    prophet = Prophet.from_base(base, dim=32, depth=1, heads=2, fuse_layers=FUSE)
+    fit_fused(base, prophet)
+    assert prophet.mix.weight[:, : 2 * 32].abs().max() > 1e-2  # training reached the layer-state columns
+    return base, prophet.eval()
+
+
+class UnmixedFeatures(ProphetDrafter):
+    """Negative control: seeds from the final hidden states alone, as an unfused prophet would."""
+
+    def _seed_features(self, verdict):
+        hidden = verdict.target.hidden
+        return hidden.gather(1, repeat(verdict.path, "b n -> b n d", d=hidden.shape[-1]))
+
+
+class LayersOffPath(ProphetDrafter):
+    """Negative control: mixes in the layer states of the old pending token at every accepted node."""
+
+    def _seed_features(self, verdict):
+        out = verdict.target
+        layers = repeat(out.layers[:, 0], "b s d -> b n s d", n=out.layers.shape[1])
+        return super()._seed_features(replace(verdict, target=replace(out, layers=layers)))
+
+
+@pytest.mark.parametrize("mode, gamma", [("chain", 3), ("tree", 4)])
+def test_fused_drafter_follows_the_accepted_context(fused_trained, mode, gamma):
+    base, prophet = fused_trained
+    if mode == "chain":
+        drafter, reference = ProphetDrafter(prophet, mode="chain"), chain_reference(base, prophet)
+    else:
+        drafter, reference = ProphetDrafter(prophet, mode="tree", **TREE), tree_reference(base, prophet, **TREE)
+    assert drafter.target_layers == (1, 2)
+    out, spy = run_spy(base, drafter, reference, gamma)
+    assert out.tokens == plain_generate(Target(base), PROMPTS, max_new_tokens=20).tokens
+    assert spy.checked > 10 and 0 < out.stats.alpha < 1 and len(set(out.stats.accepted.tolist())) > 1
+
+
+@pytest.mark.parametrize("wrong", [UnmixedFeatures, LayersOffPath])
+def test_wrong_layer_states_are_detected(fused_trained, wrong):
+    base, prophet = fused_trained
+    with pytest.raises(AssertionError, match="stale drafter state"):
+        run_spy(base, wrong(prophet, mode="chain"), chain_reference(base, prophet), 3)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_fused_greedy_equals_plain(fused_trained, mode, gamma):
+    base, prophet = fused_trained
+    target = Target(base)
+    ref = plain_generate(target, PROMPTS, max_new_tokens=24).tokens
+    out = speculative_generate(target, ProphetDrafter(prophet, mode=mode), PROMPTS, max_new_tokens=24,
+                               spec=SpecConfig(gamma=gamma))
+    assert out.tokens == ref and out.stats.alpha > 0
+    assert target.layers == (1, 2)
+    plain_generate(target, PROMPTS, max_new_tokens=2)  # the same target, reused: plain decoding asks for no layers
+    assert target.layers == () and target.prefill(PROMPTS).layers is None
+
+
+def test_a_wrapper_that_hides_target_layers_gets_a_one_line_error(fused_trained):
+    base, prophet = fused_trained
+
+    class Wrapper:  # like a recording wrapper that forwards begin/propose/commit but not target_layers
+        def __init__(self, inner):
+            self.vocab_size, self.begin, self.propose, self.commit = inner.vocab_size, inner.begin, inner.propose, inner.commit
+
+    with pytest.raises(ValueError, match="returned no layer states") as err:
+        speculative_generate(Target(base), Wrapper(ProphetDrafter(prophet)), PROMPTS, max_new_tokens=8)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("fuse_layers, match", [
+    ([0], r"fuse_layers=\[0\]: 0 is not a block index in \[1, 2\]"),
+    ([3], r"fuse_layers=\[3\]: 3 is not a block index in \[1, 2\]"),  # 3 = depth: the final hidden state
+    ([-1], r"-1 is not a block index"),
+    ([1.5], r"1.5 is not a block index"),
+    ([True], r"True is not a block index"),
+    (["1"], r"'1' is not a block index"),
+    ([2, 2], r"fuse_layers=\[2, 2\]: each block at most once"),
+    ([], r"fuse_layers=\[\]: name at least one block"),
+    (2, r"fuse_layers=2: must be a list"),
+])
+def test_bad_fuse_layers_raise_one_line_errors(fuse_layers, match):
+    with pytest.raises(ValueError, match=match) as err:
+        Prophet.from_base(deep_base(), dim=32, heads=2, fuse_layers=fuse_layers)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_or_mismatched_layer_states_raise_one_line_errors():
+    base = deep_base()
+    fused = Prophet.from_base(base, dim=32, heads=2, fuse_layers=[1])
+    hidden, _, layers = base_features(base, torch.tensor([[1, 2, 3]]), (1, 2))
+    for bad in (None, layers):  # missing; two states for one fused block
+        with pytest.raises(ValueError, match=r"fuses blocks \[1\] and needs their states \(1, 3, 1, 32\)") as err:
+            fused.unroll(hidden, torch.tensor([[2, 3, 4]]), 2, layers=bad)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"layers=\[0\]: 0 is not a block index"):
+        base_features(base, torch.tensor([[1, 2, 3]]), [0])
+    with pytest.raises(ValueError, match="single block"):
+        Prophet.from_base(build_lm(num_tokens=V, dim=32, depth=1, heads=2, max_seq_len=32), dim=32, heads=2, fuse_layers=[1])
