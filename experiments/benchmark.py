@@ -31,7 +31,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from experiments.artifacts import ensure
 from experiments.calibrate import cached_verify_cost, choose_chain_budget, choose_tree_budget, cpu_model, format_cost_table
-from experiments.checkpoint import load_lm
+from experiments.checkpoint import load_checkpoint, load_lm
 from experiments.cli import exit_on_user_error
 from experiments.data import prepare_data, token_counts
 from experiments.prompts import heldout_prompts, load_prompts
@@ -48,6 +48,7 @@ from verify.target import Target
 from verify.vocab import frequent_tokens
 
 log = logging.getLogger(__name__)
+DRAFTER_KINDS = ("draft", "medusa", "prophet")  # artifacts trained by train_drafter on the frozen base
 METHODS = ("draft_model", "prompt_lookup", "medusa_chain", "medusa_tree", "prophet_chain", "prophet_tree")
 
 
@@ -75,7 +76,7 @@ def checkpoint_for(cfg: DictConfig, kind: str, base_ckpt: str | None = None, bas
     data_cfg = (base_meta or {}).get("data", {}).get("config")
     if data_cfg:
         overrides += [f"data.{key}={json.dumps(value)}" for key, value in sorted(data_cfg.items())]
-    if kind in ("medusa", "prophet"):
+    if kind in DRAFTER_KINDS:
         overrides += [f"drafter={kind}", f"base_checkpoint={base_ckpt}"]
         overrides += _overrides(cfg[kind], "drafter")
     return str(ensure(kind, overrides, root=cfg.artifacts.root))
@@ -93,22 +94,21 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokeniz
     A factory takes `compile` (the drafter's own decoder steps through torch.compile) and drafter
     keyword overrides (a tree budget chosen by `budget=auto`)."""
     check_methods(cfg.methods)
-    device = next(base.parameters()).device
     vocab = drafter_vocab(cfg, base_meta, base.num_tokens)
     methods: dict[str, Callable[..., Any]] = {}
     trained: dict[str, tuple] = {}  # family -> (module, package): chain and tree share one checkpoint
     for name in cfg.methods:
         if name == "draft_model":
-            draft_lm, draft_tokenizer, _ = load_lm(checkpoint_for(cfg, "draft", base_meta=base_meta), device=str(device))
-            if draft_tokenizer.to_str() != tokenizer.to_str():
-                raise ValueError("the draft model uses another tokenizer than the base: train it on the base's data config")
+            draft_lm = load_draft_model(checkpoint_for(cfg, "draft", base_ckpt, base_meta), base, base_meta, tokenizer, vocab)
             methods[name] = lambda lm=draft_lm, compile=False: DraftModelDrafter(lm, compile=compile, vocab=vocab)
         elif name == "prompt_lookup":
             methods[name] = lambda compile=False: PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
         else:
             family, mode = name.split("_")
             if family not in trained:
-                trained[family] = load_drafter(checkpoint_for(cfg, family, base_ckpt, base_meta), base, base_meta)[:2]
+                module, package, meta = load_drafter(checkpoint_for(cfg, family, base_ckpt, base_meta), base, base_meta)
+                check_train_vocab(meta, vocab, family)
+                trained[family] = module, package
             module, package = trained[family]
             decode = {**OmegaConf.to_container(cfg[family].decode, resolve=True), "mode": mode}
             if mode == "chain" and "tree" in decode:  # a static tree configures the tree method only
@@ -117,6 +117,29 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokeniz
             methods[name] = lambda m=module, p=package, d=decode, c=compiles, compile=False, **over: p.drafter(
                 m, base, **{**d, **over}, vocab=vocab, **({"compile": compile} if c else {}))
     return methods
+
+
+def check_train_vocab(meta: dict, vocab, name: str) -> None:
+    """Warn when a drafter drafts from another vocabulary than it was trained on: rows it never trained
+    (a distilled draft model's are at their initialisation) would draft, losslessly but badly."""
+    trained_on, drafting = meta.get("train_vocab"), None if vocab is None else vocab.numel()
+    if trained_on != drafting:
+        log.warning("%s was trained on %s but drafts from %s: set vocab=%s", name,
+                    f"{trained_on} tokens" if trained_on else "the full vocabulary",
+                    f"{drafting} tokens" if drafting else "the full vocabulary", trained_on or "null")
+
+
+def load_draft_model(directory: str, base, base_meta: dict, tokenizer, vocab):
+    """The draft LM: one distilled from this base (a `draft` drafter checkpoint) or an independent LM
+    trained on the corpus (a base checkpoint with the base's tokenizer)."""
+    if load_checkpoint(directory).meta.get("kind") == "drafter":
+        module, _, meta = load_drafter(directory, base, base_meta)
+        check_train_vocab(meta, vocab, "the draft model")
+        return module
+    draft_lm, draft_tokenizer, _ = load_lm(directory, device=str(next(base.parameters()).device))
+    if draft_tokenizer.to_str() != tokenizer.to_str():
+        raise ValueError("the draft model uses another tokenizer than the base: train it on the base's data config")
+    return draft_lm
 
 
 def drafter_vocab(cfg: DictConfig, base_meta: dict, vocab_size: int):

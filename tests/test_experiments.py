@@ -37,8 +37,9 @@ BASE = ["base.dim=32", "base.depth=1", "base.heads=2", *DATA, "logger=none", "ma
         "batch_size=4", "seq_len=64", "eval_blocks=2", "eval_every=10", "checkpoint_every=10"]
 DRAFTER = [*DATA, "logger=none", "max_steps=4", "eval_every=2", "log_every=1", "eval_blocks=2", "batch_size=2",
            "seq_len=32", "optim.warmup_steps=1"]
-SMALL = {"medusa": [], "prophet": ["drafter.module.dim=32", "drafter.module.heads=2"]}  # a prophet as narrow as the base
-FAMILIES = ("medusa", "prophet")
+SMALL = {"medusa": [], "prophet": ["drafter.module.dim=32", "drafter.module.heads=2"],  # a prophet as narrow as the base
+         "draft": ["drafter.module.dim=32", "drafter.module.depth=1", "drafter.module.heads=2"]}
+FAMILIES = ("medusa", "prophet", "draft")
 ROW_KEYS = {"name", "tau", "repeat4", "alpha", "speedup", "tokens_per_s", "exact", "lossless", "temperature", "threads",
             "compiled"}
 
@@ -80,7 +81,7 @@ def tiny_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: str) -> Path:
 
 def drafter_cfg(family: str, base: Path, cache_dir: str, out_dir: Path, *overrides: str) -> DictConfig:
     return make_cfg("train_drafter", f"drafter={family}", f"base_checkpoint={base}", *DRAFTER, *SMALL[family],
-                    f"data.cache_dir={cache_dir}", f"out_dir={out_dir}", *overrides)
+                    f"data.cache_dir={cache_dir}", f"features.root={cache_dir}/features", f"out_dir={out_dir}", *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -200,11 +201,8 @@ def check_benchmark_cfg(cfg: DictConfig) -> None:
         bench_mod.SamplingConfig(temperature=t, top_k=cfg.decode.top_k, top_p=cfg.decode.top_p)
         bench_mod.check_rule(cfg.decode.rule, delta=cfg.decode.delta, temperature=t)
     bench_mod.SpecConfig(gamma=cfg.decode.gamma, rule=cfg.decode.rule, delta=cfg.decode.delta)
-    for kind in ("base", "draft"):
-        recipe = make_cfg("train_base", *cfg.artifacts[kind], "out_dir=/tmp/unused")
-        train_base.validate_config(recipe)
-    assert make_cfg("train_base", *cfg.artifacts.draft, "out_dir=/tmp/unused").base.depth == 2  # base_draft
-    for family in FAMILIES:
+    train_base.validate_config(make_cfg("train_base", *cfg.artifacts.base, "out_dir=/tmp/unused"))
+    for family in ("draft", *FAMILIES):  # the draft model is distilled from the base like the others
         recipe = make_cfg("train_drafter", *cfg.artifacts[family], f"drafter={family}", "base_checkpoint=/b",
                           *bench_mod._overrides(cfg[family], "drafter"), "out_dir=/tmp/unused")
         train_drafter.validate_config(recipe)
@@ -250,8 +248,13 @@ def test_sweep_plugins_compose(override: str, module: str, target: str) -> None:
 def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path) -> None:
     result, out_dir = drafters[family]["result"], drafters[family]["out_dir"]
     assert result["step"] == 4 and result["parameters"] > 0 and Path(result["out_dir"]) == out_dir
-    metric_keys = set(result) - {"step", "elapsed_s", "parameters", "checkpoint", "out_dir"}
+    about_the_run = {"step", "elapsed_s", "parameters", "checkpoint", "out_dir", "precision", "positions", "positions_per_s",
+                     "features", "feature_key", "feature_windows", "feature_source", "feature_seconds"}
+    assert about_the_run <= set(result), result
+    metric_keys = set(result) - about_the_run
     assert metric_keys and all(isinstance(result[k], float) for k in metric_keys), result
+    agreement = {"medusa": "head1_agree", "prophet": "step1_agree", "draft": "agree"}[family]
+    assert 0 <= result[agreement] <= 1  # agreement with the base's top-1, what acceptance measures
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "val"] == [2, 4]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
@@ -260,6 +263,8 @@ def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path
     assert meta["kind"] == "drafter" and meta["step"] == 4
     assert meta["base_fingerprint"] == base_meta["fingerprint"]
     assert meta["model_config"]["package"] == family and meta["base_checkpoint"] == str(tiny_base)
+    assert meta["precision"]["used"] in ("bf16", "fp32") and meta["precision"]["requested"] == "auto"
+    assert meta["drafter"]["loss"]["target"] == "kl"  # self-distillation is the default recipe
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -279,7 +284,7 @@ def test_load_drafter_same_base_and_another_base(family: str, drafters: dict, ti
     ckpt = drafters[family]["result"]["checkpoint"]
     base, _, base_meta = load_lm(tiny_base)
     module, package, meta = train_drafter.load_drafter(ckpt, base, base_meta)
-    assert package.__name__ == f"{family}.train" and not module.training
+    assert package is train_drafter.FAMILIES[family] and not module.training
     saved = load_checkpoint(ckpt).state_dict
     assert all(torch.equal(module.state_dict()[k], v) for k, v in saved.items())
     assert package.drafter(module, base, **dict(make_cfg("train_drafter", f"drafter={family}",
@@ -295,6 +300,23 @@ def test_load_drafter_same_base_and_another_base(family: str, drafters: dict, ti
     assert base_meta["fingerprint"] in message and other_meta["fingerprint"] in message and "\n" not in message
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_drafter_training_reads_the_cache_instead_of_running_the_base(use_cache: bool, tiny_base: Path, cache_dir: str,
+                                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from experiments import features
+
+    calls = []
+    original = features.base_features
+    monkeypatch.setattr(features, "base_features", lambda *a, **k: calls.append(a[1].shape) or original(*a, **k))
+    cfg = lambda out: drafter_cfg("medusa", tiny_base, cache_dir, out, f"features.use={str(use_cache).lower()}",  # noqa: E731
+                                  f"features.root={tmp_path / 'features'}", "features.windows=6")
+    train_drafter.train(cfg(tmp_path / "a"))  # writes the cache (when used) on first use
+    calls.clear()
+    train_drafter.train(cfg(tmp_path / "b"))
+    # with the cache the base runs once, on the validation blocks; without it, also once per training step
+    assert len(calls) == (1 if use_cache else 1 + 4), calls
+
+
 def test_load_drafter_refuses_a_base_checkpoint(tiny_base: Path) -> None:
     base, _, base_meta = load_lm(tiny_base)
     with pytest.raises(CheckpointError, match="not a drafter checkpoint"):
@@ -303,13 +325,17 @@ def test_load_drafter_refuses_a_base_checkpoint(tiny_base: Path) -> None:
 
 @pytest.mark.parametrize("override, fragment", [
     ("max_steps=0", "max_steps must be a positive integer, got 0"),
-    ("batch_size=0", "batch_size must be a positive integer, got 0"),
+    ("batch_size=0", "batch_size must be a positive integer or null, got 0"),
+    ("vocab=0", "vocab must be a positive integer or null, got 0"),
+    ("precision=fp16", "precision='fp16': must be one of auto, fp32, bf16"),
+    ("features.source=web", "features.source='web'"),
+    ("features.windows=0", "features.windows=0"),
     ("eval_blocks=-1", "eval_blocks must be a positive integer"),
     ("max_minutes=0", "max_minutes must be positive or null"),
     ("optim.lr=0", "optim.lr must be positive"),
     ("optim.warmup_steps=5", "optim.warmup_steps (5) must not exceed max_steps (4)"),
-    ("drafter.package=nonexistent", "drafter.package='nonexistent': no module nonexistent.train"),
-    ("drafter.package=json", "no module json.train"),
+    ("drafter.package=nonexistent", "drafter.package='nonexistent': must be one of medusa, prophet, draft"),
+    ("drafter.package=json", "drafter.package='json': must be one of"),
 ])
 def test_train_drafter_bad_config_fails_before_work(override: str, fragment: str, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
