@@ -52,6 +52,7 @@ class RecordingDrafter:
     def __init__(self, drafter) -> None:
         self.drafter = drafter
         self.vocab_size: int = drafter.vocab_size
+        self.target_layers = getattr(drafter, "target_layers", ())  # a fused prophet needs the target's layer states
         self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from einops import repeat
 from omegaconf import OmegaConf
 
+from experiments.features import teacher_batch
 from experiments.lm import build_lm
 import prophet.drafter as drafter_module
 from prophet import train
@@ -44,16 +45,14 @@ def tiny_base(seed: int = 0):
 def batch(base, b: int = 8, t: int = 16, seed: int = 1):
     """A fixed batch and the frozen base's outputs for tokens[:, :-1], as the training loop provides them."""
     tokens = torch.randint(0, V, (b, t + 1), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        logits, hidden = base(tokens[:, :-1], return_logits_and_embeddings=True)
-    return dict(tokens=tokens, hidden=hidden, logits=logits)
+    return teacher_batch(base, tokens, top_k=V)  # the whole distribution as the teacher
 
 
 def fit(base, prophet, data, steps: int, unroll: int = 1, lr: float = 1e-2) -> list[float]:
     opt = torch.optim.AdamW(prophet.parameters(), lr=lr)
     losses = []
     for _ in range(steps):
-        loss, _ = train.loss(prophet, base, **data, unroll=unroll)
+        loss, _ = train.loss(prophet, base, data, unroll=unroll)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -77,9 +76,9 @@ def trained():
 def test_gradients_reach_the_prophet_only():
     base = tiny_base()  # parameters still require grad: the prophet must detach them itself
     prophet = train.build(base, dim=32, depth=2, heads=2)
-    loss, metrics = train.loss(prophet, base, **batch(base), unroll=2)
+    loss, metrics = train.loss(prophet, base, batch(base), unroll=2)
     loss.backward()
-    assert {"step1_feature", "step1_ce", "step1_top1", "step2_feature", "loss"} <= set(metrics)
+    assert {"step1_feature", "step1_ce", "step1_agree", "step2_feature", "loss"} <= set(metrics)
     for name, p in prophet.named_parameters():
         assert p.grad is not None and bool(p.grad.abs().sum() > 0), name
     assert all(p.grad is None for p in base.parameters())
@@ -96,13 +95,13 @@ def test_loss_drops(unroll):
     torch.manual_seed(0)
     prophet = train.build(base, dim=32, depth=1, heads=2)
     data = batch(base)
-    first, _ = train.loss(prophet, base, **data, unroll=unroll)
+    first, _ = train.loss(prophet, base, data, unroll=unroll)
     losses = fit(base, prophet, data, steps=60, unroll=unroll)
     assert losses[-1] < 0.7 * first.item(), (first.item(), losses[-1])
-    before = train.evaluate(train.build(base, dim=32, depth=1, heads=2), base, **data, eval_steps=3)
-    after = train.evaluate(prophet, base, **data, eval_steps=3)
-    assert list(after) == ["step1_top1", "step2_top1", "step3_top1"]
-    assert after["step1_top1"] > before["step1_top1"] + 0.2
+    before = train.evaluate(train.build(base, dim=32, depth=1, heads=2), base, data, eval_steps=3)
+    after = train.evaluate(prophet, base, data, eval_steps=3)
+    assert list(after) == ["step1_agree", "step2_agree", "step3_agree"]
+    assert after["step1_agree"] > before["step1_agree"] + 0.2
 
 
 # ---------------------------------------------------------------- forwards
@@ -112,7 +111,7 @@ def test_cached_and_tree_forwards_equal_full_forwards():
     base = tiny_base()
     prophet = train.build(base, dim=32, depth=2, heads=2).eval()
     data = batch(base, b=2, t=10)
-    hidden, nxt = data["hidden"], data["tokens"][:, 1:]
+    hidden, nxt = data.hidden, data.tokens[:, 1:]
     with torch.no_grad():
         full = prophet(hidden, nxt)
         cache = prophet.new_cache(2, 4)  # too small on purpose: the cache grows
@@ -134,7 +133,7 @@ def test_unroll_step_j_is_a_draft_chain():
     base = tiny_base()
     prophet = train.build(base, dim=32, depth=2, heads=2).eval()
     data = batch(base, b=2, t=10)
-    hidden, nxt = data["hidden"], data["tokens"][:, 1:]
+    hidden, nxt = data.hidden, data.tokens[:, 1:]
     with torch.no_grad():
         steps = prophet.unroll(hidden, nxt, 3)
         assert torch.equal(steps[0], prophet(hidden, nxt))
@@ -367,13 +366,14 @@ def test_sampling_reproduces_the_target_distribution(mode):
 
 def test_config_drives_the_four_functions():
     cfg = OmegaConf.to_container(OmegaConf.load(CONF))
-    assert cfg["package"] == "prophet" and set(cfg) == {"package", "module", "loss", "decode"}
+    assert cfg["package"] == "prophet" and set(cfg) == {"package", "batch_size", "module", "loss", "decode"}
     base = tiny_base()
     module = train.build(base, **cfg["module"])
     data = batch(base, b=2, t=8)
-    loss, metrics = train.loss(module, base, **data, **cfg["loss"])
-    assert torch.isfinite(loss) and set(metrics) == {"step1_feature", "step1_ce", "step1_top1", "loss"}
-    assert set(train.evaluate(module, base, **data)) == {f"step{j}_top1" for j in range(1, 6)}
+    loss, metrics = train.loss(module, base, data, **cfg["loss"])
+    steps = range(1, cfg["loss"]["unroll"] + 1)
+    assert torch.isfinite(loss) and set(metrics) == {f"step{j}_{m}" for j in steps for m in ("feature", "ce", "agree")} | {"loss"}
+    assert set(train.evaluate(module, base, data)) == {f"step{j}_agree" for j in range(1, 6)}
     drafter = train.drafter(module, base, **cfg["decode"])
     out = speculative_generate(Target(base), drafter, PROMPTS, max_new_tokens=8, spec=SpecConfig(gamma=5))
     assert out.tokens == plain_generate(Target(base), PROMPTS, max_new_tokens=8).tokens
@@ -391,11 +391,11 @@ def test_config_drives_the_four_functions():
         (lambda b, p: ProphetDrafter(p).propose(0, SamplingConfig(), None), "gamma=0"),
         (lambda b, p: train.build(b, dim=30, heads=4), "dim=30 is not divisible by heads=4"),
         (lambda b, p: train.build(b, dim=32, depth=0), "depth=0"),
-        (lambda b, p: train.loss(p, b, **batch(b), unroll=0), "unroll=0"),
-        (lambda b, p: train.loss(p, b, **batch(b), ce_weight=-1), "ce_weight=-1"),
-        (lambda b, p: train.loss(p, b, **batch(b, t=3), unroll=3), "unroll=3 needs sequences of at least 4"),
-        (lambda b, p: train.evaluate(p, b, **batch(b, t=4), eval_steps=5), "eval_steps=5 needs"),
-        (lambda b, p: train.loss(p, tiny_base(1), **batch(b)), "built on another base"),
+        (lambda b, p: train.loss(p, b, batch(b), unroll=0), "unroll=0"),
+        (lambda b, p: train.loss(p, b, batch(b), ce_weight=-1), "ce_weight=-1"),
+        (lambda b, p: train.loss(p, b, batch(b, t=3), unroll=3), "unroll=3 needs sequences of at least 4"),
+        (lambda b, p: train.evaluate(p, b, batch(b, t=4), eval_steps=5), "eval_steps=5 needs"),
+        (lambda b, p: train.loss(p, tiny_base(1), batch(b)), "built on another base"),
         (lambda b, p: train.drafter(p, b, mode="x"), "mode='x'"),
     ],
 )
@@ -444,8 +444,8 @@ def test_layer_states_are_the_residual_stream_after_each_block():
 def test_fresh_fused_prophet_is_the_unfused_one():
     base = deep_base()
     data = batch(base, b=2, t=10)
-    hidden, nxt = data["hidden"], data["tokens"][:, 1:]
-    _, _, layers = base_features(base, data["tokens"][:, :-1], (1, 2))
+    hidden, nxt = data.hidden, data.tokens[:, 1:]
+    _, _, layers = base_features(base, data.tokens[:, :-1], (1, 2))
     torch.manual_seed(0)
     plain = Prophet.from_base(base, dim=32, depth=2, heads=2)
     torch.manual_seed(0)
@@ -484,8 +484,8 @@ FUSE = [1, 2]
 def fit_fused(base, prophet, steps: int = 60) -> None:
     """Teacher forcing on the base's own outputs, as prophet/train.py does (feature SmoothL1 + 0.1 CE)."""
     data = batch(base, b=16, t=32)
-    hidden, logits, layers = base_features(base, data["tokens"][:, :-1], prophet.fuse_layers)
-    nxt = data["tokens"][:, 1:]
+    hidden, logits, layers = base_features(base, data.tokens[:, :-1], prophet.fuse_layers)
+    nxt = data.tokens[:, 1:]
     opt = torch.optim.AdamW(prophet.parameters(), lr=1e-2)
     for _ in range(steps):
         pred = prophet(hidden, nxt, layers)[:, :-1]
