@@ -191,6 +191,9 @@ def write_features(directory: str | Path, base: nn.Module, train_ids: Tensor, sp
     meta = _check_meta(directory, spec)
     if meta is not None and meta.get("complete"):
         return directory
+    if meta is not None:  # resume the interrupted cache exactly as it was begun (its layers, its shard size)
+        spec = FeatureSpec(**{**meta["spec"], "layers": tuple(meta["spec"]["layers"])})
+        shard_windows = meta["shard_windows"]
     dim = base.to_logits.in_features
     size = spec.windows * spec.bytes_per_window(dim)
     shards = -(-spec.windows // shard_windows)
@@ -199,7 +202,7 @@ def write_features(directory: str | Path, base: nn.Module, train_ids: Tensor, sp
     directory.mkdir(parents=True, exist_ok=True)
     meta = {"spec": asdict(spec), "format": FORMAT_VERSION, "dim": dim, "shard_windows": shard_windows,
             "shards": shards, "bytes": size, "complete": False}
-    (directory / "meta.json").write_text(json.dumps(meta, indent=1))
+    _write_meta(directory, meta)
     device = next(base.parameters()).device
     windows = corpus_windows(train_ids, seq_len=spec.seq_len, windows=spec.windows, seed=spec.seed)
     console = Console(stderr=True)
@@ -210,9 +213,14 @@ def write_features(directory: str | Path, base: nn.Module, train_ids: Tensor, sp
             if not _shard_path(directory, i).exists():
                 _write_shard(directory, i, base, rows.to(device), spec, batch_size=batch_size)
             progress.update(task, advance=rows.shape[0])
-    meta["complete"] = True
-    (directory / "meta.json").write_text(json.dumps(meta, indent=1))
+    _write_meta(directory, {**meta, "complete": True})
     return directory
+
+
+def _write_meta(directory: Path, meta: dict) -> None:
+    tmp = directory / f".meta.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, directory / "meta.json")  # atomic: meta.json is never half-written
 
 
 def _write_shard(directory: Path, i: int, base: nn.Module, rows: Tensor, spec: FeatureSpec, *, batch_size: int) -> None:
