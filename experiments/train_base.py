@@ -141,7 +141,10 @@ def make_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, flo
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
+    # fused: one kernel per step instead of a dozen elementwise passes over every parameter (Medusa's heads
+    # train 8M parameters: the foreach AdamW cost 60 of 600 ms per step on one CPU thread, fused 10)
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused)
 
 
 def batch_for_step(ids: torch.Tensor, *, step: int, seed: int, batch_size: int, seq_len: int,
