@@ -196,7 +196,7 @@ def test_compiled_target_matches_eager():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["draft_model", "prophet_chain", "prophet_tree"])
+@pytest.mark.parametrize("family", ["draft_model", "prophet_chain", "prophet_tree", "fused_chain", "fused_tree"])
 def test_compiled_drafters_stay_exact(family):
     """Greedy speculative decoding with compiled target and drafter steps equals compiled plain decoding."""
     from prophet import train as prophet_train
@@ -209,7 +209,11 @@ def test_compiled_drafters_stay_exact(family):
     if family == "draft_model":
         drafter = DraftModelDrafter(project_lm(10), compile=True)
     else:
-        prophet = prophet_train.build(base, dim=32, depth=1, heads=2).eval()
+        fuse = [1] if family.startswith("fused") else None  # EAGLE-3 fusion: the target returns block 1's states
+        prophet = prophet_train.build(base, dim=32, depth=1, heads=2, fuse_layers=fuse).eval()
+        if fuse:
+            with torch.no_grad():  # a mix that really reads the layer states (a fresh one ignores them)
+                prophet.mix.weight.add_(0.1 * torch.randn(prophet.mix.weight.shape, generator=torch.Generator().manual_seed(0)))
         drafter = prophet_train.drafter(prophet, base, mode=family.split("_")[1], compile=True)
     target = Target(base, compile=True, widths=(1, 4, 17))
     ref = plain_generate(target, prompts, max_new_tokens=12).tokens
