@@ -115,13 +115,6 @@ class FeatureBatch:
         move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
         return FeatureBatch(*(move(x) for x in (self.tokens, self.hidden, self.top_ids, self.top_logp, self.layers)))
 
-    def crop(self, seq_len: int) -> "FeatureBatch":
-        """The first seq_len positions: exact, since the base is causal."""
-        if seq_len >= self.hidden.shape[1]:
-            return self
-        cut = lambda x: None if x is None else x[:, :seq_len]  # noqa: E731
-        return FeatureBatch(self.tokens[:, : seq_len + 1], *(cut(x) for x in (self.hidden, self.top_ids, self.top_logp, self.layers)))
-
 
 @torch.no_grad()
 def teacher_batch(base: nn.Module, tokens: Tensor, *, layers: tuple[int, ...] = (), top_k: int = 16) -> FeatureBatch:
