@@ -43,23 +43,22 @@ def val_rows(run: Path) -> list[dict]:
 
 def plot(runs: list[Path], out: Path) -> str:
     """Write the figure; return the markdown table of each run's last validation."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     lines = ["| run | minutes | agreement by position |", "|---|---|---|"]
-    for run in runs:
+    for color, run in enumerate(runs):
         rows, name_of_run = val_rows(run), run.name if run.is_dir() else run.stem
         if not rows:
             raise ValueError(f"{run}: no validation rows with agreement figures")
-        for i, name in enumerate(agreement(rows[-1])):
-            if i < 3:  # the first three positions; later ones only crowd the figure
-                ax.plot([r["elapsed_s"] / 60 for r in rows], [agreement(r)[name] for r in rows], marker=".",
-                        label=f"{name_of_run} {name}", linestyle="-" if i == 0 else ":")
+        for i, name in enumerate(list(agreement(rows[-1]))[:3]):  # later positions only crowd the figure
+            ax.plot([r["elapsed_s"] / 60 for r in rows], [agreement(r)[name] for r in rows], marker=".",
+                    color=f"C{color % 10}", linestyle=("-", "--", ":")[i], label=f"{name_of_run} {name}")
         last = rows[-1]
         lines.append(f"| {name_of_run} | {last['elapsed_s'] / 60:.1f} | "
                      + " ".join(f"{v:.2f}" for v in agreement(last).values()) + " |")
     ax.set_xlabel("training minutes")
     ax.set_ylabel("agreement with the base's top-1")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: no curve hidden
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -73,7 +72,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m experiments.curves out=curves.png <run dir> [<run dir> ...]", file=sys.stderr)
         return 2
     try:
-        print(plot(runs, Path(outs[-1][4:] if outs else "curves.png")))
+        print(plot(runs, Path(outs[-1][4:] if outs else "curves.png")))  # one colour per run, one line style per position
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
