@@ -196,6 +196,7 @@ class _BeginTimer:
 
     def __init__(self, drafter: Any):
         self.drafter, self.vocab_size, self.seconds = drafter, drafter.vocab_size, 0.0
+        self.target_layers = getattr(drafter, "target_layers", ())  # a fused prophet needs the target's layer states
 
     def begin(self, prompts, prefill, pending) -> None:
         _sync(pending.device)

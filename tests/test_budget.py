@@ -222,3 +222,19 @@ def test_format_cost_table():
     assert lines[2] == "| 1 | 0.002000 | 1.00 |" and lines[3] == "| 4 | 0.003000 | 1.50 |"
     assert lines[-1] == "| prompt_lookup | 0.001000 | 0.50 |"
     assert "drafter" not in format_cost_table({1: 0.002})
+
+
+def test_timing_and_recording_wrappers_pass_a_fused_drafters_target_layers():
+    """A fused prophet reads the target's layer states, which speculative_generate asks for from
+    drafter.target_layers: a wrapper that hid them would make every fused pilot or recording fail."""
+    from experiments.calibrate import _BeginTimer
+    from experiments.generate import RecordingDrafter
+
+    class Fused:
+        vocab_size, target_layers = 7, (2, 5)
+
+    class Plain:
+        vocab_size = 7
+
+    for wrap in (_BeginTimer, RecordingDrafter):
+        assert wrap(Fused()).target_layers == (2, 5) and wrap(Plain()).target_layers == ()
