@@ -39,7 +39,7 @@ def loss(
     vocab: Tensor | None = None,
     feature_weight: float = 1.0,
     ce_weight: float = 0.1,
-    unroll: int = 3,
+    unroll: int = 1,
     decay: float = 0.8,
     target: str = "kl",
 ) -> tuple[Tensor, dict[str, float]]:
