@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from verify.vocab import full_ids
+
 TARGETS = ("kl", "argmax", "true")
 
 
@@ -72,8 +74,7 @@ def distill_loss(
 
 def student_top1(logits: Tensor, vocab: Tensor | None) -> Tensor:
     """(..., V') student logits -> (...) its top-1 as a full-vocabulary id."""
-    top = logits.argmax(dim=-1)
-    return top if vocab is None else vocab.to(top.device)[top]
+    return full_ids(logits.argmax(dim=-1), vocab)
 
 
 def agreement(logits: Tensor, top_ids: Tensor, vocab: Tensor | None = None) -> Tensor:

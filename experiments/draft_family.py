@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from x_transformers import TransformerWrapper
 
-from experiments.distill import agreement, check_target, distill_loss, subset_index
+from experiments.distill import agreement, check_target, distill_loss, student_top1, subset_index
 from experiments.features import FeatureBatch
 from experiments.lm import build_lm
 from verify.draft_model import DraftModelDrafter
@@ -65,10 +65,8 @@ def evaluate(module: TransformerWrapper, base: nn.Module, batch: FeatureBatch, *
     """`agree`: how often the draft's top-1 is the base's top-1 after the same true prefix (what accepts a
     greedy draft token); `top1`: how often it is the corpus token."""
     _check(module, base, batch)
-    logits = _logits(module, batch.tokens[:, :-1], vocab)
-    top = logits.argmax(dim=-1)
-    top = top if vocab is None else vocab[top]
-    values = torch.stack([agreement(logits, batch.top_ids, vocab), (top == batch.tokens[:, 1:]).float().mean()])
+    top = student_top1(_logits(module, batch.tokens[:, :-1], vocab), vocab)  # (B, T) full-vocabulary ids
+    values = torch.stack([(top == batch.top_ids[..., 0]).float().mean(), (top == batch.tokens[:, 1:]).float().mean()])
     return dict(zip(("agree", "top1"), values.tolist()))
 
 

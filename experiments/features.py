@@ -291,9 +291,8 @@ def open_features(base: nn.Module, train_ids: Tensor, spec: FeatureSpec, *, dire
 
 def check_features_config(features: dict) -> None:
     """One-line errors for conf/features values, before any base runs (a placeholder spec validates them)."""
-    for key in ("use",):
-        if not isinstance(features[key], bool):
-            raise ValueError(f"features.{key} must be true or false, got {features[key]!r}")
+    if not isinstance(features["use"], bool):
+        raise ValueError(f"features.use must be true or false, got {features['use']!r}")
     windows = features["windows"]
     if windows is not None and (isinstance(windows, bool) or not isinstance(windows, int) or windows < 1):
         raise ValueError(f"features.windows={windows!r}: must be a positive integer or null (every window)")

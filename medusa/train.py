@@ -24,11 +24,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from experiments.distill import agreement, check_target, distill_loss, subset_index
+from experiments.distill import check_target, distill_loss, subset_index
 from experiments.features import FeatureBatch
 from medusa.drafter import MedusaDrafter
 from medusa.heads import MedusaHeads
 from medusa.trees import RANKS
+from verify.vocab import full_ids
 
 __all__ = ["build", "loss", "evaluate", "drafter"]
 
@@ -97,19 +98,14 @@ def evaluate(module: MedusaHeads, base: nn.Module, batch: FeatureBatch, *, vocab
     names, values = [], []
     for k in range(1, module.num_heads + 1):
         logits = out[:, : t - k, k - 1]  # (B, T - k, N)
-        top = _full_ids(logits.topk(ranks, dim=-1).indices, vocab)  # (B, T - k, R) full-vocabulary ids
+        top = full_ids(logits.topk(ranks, dim=-1).indices, vocab)  # (B, T - k, R) full-vocabulary ids
         truth = batch.tokens[:, k + 1 :, None] == top  # (B, T - k, R)
         base_pick = batch.top_ids[:, k:, 0]  # (B, T - k): the base's own choice of token t + 1 + k
         names += [f"head{k}_agree", f"head{k}_top1", f"head{k}_top5"]
-        values += [agreement(logits, batch.top_ids[:, k:], vocab), truth[..., 0].float().mean(), truth[..., :5].any(-1).float().mean()]
+        values += [(top[..., 0] == base_pick).float().mean(), truth[..., 0].float().mean(), truth[..., :5].any(-1).float().mean()]
         names += [f"head{k}_rank{r}" for r in range(ranks)]
         values += list((top == base_pick[..., None]).float().mean(dim=(0, 1)))
     return dict(zip(names, torch.stack(values).tolist()))  # one host sync
-
-
-def _full_ids(columns: Tensor, vocab: Tensor | None) -> Tensor:
-    """Columns of subset logits -> full-vocabulary ids."""
-    return columns if vocab is None else vocab.to(columns.device)[columns]
 
 
 def drafter(module: MedusaHeads, base: nn.Module, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
