@@ -196,7 +196,10 @@ class _BeginTimer:
 
     def __init__(self, drafter: Any):
         self.drafter, self.vocab_size, self.seconds = drafter, drafter.vocab_size, 0.0
-        self.target_layers = getattr(drafter, "target_layers", ())  # a fused prophet needs the target's layer states
+
+    def __getattr__(self, name: str) -> Any:
+        # the optional parts of the drafter protocol (target_layers, attach) are the inner drafter's
+        return getattr(self.__dict__["drafter"], name)
 
     def begin(self, prompts, prefill, pending) -> None:
         _sync(pending.device)

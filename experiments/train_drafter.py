@@ -29,7 +29,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from experiments import draft_family
+from experiments import draft_family, exit_family
 from experiments.checkpoint import CheckpointError, load_checkpoint, load_lm, save_checkpoint
 from experiments.cli import exit_on_user_error
 from experiments.data import prepare_data, token_counts
@@ -44,7 +44,8 @@ from prophet import train as prophet_family
 from verify.vocab import frequent_tokens
 
 log = logging.getLogger(__name__)
-FAMILIES: dict[str, ModuleType] = {"medusa": medusa_family, "prophet": prophet_family, "draft": draft_family}
+FAMILIES: dict[str, ModuleType] = {"medusa": medusa_family, "prophet": prophet_family, "draft": draft_family,
+                                   "early_exit": exit_family}
 
 
 def drafter_family(name: str) -> ModuleType:
@@ -105,7 +106,9 @@ def check_base_frozen(base: nn.Module) -> None:
 
 
 def layers_needed(cfg: DictConfig) -> tuple[int, ...]:
-    """Base blocks whose residual states the drafter reads (the prophet's fuse_layers), else ()."""
+    """Base blocks whose residual states the drafter reads: the prophet's fuse_layers, the early exit's layer."""
+    if cfg.drafter.package == "early_exit":
+        return (cfg.drafter.module.layer,)
     return tuple(cfg.drafter.module.get("fuse_layers") or ())
 
 

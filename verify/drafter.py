@@ -1,7 +1,9 @@
 """What the one speculative loop needs from a drafter: a small structural protocol and two records.
 
 A drafter proposes; the loop verifies, accepts, rolls the target back and then tells the drafter what
-happened (`Verdict`) so it can roll back its own state. Drafters never touch the target's cache.
+happened (`Verdict`) so it can roll back its own state. Drafters leave the target's cache as they found
+it: only an early-exit drafter (verify/early_exit.py) writes into it, beyond every row's length, and
+rewinds it before `propose` returns.
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ class Drafter(Protocol):
     """A drafter may also have `target_layers: tuple[int, ...]` (read with getattr, default ()): blocks of the
     target whose residual states it reads (layer i as verify.engine.check_layers defines it). The loop asks
     the target for them, and the drafter finds them in `TargetOutput.layers` of the prefill (begin) and of
-    every verdict (commit). It is not a protocol member, so drafters without it need no change."""
+    every verdict (commit). It is not a protocol member, so drafters without it need no change.
+
+    Likewise optional: `attach(target)`, called by the loop once per call before the prefill, for a drafter
+    that drafts with the target's own first blocks on the target's cache (verify/early_exit.py)."""
 
     vocab_size: int
 

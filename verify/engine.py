@@ -203,9 +203,11 @@ class LeanDecoder:
     def num_layers(self) -> int:
         return sum(kind == "a" for kind, _ in self.blocks)
 
-    def new_cache(self, batch: int, capacity: int, *, device: torch.device | None = None) -> StaticCache:
+    def new_cache(self, batch: int, capacity: int, *, device: torch.device | None = None,
+                  layers: int | None = None) -> StaticCache:
+        """A cache for all attention layers, or for the first `layers` of them (what `blocks=` runs)."""
         device = device if device is not None else self.inv_freq.device
-        return StaticCache(layers=self.num_layers, batch=batch, heads=self.heads, dim_head=self.dim_head,
+        return StaticCache(layers=self.num_layers if layers is None else layers, batch=batch, heads=self.heads, dim_head=self.dim_head,
                            capacity=capacity, device=device, dtype=self.dtype)
 
     def _table(self, length: int) -> tuple[Tensor, Tensor]:
@@ -228,13 +230,17 @@ class LeanDecoder:
         return hidden
 
     def forward(self, x: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, pos: Tensor | None,
-                allow: Tensor | None, layers: tuple[int, ...] = ()) -> Tensor | tuple[Tensor, Tensor]:
+                allow: Tensor | None, layers: tuple[int, ...] = (), blocks: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """The tensor program of a step (what torch.compile sees): writes keys/values into the layers'
         buffers k_buf, v_buf (b, h, S, dh) at slots start (b,) + [0, n) and returns hidden (b, n, d).
 
         With `layers` (checked by the caller, see `check_layers`) it returns (hidden, states), states
         (b, n, len(layers), d) the residual streams after those blocks, in that order. A compiled step
-        is one program per `layers` value; with none, the program is the plain one."""
+        is one program per `layers` value; with none, the program is the plain one.
+
+        With `blocks` = i it runs the first i blocks only and returns the residual stream after block i
+        (layer i's state, no final norm), writing keys and values of the first i attention layers only:
+        an early-exit drafter runs the target's own first blocks on the target's cache this way."""
         n, capacity = x.shape[1], k_buf[0].shape[2]
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
         pos = slots if pos is None else pos
@@ -242,7 +248,7 @@ class LeanDecoder:
         mask = visibility(start, n, allow, capacity)  # (b, 1, n, S)
         layer, saved = 0, {}
         ends = {2 * i - 1: i for i in layers}  # block i (1-based) ends with layer 2i - 1 (0-based), its feed-forward
-        for index, (kind, w) in enumerate(self.blocks):
+        for index, (kind, w) in enumerate(self.blocks if blocks is None else self.blocks[: 2 * blocks]):
             h = F.layer_norm(x, (self.dim,), w[0])
             if kind == "a":
                 qkv = rearrange(F.linear(h, w[1], w[2]), "b n (three h d) -> three b h n d", three=3, h=self.heads)
@@ -254,6 +260,8 @@ class LeanDecoder:
                 x = x + F.linear(F.gelu(F.linear(h, w[1], w[2])), w[3], w[4])
             if index in ends:
                 saved[ends[index]] = x
+        if blocks is not None:
+            return x
         hidden = x if self.final_gain is None else F.layer_norm(x, (self.dim,), self.final_gain)
         if not layers:
             return hidden
@@ -299,6 +307,22 @@ class LeanLM:
         out = (self.step if compiled else self.forward)(tokens, *cache.buffers(tokens.shape[1], full=compiled), start, pos, allow, layers)
         cache.advance(tokens.shape[1])
         return out
+
+    def first_blocks(self, tokens: Tensor, cache: StaticCache, *, blocks: int, step=None) -> Tensor:
+        """tokens (b, n) through the embedding and the first `blocks` blocks only, appended to `cache` (its
+        first `blocks` attention layers are written; any others are left as they are) -> the residual
+        states after block `blocks` (b, n, d). `step`: a compiled `forward_blocks` (then the cache's whole
+        buffers are passed, for fixed shapes)."""
+        start = cache.reserve(tokens.shape[1])
+        self.decoder._table(cache.capacity)  # grown here, never inside a compiled step
+        k_buf, v_buf = cache.buffers(tokens.shape[1], full=step is not None)
+        state = (step or self.forward_blocks)(tokens, k_buf[:blocks], v_buf[:blocks], start, blocks)
+        cache.advance(tokens.shape[1])
+        return state
+
+    def forward_blocks(self, tokens: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, blocks: int) -> Tensor:
+        """The tensor program of `first_blocks` (a chain of new tokens at each row's next positions)."""
+        return self.decoder.forward(F.embedding(tokens, self.embedding), k_buf, v_buf, start, None, None, blocks=blocks)
 
     def forward(self, tokens: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, pos: Tensor | None,
                 allow: Tensor | None, layers: tuple[int, ...] = ()) -> tuple[Tensor, ...]:

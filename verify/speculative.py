@@ -109,6 +109,9 @@ def speculative_generate(
     # The target's residual states after these blocks, in every TargetOutput the drafter sees; most
     # drafters read none, and then the target computes none.
     target.use_layers(getattr(drafter, "target_layers", ()))
+    attach = getattr(drafter, "attach", None)  # a drafter that runs the target's own first blocks (early exit)
+    if attach is not None:
+        attach(target)
     b, device = len(prompts), target.device
     stats = DecodeStats.zeros(b, device)
     out = torch.zeros(b, max_new_tokens + spec.max_gamma + 1, dtype=torch.long, device=device)

@@ -1,0 +1,119 @@
+"""Self-speculative drafting by early exit (Draft & Verify, LayerSkip; lucidrains' early-exit idea):
+the frozen target's own first `layer` blocks plus a small trained exit head draft a chain; there is no
+second model.
+
+What is shared with verification (`share_cache=True`, the default). The drafter runs the target's
+first blocks with the target's own weights on the target's own KV cache. After every verification
+the target's cache already holds, for the first `layer` attention layers, the keys and values of
+every accepted token: the same numbers the drafter would compute, since the inputs, the positions and
+the weights are the same. So the drafter needs no cache, no prefill and no catch-up of its own. A draft
+step appends one entry per row to those layers beyond each row's cached length (the pending token,
+then the drafts); `propose` rewinds the cache to where it found it before it returns, so the
+verification forward sees exactly the cache plain decoding would, and rewrites those slots. What is
+not shared: the first blocks' computation for the drafted tokens themselves, which verification
+repeats (LayerSkip reuses it; that needs a verification forward that starts at block `layer`).
+
+`share_cache=False` keeps an own cache of the first blocks instead (the way the independent draft
+model works, verify/draft_model.py): a prefill of the prompts through the first blocks, and drafted
+entries kept when accepted. It exists to measure what sharing saves.
+
+The target hands itself over through the optional `attach(target)` hook of the drafter protocol
+(verify/drafter.py), which the decode loop calls before its prefill.
+
+Drafts are the exit head's argmax at temperature 0; otherwise they are sampled from the head's
+distribution after the shared sampling transform, and q is returned (lossless speculative sampling).
+`vocab` (sorted ids (N,)) trims the head's output layer: drafts never leave the subset, q is zero outside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from verify.drafter import Draft, Verdict
+from verify.engine import COMPILE_OPTIONS, check_layers, lean
+from verify.sampling import SamplingConfig, probs_from_logits, sample_from_probs
+from verify.target import Target, TargetOutput, pad_prompts
+from verify.vocab import check_vocab, expand_probs, full_ids
+
+
+class EarlyExitDrafter:
+    def __init__(self, base: nn.Module, head: Callable[[Tensor], Tensor], *, layer: int, vocab: Tensor | None = None,
+                 share_cache: bool = True, compile: bool = False):
+        """base: the frozen target's TransformerWrapper; head: states after block `layer` (b, n, d) -> logits
+        (b, n, N) over `vocab` (all V when None)."""
+        if not isinstance(share_cache, bool):
+            raise ValueError(f"share_cache={share_cache!r}: must be true or false")
+        self.base, self.engine = base, lean(base, compile=compile)  # the target's own fused weights (built once per base)
+        self.layer = check_layers([layer], self.engine.decoder.depth, name="layer")[0]
+        self.head, self.share_cache = head, share_cache
+        self.vocab = check_vocab(vocab, base.num_tokens)  # (N,) or None = all V
+        self.vocab_size: int = base.num_tokens
+        # A compiled draft step runs on the cache's whole buffers: one program per width (1; 2 with an own cache).
+        self.step = torch.compile(self.engine.forward_blocks, dynamic=False, options=COMPILE_OPTIONS) if compile else None
+        self.target: Target | None = None
+
+    def attach(self, target: Target) -> None:
+        """The decode loop hands over its target (before the prefill): its cache is the one drafted on."""
+        if target.model is not self.base:
+            raise ValueError("the early-exit drafter was built on another model than the target: it drafts with the target's own first blocks")
+        self.target = target
+
+    @torch.inference_mode()
+    def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
+        self.fed = 0  # entries the last propose appended to the drafting cache
+        if self.share_cache:
+            if self.target is None or self.target.cache is None:
+                raise ValueError("share_cache=True needs the target: decode with verify.speculative.speculative_generate, "
+                                 "which calls drafter.attach(target) (a wrapper must pass attach on)")
+            self.cache = self.target.cache  # holds every prompt token's entries; the pending token is next
+            self.uncached = pending[:, None]  # (b, 1)
+            return
+        tokens, lengths = pad_prompts(prompts, 0, pending.device)  # (b, W), rows from index 0
+        width = tokens.shape[1]
+        self.cache = self.engine.decoder.new_cache(len(prompts), self.engine.max_seq_len + 65, device=pending.device,
+                                                   layers=self.layer)  # one attention layer per block
+        self.engine.first_blocks(tokens, self.cache, blocks=self.layer)  # eager: every prompt width is a new shape
+        # keep all but the last prompt token: it opens the first draft forward with the pending token
+        self.cache.commit(torch.arange(width, device=pending.device) < (lengths - 1)[:, None])
+        self.uncached = torch.cat((tokens.gather(1, (lengths - 1)[:, None]), pending[:, None]), dim=1)  # (b, 2)
+
+    def _forward(self, tokens: Tensor) -> Tensor:
+        """tokens (b, n) through the first blocks on the drafting cache -> logits (b, n, N) of the exit head."""
+        return self.head(self.engine.first_blocks(tokens, self.cache, blocks=self.layer, step=self.step))
+
+    @torch.inference_mode()
+    def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        x, tokens, qs = self.uncached, [], []
+        for _ in range(gamma):
+            logits = self._forward(x)[:, -1]  # (b, N)
+            if sampling.greedy:
+                token = full_ids(logits.argmax(dim=-1), self.vocab)
+            else:  # the same transform the target's p goes through, so p / q compare like with like
+                q = probs_from_logits(logits.float(), sampling)  # (b, N)
+                token = full_ids(sample_from_probs(q, generator), self.vocab)
+                qs.append(expand_probs(q, self.vocab, self.vocab_size))  # (b, V), zero outside the subset
+            tokens.append(token)
+            x = token[:, None]
+        self.fed = self.uncached.shape[1] + gamma - 1
+        if self.share_cache:  # rewind the target's cache before it verifies: a length rewind, nothing moves
+            self.cache.commit(torch.zeros(x.shape[0], self.fed, dtype=torch.bool, device=x.device))
+        return Draft(tokens=torch.stack(tokens, dim=1), q=torch.stack(qs, dim=1) if qs else None)
+
+    def commit(self, verdict: Verdict) -> None:
+        if self.share_cache:  # verification wrote the accepted tokens' entries into the shared cache
+            self.uncached, self.fed = verdict.pending[:, None], 0
+            return
+        u = self.uncached.shape[1]
+        if self.fed == 0:  # no draft this step (budget): the new pending token just joins the queue
+            self.uncached = torch.cat((self.uncached, verdict.pending[:, None]), dim=1)
+            return
+        # Own cache, as the draft model's: of the appended [uncached (u), d1 .. d_{k-1}], keep the first
+        # u - 1 + a, so that the last accepted token and the new pending token stay uncached.
+        keep = torch.arange(self.fed, device=verdict.accepted.device) < (u - 1 + verdict.accepted)[:, None]
+        self.cache.commit(keep)
+        last_accepted = torch.cat((self.uncached[:, -1:], verdict.tokens), dim=1).gather(1, verdict.accepted[:, None])
+        self.uncached = torch.cat((last_accepted, verdict.pending[:, None]), dim=1)
+        self.fed = 0
