@@ -1,0 +1,132 @@
+"""Sequentially dependent Medusa heads (Hydra, Ankner et al. 2024): each head also reads the tokens before it.
+
+A Medusa head k guesses token t + 1 + k from the base's final hidden state h_t alone, blind to the tokens
+it guesses after. A sequential head k reads h_t AND the embeddings of x_{t+1} .. x_{t+k}: the pending token
+x_{t+1} (already chosen by the base, so even head 1 knows the next token) and the k - 1 tokens drafted
+before it. While drafting, those are the heads' own guesses along the tree path; in training, the true
+tokens (teacher forcing), which is what the drafted ones are whenever the path is accepted.
+
+Head k:  z = Linear_k([h ; e_1 ; .. ; e_k])   (d + k * e inputs -> d)
+         z = z + SiLU(Linear(z))              (num_layers residual blocks, medusa.heads.ResBlock)
+         logits = its own trainable copy of the base's output layer
+
+Initialisation, and why: Linear_k starts at [I, 0, .., 0] with bias 0 and the blocks at zero, so z == h and
+a fresh sequential head is exactly a fresh Medusa head (the base's projection of h): training starts from
+the same point as Medusa's and only has to learn what the tokens add. Each head, block and projection is
+its own module (no `[block] * n` ties).
+
+The embedding is the frozen base's own, borrowed through prophet.model.FrozenHead: a plain object, not a
+submodule, read with detached weights, so it is never a parameter, never in the state_dict and never
+receives a gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from medusa.heads import ResBlock, check_head_sizes, copy_linear
+from prophet.model import FrozenHead
+from verify.vocab import check_vocab, trim_linear
+
+
+class SequentialHeads(nn.Module):
+    """hidden (..., d) and tokens (..., K) -> logits (..., K, N); [..., k - 1, :] is head k's guess for
+    token t + 1 + k, having read tokens[..., :k] = x_{t+1} .. x_{t+k}."""
+
+    def __init__(self, *, embedding: nn.Embedding, projection: nn.Linear, num_heads: int, num_layers: int = 1):
+        super().__init__()
+        check_head_sizes(num_heads=num_heads, num_layers=num_layers)
+        if not isinstance(embedding, nn.Embedding):
+            raise ValueError(f"embedding is a {type(embedding).__name__}: need the base's token nn.Embedding(V, e)")
+        if not isinstance(projection, nn.Linear):
+            raise ValueError(f"projection is a {type(projection).__name__}: need the base's output nn.Linear(dim, V)")
+        if embedding.num_embeddings != projection.out_features:
+            raise ValueError(f"embedding has {embedding.num_embeddings} tokens, projection {projection.out_features}: "
+                             "both must be the same base's")
+        self.dim, self.vocab_size = projection.in_features, projection.out_features
+        self.emb_dim = embedding.embedding_dim  # the base's embedding width (x-transformers may project it to dim)
+        self.num_heads, self.num_layers = num_heads, num_layers
+        self.base = FrozenHead(embedding=embedding, to_logits=projection)  # borrowed: not registered, not saved
+        w = projection.weight
+        self.mix = nn.ModuleList(self._identity_mix(k, device=w.device, dtype=w.dtype) for k in range(1, num_heads + 1))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(self.dim, device=w.device, dtype=w.dtype) for _ in range(num_layers)])
+            for _ in range(num_heads)
+        )
+        self.projections = nn.ModuleList(copy_linear(projection) for _ in range(num_heads))
+
+    def _identity_mix(self, k: int, *, device, dtype) -> nn.Linear:
+        """Linear(d + k e -> d) with weight [I, 0, .., 0] and bias 0: it passes h through and ignores the tokens."""
+        mix = nn.Linear(self.dim + k * self.emb_dim, self.dim, device=device, dtype=dtype)
+        with torch.no_grad():
+            mix.weight.zero_()
+            mix.weight[:, : self.dim].copy_(torch.eye(self.dim, device=device, dtype=dtype))
+            mix.bias.zero_()
+        return mix
+
+    @classmethod
+    def from_base(cls, base: nn.Module, *, num_heads: int, num_layers: int = 1) -> "SequentialHeads":
+        """Heads for an x-transformers TransformerWrapper: its token embedding is borrowed, its `to_logits` copied."""
+        return cls(embedding=base.token_emb.emb, projection=base.to_logits, num_heads=num_heads, num_layers=num_layers)
+
+    def features(self, k: int, hidden: Tensor, tokens: Tensor) -> Tensor:
+        """Head k's features before its projection: hidden (..., d), tokens (..., k) ids -> (..., d)."""
+        if tokens.shape[-1] != k:
+            raise ValueError(f"head {k} reads {k} tokens (x_(t+1) .. x_(t+{k})); got tokens of shape {tuple(tokens.shape)}")
+        emb = self.base.embed(tokens).to(hidden.dtype)  # (..., k, e), detached: no gradient reaches the base
+        x = torch.cat((hidden, rearrange(emb, "... k e -> ... (k e)")), dim=-1)  # (..., d + k e)
+        return self.blocks[k - 1](self.mix[k - 1](x))
+
+    def head_logits(self, k: int, hidden: Tensor, tokens: Tensor, vocab: Tensor | None = None) -> Tensor:
+        """Head k (1-based) alone: hidden (..., d), tokens (..., k) -> logits (..., N) over the sorted ids
+        `vocab` (N,) (None: all V). The rows are gathered per call, so their gradients reach the full projection."""
+        proj = self.projections[k - 1]
+        weight = proj.weight if vocab is None else proj.weight[vocab]
+        bias = proj.bias if vocab is None or proj.bias is None else proj.bias[vocab]
+        return F.linear(self.features(k, hidden, tokens), weight, bias)
+
+    def forward(self, hidden: Tensor, tokens: Tensor, vocab: Tensor | None = None) -> Tensor:
+        """hidden (..., d), tokens (..., K) = x_{t+1} .. x_{t+K} -> logits (..., K, N) (training, teacher forcing).
+
+        Head k reads only tokens[..., :k]: its own input width leaves no way to see a later token."""
+        if tokens.shape[-1] != self.num_heads:
+            raise ValueError(f"tokens of shape {tuple(tokens.shape)}: the {self.num_heads} heads read "
+                             f"x_(t+1) .. x_(t+{self.num_heads}), shape (..., {self.num_heads})")
+        return torch.stack([self.head_logits(k, hidden, tokens[..., :k], vocab) for k in range(1, self.num_heads + 1)], dim=-2)
+
+    @torch.no_grad()
+    def stacked(self, vocab: Tensor | None = None) -> "DecodeHeads":
+        """The heads for decoding, with their projections trimmed to `vocab` (sorted ids (N,), None = all V)
+        once, instead of re-indexing N rows of every projection on every draft step.
+
+        The name is MedusaHeads.stacked's, which the drafter's shared constructor calls. The projections
+        are a snapshot: build the drafter after training."""
+        vocab = check_vocab(vocab, self.vocab_size)
+        rows = [trim_linear(proj, vocab) for proj in self.projections]
+        proj_w = torch.stack([w for w, _ in rows])  # (K, N, d)
+        proj_b = None if rows[0][1] is None else torch.stack([b for _, b in rows])  # (K, N)
+        return DecodeHeads(self, proj_w, proj_b)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, num_layers={self.num_layers}, emb_dim={self.emb_dim}"
+
+
+@dataclass(eq=False)
+class DecodeHeads:
+    """One head at a time for drafting: (k, hidden (m, d), tokens (m, k)) -> logits (m, N) over the trimmed vocabulary.
+
+    A draft step runs head k once on every node that has children at depth k, so there is one call per
+    level, batched over rows and nodes; the heads' inputs differ in width, so they are not stacked over K."""
+
+    heads: SequentialHeads
+    proj_weight: Tensor  # (K, N, d) each head's projection rows of the vocabulary subset
+    proj_bias: Tensor | None  # (K, N) or None
+
+    def __call__(self, k: int, hidden: Tensor, tokens: Tensor) -> Tensor:
+        bias = None if self.proj_bias is None else self.proj_bias[k - 1]
+        return F.linear(self.heads.features(k, hidden, tokens), self.proj_weight[k - 1], bias)

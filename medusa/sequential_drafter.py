@@ -1,0 +1,119 @@
+"""The sequential (Hydra) drafter: a chain or a static tree, each head reading the path drafted before it.
+
+State is Medusa's plus one token per row: the target's final hidden state at the last accepted position
+(the state whose projection chose the pending token) and the pending token itself, which every head reads
+first. Both come for free from the loop: the prefill's last position and the first pending token at
+`begin`, the last accepted node of the verification forward and `verdict.pending` at `commit`. The
+drafter never runs the target.
+
+The tree is Medusa's static tree of rank paths (medusa.trees): node (r1, .., rd) is head d's rank-rd
+guess. What differs is what a guess is conditioned on: head d runs under each node of depth d - 1 that
+has children, reading [pending, the node's path tokens], so the rank-rd child of node (r1, .., r_{d-1})
+is head d's rank-rd guess *given that path*. A step runs one head per level, batched over every row and
+every parent of that level (one head call, one top-k); which parent, rank and ancestors each node reads
+is a table computed once per depth limit, so proposing loops over levels only, never over rows or nodes.
+A chain is the tree of rank-0 paths [(0,), (0, 0), ..] returned without parents.
+
+Picks are deterministic (q = None): the loop's lossless rules treat q as one-hot, and its tree sampling
+tries siblings in turn, so drafting stays lossless at any temperature.
+
+`vocab` (sorted ids (N,)) trims the heads' projections: top-k runs over the subset and maps back to full
+ids, which is also what the next head's embedding reads.
+
+The constructor (validation, the default tree, the depth limits) and the hidden-state bookkeeping are
+MedusaDrafter's, inherited; only proposing and the pending token are new.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange, repeat
+from torch import Tensor
+
+from medusa.drafter import MedusaDrafter
+from medusa.sequential import SequentialHeads
+from medusa.trees import node_table
+from verify.drafter import Draft, Verdict
+from verify.sampling import SamplingConfig
+from verify.target import TargetOutput
+from verify.tree import Path
+from verify.vocab import full_ids
+
+
+@dataclass
+class Level:
+    """The nodes of one depth d of a static tree, and what head d reads to fill them."""
+
+    reads: Tensor  # (P, d) for each parent with children: the verify indices of its path, root (pending) first
+    slot: Tensor  # (C,) for each node of depth d, in node order: the row of `reads` it is a child of
+    rank: Tensor  # (C,) its rank among head d's guesses under that parent
+    width: int  # top-k width: the largest rank read at this depth, plus one
+
+
+def level_table(paths: list[Path], max_depth: int) -> tuple[Tensor, list[Level]]:
+    """The nodes no deeper than max_depth -> parents (n,) draft-indexed (medusa.trees.node_table's order and
+    convention: -1 = child of the pending token) and one Level per depth.
+
+    Nodes come sorted by (depth, path), so each depth is a contiguous block: appending the blocks level by
+    level to [pending] gives the verify indexing (root 0, draft node i at i + 1)."""
+    parents, head, rank = node_table(paths, max_depth)
+    par, depth = parents.tolist(), (head + 1).tolist()
+
+    def path_of(node: int) -> list[int]:  # draft node (-1 = root) -> verify indices root .. node
+        out = []
+        while node >= 0:
+            out.append(node + 1)
+            node = par[node]
+        return [0, *reversed(out)]
+
+    levels = []
+    for d in range(1, max(depth) + 1):
+        nodes = [i for i, di in enumerate(depth) if di == d]
+        sources = sorted({par[i] for i in nodes})  # parents with children, in node order (-1, the root, first)
+        ranks = rank[nodes]
+        levels.append(Level(reads=torch.tensor([path_of(s) for s in sources]),
+                            slot=torch.tensor([sources.index(par[i]) for i in nodes]), rank=ranks,
+                            width=int(ranks.max()) + 1))
+    return parents, levels
+
+
+class SequentialDrafter(MedusaDrafter):
+    def __init__(self, heads: SequentialHeads, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
+                 vocab: Tensor | None = None):
+        super().__init__(heads, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab)  # self.stacked: DecodeHeads
+        if mode == "chain":  # the chain is the tree of top-1 guesses, drafted the same way
+            self.paths = [(0,) * d for d in range(1, heads.num_heads + 1)]
+        self._levels: dict[int, tuple[Tensor, list[Level]]] = {}
+
+    def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
+        super().begin(prompts, prefill, pending)  # self.hidden (b, d)
+        self.pending = pending  # (b,): every head reads it first
+
+    @torch.inference_mode()
+    def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        depth = min(gamma, self.max_depth)  # never deeper than the loop's budget or the number of heads
+        parents, levels = self._table(depth, self.hidden.device)
+        hidden = self.hidden.to(self.dtype)  # (b, d)
+        tokens = self.pending[:, None]  # (b, 1) verify-indexed: the root, then each level's nodes appended
+        for d, level in enumerate(levels, start=1):  # head d fills depth d: one call over all rows and parents
+            p = level.reads.shape[0]
+            reads = rearrange(tokens[:, level.reads], "b p k -> (b p) k")  # (b P, d) full ids of each parent's path
+            logits = self.stacked(d, repeat(hidden, "b d -> (b p) d", p=p), reads)  # (b P, N)
+            top = rearrange(logits.topk(level.width, dim=-1).indices, "(b p) r -> b p r", p=p)  # subset positions
+            tokens = torch.cat((tokens, full_ids(top[:, level.slot, level.rank], self.vocab)), dim=1)
+        return Draft(tokens=tokens[:, 1:], parents=None if self.mode == "chain" else parents)
+
+    def commit(self, verdict: Verdict) -> None:
+        super().commit(verdict)  # self.hidden: the target's state at the last accepted node
+        self.pending = verdict.pending
+
+    def _table(self, depth: int, device: torch.device) -> tuple[Tensor, list[Level]]:
+        """(parents, levels) of the tree's nodes no deeper than `depth`, built once per depth."""
+        if depth not in self._levels:
+            parents, levels = level_table(self.paths, depth)
+            move = lambda t: t.to(device)  # noqa: E731
+            self._levels[depth] = (move(parents), [Level(move(lv.reads), move(lv.slot), move(lv.rank), lv.width)
+                                                   for lv in levels])
+        return self._levels[depth]

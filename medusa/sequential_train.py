@@ -1,0 +1,105 @@
+"""The sequential (Hydra) heads' side of the generic drafter training entry point (experiments/train_drafter.py).
+
+The same four functions, signatures and conventions as medusa/train.py (read its docstring):
+
+    build(base, **module)                   -> the heads (module kwargs are JSON-able: a checkpoint rebuilds them)
+    loss(heads, base, batch, **loss)        -> (scalar to minimise, per-head metrics)
+    evaluate(heads, base, batch)            -> agreement with the base, and the rank rates a static tree grows from
+    drafter(heads, base, **decode)          -> a SequentialDrafter for verify.speculative_generate
+
+Alignment. Head k at position t reads hidden[t] and the TRUE tokens x_{t+1} .. x_{t+k} = batch.tokens[:, t + 1 ..
+t + k] (teacher forcing: while drafting it reads its predecessors' guesses, which equal these whenever the
+path is accepted) and guesses tokens[:, t + 1 + k]. Its teacher is the base's distribution at t + k, given
+the true prefix: exactly Medusa's head k target. So head k has a target only for t < T - k, and the loss
+samples positions t < T - K, where every head has one.
+
+Because head k conditions on the true path, `head{k}_rank{r}` is how often its rank-r guess is the base's
+top-1 *given that the path to it was accepted*: the conditional rate a static tree's node value multiplies
+(medusa.trees.tree_from_accuracies grows trees for these heads from it unchanged).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from experiments.distill import check_target, distill_loss, subset_index
+from experiments.features import FeatureBatch
+from medusa import train as medusa_train
+from medusa.sequential import SequentialHeads
+from medusa.sequential_drafter import SequentialDrafter
+from medusa.train import _check_batch, _sample_positions
+
+__all__ = ["build", "loss", "evaluate", "drafter"]
+
+
+def build(base: nn.Module, *, num_heads: int = 4, num_layers: int = 1) -> SequentialHeads:
+    """Fresh heads on `base` (each equal to a fresh Medusa head: the base's projection of h)."""
+    return SequentialHeads.from_base(base, num_heads=num_heads, num_layers=num_layers)
+
+
+def following_tokens(tokens: Tensor, num_heads: int) -> Tensor:
+    """tokens (B, T + 1) -> (B, T, K): [:, t] = tokens[:, t + 1 .. t + K], what the heads read at t.
+
+    Zero-padded past the end: at t >= T - K the last columns are padding, which only heads k with
+    t >= T - k read, and those have no target there."""
+    return F.pad(tokens[:, 1:], (0, num_heads - 1)).unfold(1, num_heads, 1)
+
+
+def loss(
+    module: SequentialHeads, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None,
+    weight: float = 0.8, target: str = "kl", positions: int | None = 2048,
+) -> tuple[Tensor, dict[str, float]]:
+    """sum_k weight^k * L_k, L_k head k's loss against the base's distribution for token t + 1 + k (`kl`),
+    its top-1 (`argmax`) or the corpus token (`true`), on `positions` random positions t < T - K of the batch.
+    Metrics: each L_k (`head{k}_loss`), `loss`, `positions` (as medusa.train.loss)."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
+        raise ValueError(f"weight={weight!r}: must be a number > 0 (0.8 is the common choice)")
+    if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 1):
+        raise ValueError(f"positions={positions!r}: must be an integer >= 1, or null for every position")
+    check_target(target)
+    _check_batch(module, batch)
+    b, t, _ = batch.hidden.shape
+    k_max = module.num_heads
+    row, pos = _sample_positions(b, t - k_max, positions, batch.hidden.device)  # (n,), (n,)
+    reads = following_tokens(batch.tokens, k_max)[row, pos]  # (n, K) true x_{t+1} .. x_{t+K}
+    logits = module(batch.hidden[row, pos], reads, vocab)  # (n, K, N)
+    index = subset_index(vocab, module.vocab_size, logits.device)
+    terms = [
+        distill_loss(logits[:, k - 1], top_ids=batch.top_ids[row, pos + k], top_logp=batch.top_logp[row, pos + k],
+                     true_ids=batch.tokens[row, pos + k + 1], target=target, index=index)
+        for k in range(1, k_max + 1)
+    ]
+    total = sum(weight**k * term for k, term in enumerate(terms, start=1))
+    values = torch.stack([total.detach(), *[term.detach() for term in terms]]).tolist()  # one host sync
+    metrics = {"loss": values[0]} | {f"head{k}_loss": v for k, v in enumerate(values[1:], start=1)}
+    return total, metrics | {"positions": row.numel()}
+
+
+class _TeacherForced:
+    """The heads seen as Medusa heads, hidden (B, T, d) -> logits (B, T, K, N), reading the batch's true
+    following tokens; so Medusa's evaluate measures them with exactly its own metrics and alignment."""
+
+    def __init__(self, heads: SequentialHeads, tokens: Tensor):
+        self.heads, self.num_heads = heads, heads.num_heads
+        self.reads = following_tokens(tokens, heads.num_heads)  # (B, T, K)
+
+    def __call__(self, hidden: Tensor, vocab: Tensor | None) -> Tensor:
+        return self.heads(hidden, self.reads, vocab)
+
+
+@torch.no_grad()
+def evaluate(module: SequentialHeads, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None) -> dict[str, float]:
+    """medusa.train.evaluate's metrics, heads reading the true tokens: per head k `head{k}_agree` (its top-1
+    is the base's top-1 for token t + 1 + k), `head{k}_top1` / `head{k}_top5` (against the corpus token) and
+    `head{k}_rank{r}` for r < 10 (the rank-r guess is the base's top-1; rank0 = agree)."""
+    _check_batch(module, batch)
+    return medusa_train.evaluate(_TeacherForced(module, batch.tokens), base, batch, vocab=vocab)
+
+
+def drafter(module: SequentialHeads, base: nn.Module, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
+            vocab: Tensor | None = None) -> SequentialDrafter:
+    """The drafter for decoding (decode kwargs from conf/drafter/sequential.yaml `decode:`); `vocab` the sorted
+    token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary."""
+    return SequentialDrafter(module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab)
