@@ -21,7 +21,8 @@ from experiments.checkpoint import checkpoint_exists
 
 log = logging.getLogger(__name__)
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-ENTRY = {"base": "train_base", "draft": "train_drafter", "medusa": "train_drafter", "prophet": "train_drafter"}
+ENTRY = {"base": "train_base", "draft": "train_drafter", "medusa": "train_drafter", "prophet": "train_drafter",
+         "sequential": "train_drafter", "early_exit": "train_drafter"}
 
 
 def _compose(config_name: str, overrides: list[str]):

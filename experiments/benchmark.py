@@ -48,8 +48,11 @@ from verify.target import Target
 from verify.vocab import frequent_tokens
 
 log = logging.getLogger(__name__)
-DRAFTER_KINDS = ("draft", "medusa", "prophet")  # artifacts trained by train_drafter on the frozen base
-METHODS = ("draft_model", "prompt_lookup", "medusa_chain", "medusa_tree", "prophet_chain", "prophet_tree")
+DRAFTER_KINDS = ("draft", "medusa", "prophet", "sequential", "early_exit")  # trained by train_drafter on the frozen base
+METHODS = ("draft_model", "prompt_lookup", "medusa_chain", "medusa_tree", "prophet_chain", "prophet_tree",
+           "sequential_chain", "sequential_tree", "early_exit_chain")  # <family>_<mode>
+TREE_FAMILIES = ("medusa", "prophet", "sequential")  # families with a tree mode (decode.tree_nodes)
+COMPILED_FAMILIES = ("prophet", "early_exit")  # families with decoder steps of their own to torch.compile
 
 
 class ExactnessError(RuntimeError):
@@ -104,7 +107,7 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokeniz
         elif name == "prompt_lookup":
             methods[name] = lambda compile=False: PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
         else:
-            family, mode = name.split("_")
+            family, mode = name.rsplit("_", 1)
             if family not in trained:
                 module, package, meta = load_drafter(checkpoint_for(cfg, family, base_ckpt, base_meta), base, base_meta)
                 check_train_vocab(meta, vocab, family)
@@ -113,7 +116,7 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokeniz
             decode = {**OmegaConf.to_container(cfg[family].decode, resolve=True), "mode": mode}
             if mode == "chain" and "tree" in decode:  # a static tree configures the tree method only
                 decode["tree"] = None
-            compiles = family == "prophet"  # Medusa's heads have no decoder to compile
+            compiles = family in COMPILED_FAMILIES  # heads have no decoder to compile
             methods[name] = lambda m=module, p=package, d=decode, c=compiles, compile=False, **over: p.drafter(
                 m, base, **{**d, **over}, vocab=vocab, **({"compile": compile} if c else {}))
     return methods
@@ -353,7 +356,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     return {"plain_tokens_per_s": fastest["tokens_per_s"], "methods": [{k: row[k] for k in keys} for row in rows]}
 
 
-TREE_KEYS = {"medusa": {"tree_nodes", "depth"}, "prophet": {"tree_nodes", "depth", "top_k"}}
+TREE_KEYS = {"medusa": {"tree_nodes", "depth"}, "prophet": {"tree_nodes", "depth", "top_k"}, "sequential": {"tree_nodes", "depth"}}
 
 
 def _positive_int(name: str, value) -> int:
@@ -382,7 +385,7 @@ def check_budget(cfg: DictConfig) -> None:
 
 def compile_widths(cfg: DictConfig, spec: SpecConfig) -> tuple[int, ...]:
     """Verify widths a compiled target pads to: 1 (plain), a chain's gamma + 1, each tree's nodes + 1."""
-    trees = [_positive_int(f"{f}.decode.tree_nodes", cfg[f].decode.tree_nodes) for f in ("medusa", "prophet")]
+    trees = [_positive_int(f"{f}.decode.tree_nodes", cfg[f].decode.tree_nodes) for f in TREE_FAMILIES]
     if cfg.budget == "auto":
         trees += [c.tree_nodes for f in TREE_KEYS for c in cfg.budget_search[f"{f}_trees"]]
         return (1, *range(2, cfg.budget_search.max_gamma + 2), *(n + 1 for n in trees))
@@ -406,10 +409,11 @@ def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_i
     for name, make in setup["makers"].items():
         compile_ = setup["compiled"]
         if name.endswith("_tree"):
-            family = name.split("_")[0]
+            family = name.rsplit("_", 1)[0]
             candidates = [dict(c) for c in search[f"{family}_trees"]]
-            # Medusa's tree depth is the loop's gamma (one head per level), not a drafter argument
-            over = (lambda c: {k: v for k, v in c.items() if k != "depth"} | {"tree": None}) if family == "medusa" else dict
+            # A head tree's depth is the loop's gamma (one head per level), not a drafter argument
+            heads = family in ("medusa", "sequential")
+            over = (lambda c: {k: v for k, v in c.items() if k != "depth"} | {"tree": None}) if heads else dict
             result = choose_tree_budget(setup["target"], lambda c: (lambda: make(compile=compile_, **over(c))),
                                         setup["pilot_prompts"], candidates=candidates, **common)
             kwargs, gamma = over(result["drafter_kwargs"]), result["gamma"]

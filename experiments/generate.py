@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 from tokenizers import Tokenizer
 
-from experiments.benchmark import METHODS, ExactnessError, checkpoint_for, make_methods
+from experiments.benchmark import DRAFTER_KINDS, METHODS, TREE_FAMILIES, ExactnessError, checkpoint_for, make_methods
 from experiments.checkpoint import load_lm
 from experiments.cli import USER_ERRORS, exit_on_user_error, one_line
 from experiments.train_base import resolve_device
@@ -52,8 +52,11 @@ class RecordingDrafter:
     def __init__(self, drafter) -> None:
         self.drafter = drafter
         self.vocab_size: int = drafter.vocab_size
-        self.target_layers = getattr(drafter, "target_layers", ())  # a fused prophet needs the target's layer states
         self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __getattr__(self, name: str):
+        # the optional parts of the drafter protocol (target_layers, attach) are the inner drafter's
+        return getattr(self.__dict__["drafter"], name)
 
     def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: torch.Tensor) -> None:
         self.drafter.begin(prompts, prefill, pending)
@@ -137,7 +140,7 @@ def check_prompt(prompt: Any) -> str:
 
 def methods_config(cfg: DictConfig) -> DictConfig:
     """The keys make_methods reads, resolved, with the one chosen method."""
-    keys = ("checkpoints", "artifacts", "prompt_lookup", "medusa", "prophet", "data")
+    keys = ("checkpoints", "artifacts", "prompt_lookup", *DRAFTER_KINDS, "data")
     resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in keys}
     return OmegaConf.create({"methods": [cfg.method], "vocab": cfg.vocab, **resolved})
 
@@ -169,7 +172,7 @@ def load_session(cfg: DictConfig) -> Session:
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
     make = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[cfg.method]
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
-    target = Target(base, compile=cfg.compile, widths=(1, spec.gamma + 1, *(cfg[f].decode.tree_nodes + 1 for f in ("medusa", "prophet"))))
+    target = Target(base, compile=cfg.compile, widths=(1, spec.gamma + 1, *(cfg[f].decode.tree_nodes + 1 for f in TREE_FAMILIES)))
     return Session(target, lambda: make(compile=cfg.compile), tokenizer, eos_id, sampling, spec, rule, cfg)
 
 

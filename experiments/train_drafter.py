@@ -1,4 +1,5 @@
-"""Train a drafter (Medusa heads, a prophet, a draft model) on a frozen base, by self-distillation.
+"""Train a drafter (Medusa or sequential heads, a prophet, a draft model, an early-exit head) on a frozen
+base, by self-distillation.
 
     python -m experiments.train_drafter drafter=medusa base_checkpoint=outputs/.../checkpoint
     python -m experiments.train_drafter drafter=prophet base_checkpoint=... drafter.loss.unroll=3
@@ -39,13 +40,13 @@ from experiments.precision import autocast, check_precision, resolve_precision
 from experiments.train_base import (
     MetricsFile, _progress, _validate_optim, batch_for_step, lr_at, make_optimizer, resolve_device, validation_blocks,
 )
-from medusa import train as medusa_family
+from medusa import sequential_train as sequential_family, train as medusa_family
 from prophet import train as prophet_family
 from verify.vocab import frequent_tokens
 
 log = logging.getLogger(__name__)
 FAMILIES: dict[str, ModuleType] = {"medusa": medusa_family, "prophet": prophet_family, "draft": draft_family,
-                                   "early_exit": exit_family}
+                                   "sequential": sequential_family, "early_exit": exit_family}
 
 
 def drafter_family(name: str) -> ModuleType:

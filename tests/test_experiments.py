@@ -2,7 +2,7 @@
 frozen base and refuses another one, the artifact cache reuses by recipe, benchmark measures every method
 against plain decoding (and fails loudly on a non-exact lossless method), and summarize gathers a multirun.
 
-One tiny base (dim 32, depth 1, 512-token BPE on 30 stdlib files) and one Medusa and one prophet drafter are
+One tiny base (dim 32, depth 2, 512-token BPE on 30 stdlib files) and one drafter of each family are
 trained once per module and shared; everything else reuses them."""
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 # The base's data: a 512-token BPE on 30 stdlib files (the tokenizer is trained once per module, in DATA's cache).
 DATA = ["data.max_files=30", "data.vocab_size=512"]
-BASE = ["base.dim=32", "base.depth=1", "base.heads=2", *DATA, "logger=none", "max_steps=20", "optim.warmup_steps=2",
+BASE = ["base.dim=32", "base.depth=2", "base.heads=2", *DATA, "logger=none", "max_steps=20", "optim.warmup_steps=2",
         "batch_size=4", "seq_len=64", "eval_blocks=2", "eval_every=10", "checkpoint_every=10"]
 DRAFTER = [*DATA, "logger=none", "max_steps=4", "eval_every=2", "log_every=1", "eval_blocks=2", "batch_size=2",
            "seq_len=32", "optim.warmup_steps=1"]
 SMALL = {"medusa": [], "prophet": ["drafter.module.dim=32", "drafter.module.heads=2"],  # a prophet as narrow as the base
-         "draft": ["drafter.module.dim=32", "drafter.module.depth=1", "drafter.module.heads=2"]}
-FAMILIES = ("medusa", "prophet", "draft")
+         "draft": ["drafter.module.dim=32", "drafter.module.depth=1", "drafter.module.heads=2"],
+         "sequential": [], "early_exit": ["drafter.module.layer=1"]}  # the base has 2 blocks: exit after the first
+FAMILIES = ("medusa", "prophet", "draft", "sequential", "early_exit")
 ROW_KEYS = {"name", "tau", "repeat4", "alpha", "speedup", "tokens_per_s", "exact", "lossless", "temperature", "threads",
             "compiled"}
 
@@ -111,6 +112,8 @@ def bench_overrides(tiny_base: Path, drafters: dict) -> list[str]:
         f"base_checkpoint={tiny_base}", f"checkpoints.draft={tiny_base}",
         f"checkpoints.medusa={drafters['medusa']['result']['checkpoint']}",
         f"checkpoints.prophet={drafters['prophet']['result']['checkpoint']}",
+        f"checkpoints.sequential={drafters['sequential']['result']['checkpoint']}",
+        f"checkpoints.early_exit={drafters['early_exit']['result']['checkpoint']}",
         "prompts.num_prompts=2", "prompts.prompt_len=8", "decode.max_new_tokens=8", "repeats=1",
         "decode.temperatures=[0,1]", "logger=none", "threads=1",
     ]
@@ -253,7 +256,8 @@ def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path
     assert about_the_run <= set(result), result
     metric_keys = set(result) - about_the_run
     assert metric_keys and all(isinstance(result[k], float) for k in metric_keys), result
-    agreement = {"medusa": "head1_agree", "prophet": "step1_agree", "draft": "agree"}[family]
+    agreement = {"medusa": "head1_agree", "prophet": "step1_agree", "draft": "agree", "sequential": "head1_agree",
+                 "early_exit": "agree"}[family]
     assert 0 <= result[agreement] <= 1  # agreement with the base's top-1, what acceptance measures
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "val"] == [2, 4]
@@ -653,7 +657,7 @@ def test_benchmark_main_prints_json_last(tiny_base: Path, drafters: dict, tmp_pa
                       f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(summary) == {"plain_tokens_per_s", "methods"} and len(summary["methods"]) == 12
+    assert set(summary) == {"plain_tokens_per_s", "methods"} and len(summary["methods"]) == 2 * len(bench_mod.METHODS)
     assert "| method | mode | T |" in proc.stdout  # the table comes before the JSON line
     assert (tmp_path / "results.json").is_file() and (tmp_path / ".hydra" / "overrides.yaml").is_file()
 

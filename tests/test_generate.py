@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from experiments import generate as gen
-from experiments.benchmark import METHODS
+from experiments.benchmark import DRAFTER_KINDS, METHODS
 from experiments.checkpoint import load_lm
 from experiments.train_base import train
 
@@ -59,7 +59,7 @@ def test_config_composes_with_the_benchmark_keys() -> None:
     assert cfg.max_new_tokens == 64 and cfg.prompt == "def fib(n):" and cfg.interactive is False
     derived = gen.methods_config(cfg)
     assert list(derived.methods) == ["prophet_tree"] and derived.checkpoints.base is None
-    assert set(derived) == {"methods", "checkpoints", "artifacts", "prompt_lookup", "medusa", "prophet", "vocab", "data"}
+    assert set(derived) == {"methods", "checkpoints", "artifacts", "prompt_lookup", *DRAFTER_KINDS, "vocab", "data"}
 
 
 def test_prompt_lookup_one_shot(base_ckpt: str, capsys: pytest.CaptureFixture) -> None:
