@@ -24,12 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from experiments.distill import check_target, distill_loss, subset_index
 from experiments.features import FeatureBatch
 from medusa import train as medusa_train
 from medusa.sequential import SequentialHeads
 from medusa.sequential_drafter import SequentialDrafter
-from medusa.train import _check_batch, _sample_positions
+from medusa.train import _check_batch, heads_loss, sample_positions
 
 __all__ = ["build", "loss", "evaluate", "drafter"]
 
@@ -54,27 +53,10 @@ def loss(
     """sum_k weight^k * L_k, L_k head k's loss against the base's distribution for token t + 1 + k (`kl`),
     its top-1 (`argmax`) or the corpus token (`true`), on `positions` random positions t < T - K of the batch.
     Metrics: each L_k (`head{k}_loss`), `loss`, `positions` (as medusa.train.loss)."""
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
-        raise ValueError(f"weight={weight!r}: must be a number > 0 (0.8 is the common choice)")
-    if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 1):
-        raise ValueError(f"positions={positions!r}: must be an integer >= 1, or null for every position")
-    check_target(target)
-    _check_batch(module, batch)
-    b, t, _ = batch.hidden.shape
-    k_max = module.num_heads
-    row, pos = _sample_positions(b, t - k_max, positions, batch.hidden.device)  # (n,), (n,)
-    reads = following_tokens(batch.tokens, k_max)[row, pos]  # (n, K) true x_{t+1} .. x_{t+K}
+    row, pos = sample_positions(module, batch, weight=weight, target=target, positions=positions)  # (n,), (n,)
+    reads = following_tokens(batch.tokens, module.num_heads)[row, pos]  # (n, K) true x_{t+1} .. x_{t+K}
     logits = module(batch.hidden[row, pos], reads, vocab)  # (n, K, N)
-    index = subset_index(vocab, module.vocab_size, logits.device)
-    terms = [
-        distill_loss(logits[:, k - 1], top_ids=batch.top_ids[row, pos + k], top_logp=batch.top_logp[row, pos + k],
-                     true_ids=batch.tokens[row, pos + k + 1], target=target, index=index)
-        for k in range(1, k_max + 1)
-    ]
-    total = sum(weight**k * term for k, term in enumerate(terms, start=1))
-    values = torch.stack([total.detach(), *[term.detach() for term in terms]]).tolist()  # one host sync
-    metrics = {"loss": values[0]} | {f"head{k}_loss": v for k, v in enumerate(values[1:], start=1)}
-    return total, metrics | {"positions": row.numel()}
+    return heads_loss(logits, batch, row, pos, vocab=vocab, vocab_size=module.vocab_size, weight=weight, target=target)
 
 
 class _TeacherForced:

@@ -52,6 +52,36 @@ def _sample_positions(b: int, usable: int, positions: int | None, device: torch.
     return pick // usable, pick % usable
 
 
+def sample_positions(module: nn.Module, batch: FeatureBatch, *, weight: float, target: str,
+                     positions: int | None) -> tuple[Tensor, Tensor]:
+    """Check the loss settings and the batch; row and position indices (n,) of `positions` random positions
+    t < T - K (where every head has a target). Shared by Medusa's and the sequential heads' losses."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
+        raise ValueError(f"weight={weight!r}: must be a number > 0 (0.8 is the common choice)")
+    if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 1):
+        raise ValueError(f"positions={positions!r}: must be an integer >= 1, or null for every position")
+    check_target(target)
+    _check_batch(module, batch)
+    b, t, _ = batch.hidden.shape
+    return _sample_positions(b, t - module.num_heads, positions, batch.hidden.device)
+
+
+def heads_loss(logits: Tensor, batch: FeatureBatch, row: Tensor, pos: Tensor, *, vocab: Tensor | None, vocab_size: int,
+               weight: float, target: str) -> tuple[Tensor, dict[str, float]]:
+    """logits (n, K, N) of heads 1..K at positions (row, pos) -> (sum_k weight^k * L_k, metrics), L_k head k's
+    distillation loss for token t + 1 + k (teacher: the base's distribution at t + k)."""
+    index = subset_index(vocab, vocab_size, logits.device)
+    terms = [
+        distill_loss(logits[:, k - 1], top_ids=batch.top_ids[row, pos + k], top_logp=batch.top_logp[row, pos + k],
+                     true_ids=batch.tokens[row, pos + k + 1], target=target, index=index)
+        for k in range(1, logits.shape[1] + 1)
+    ]
+    total = sum(weight**k * term for k, term in enumerate(terms, start=1))
+    values = torch.stack([total.detach(), *[term.detach() for term in terms]]).tolist()  # one host sync
+    metrics = {"loss": values[0]} | {f"head{k}_loss": v for k, v in enumerate(values[1:], start=1)}
+    return total, metrics | {"positions": row.numel()}
+
+
 def loss(
     module: MedusaHeads, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None,
     weight: float = 0.8, target: str = "kl", positions: int | None = 2048,
@@ -62,26 +92,9 @@ def loss(
 
     Medusa's own code weights head k by weight^(k - 1); weight^k differs by the constant factor `weight`.
     """
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
-        raise ValueError(f"weight={weight!r}: must be a number > 0 (0.8 is the common choice)")
-    if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 1):
-        raise ValueError(f"positions={positions!r}: must be an integer >= 1, or null for every position")
-    check_target(target)
-    _check_batch(module, batch)
-    b, t, _ = batch.hidden.shape
-    k_max = module.num_heads
-    row, pos = _sample_positions(b, t - k_max, positions, batch.hidden.device)  # (n,), (n,)
+    row, pos = sample_positions(module, batch, weight=weight, target=target, positions=positions)  # (n,), (n,)
     logits = module(batch.hidden[row, pos], vocab)  # (n, K, N)
-    index = subset_index(vocab, module.vocab_size, logits.device)
-    terms = [
-        distill_loss(logits[:, k - 1], top_ids=batch.top_ids[row, pos + k], top_logp=batch.top_logp[row, pos + k],
-                     true_ids=batch.tokens[row, pos + k + 1], target=target, index=index)
-        for k in range(1, k_max + 1)
-    ]
-    total = sum(weight**k * term for k, term in enumerate(terms, start=1))
-    values = torch.stack([total.detach(), *[term.detach() for term in terms]]).tolist()  # one host sync
-    metrics = {"loss": values[0]} | {f"head{k}_loss": v for k, v in enumerate(values[1:], start=1)}
-    return total, metrics | {"positions": row.numel()}
+    return heads_loss(logits, batch, row, pos, vocab=vocab, vocab_size=module.vocab_size, weight=weight, target=target)
 
 
 @torch.no_grad()

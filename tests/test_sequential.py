@@ -323,3 +323,25 @@ def test_bad_arguments_raise_one_line_errors(make, match):
     with pytest.raises(ValueError, match=match) as error:
         make(base, heads)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("package", ["sequential", "prophet"])
+def test_grow_tree_reads_sequential_checkpoints_and_refuses_others(package, tmp_path):
+    from omegaconf import OmegaConf
+
+    from experiments.checkpoint import save_checkpoint
+    from experiments.grow_tree import grow
+    from tests.conftest import make_lm
+
+    base = make_lm(num_tokens=64, dim=16, depth=1)
+    heads = SequentialHeads.from_base(base, num_heads=2)
+    metrics = {f"head{k}_rank{r}": (0.6 if k == 1 else 0.3) * 0.5**r for k in (1, 2) for r in range(10)}
+    save_checkpoint(tmp_path / "ckpt", model=heads, tokenizer_json=None, step=1,
+                    model_config={"package": package, "module": {"num_heads": 2, "num_layers": 1}},
+                    extra={"kind": "drafter", "metrics": metrics, "base_fingerprint": "x"})
+    cfg = OmegaConf.create({"checkpoint": str(tmp_path / "ckpt"), "tree_nodes": 4})
+    if package == "prophet":
+        with pytest.raises(ValueError, match="not a Medusa or sequential heads checkpoint"):
+            grow(cfg)
+    else:
+        assert grow(cfg) == [[0], [1], [2], [0, 0]]
