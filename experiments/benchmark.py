@@ -38,6 +38,7 @@ from experiments.prompts import heldout_prompts, load_prompts
 from experiments.report import mode, repeated_ngram_share, write_report
 from experiments.train_base import resolve_device
 from experiments.train_drafter import load_drafter
+from medusa.trees import accuracies_from_metrics
 from verify.acceptance import check_rule, is_lossless
 from verify.draft_model import DraftModelDrafter
 from verify.plain import plain_generate
@@ -52,6 +53,7 @@ DRAFTER_KINDS = ("draft", "medusa", "prophet", "sequential", "early_exit")  # tr
 METHODS = ("draft_model", "prompt_lookup", "medusa_chain", "medusa_tree", "prophet_chain", "prophet_tree",
            "sequential_chain", "sequential_tree", "early_exit_chain")  # <family>_<mode>
 TREE_FAMILIES = ("medusa", "prophet", "sequential")  # families with a tree mode (decode.tree_nodes)
+HEAD_FAMILIES = ("medusa", "sequential")  # static trees of head ranks, as deep as the loop's gamma
 COMPILED_FAMILIES = ("prophet", "early_exit")  # families with decoder steps of their own to torch.compile
 
 
@@ -111,15 +113,23 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokeniz
             if family not in trained:
                 module, package, meta = load_drafter(checkpoint_for(cfg, family, base_ckpt, base_meta), base, base_meta)
                 check_train_vocab(meta, vocab, family)
-                trained[family] = module, package
-            module, package = trained[family]
-            decode = {**OmegaConf.to_container(cfg[family].decode, resolve=True), "mode": mode}
+                trained[family] = module, package, head_accuracies(family, module, meta)
+            module, package, accuracies = trained[family]
+            decode = {**OmegaConf.to_container(cfg[family].decode, resolve=True), "mode": mode, **accuracies}
             if mode == "chain" and "tree" in decode:  # a static tree configures the tree method only
                 decode["tree"] = None
             compiles = family in COMPILED_FAMILIES  # heads have no decoder to compile
             methods[name] = lambda m=module, p=package, d=decode, c=compiles, compile=False, **over: p.drafter(
                 m, base, **{**d, **over}, vocab=vocab, **({"compile": compile} if c else {}))
     return methods
+
+
+def head_accuracies(family: str, module, meta: dict) -> dict:
+    """{"accuracies": ...} for head families whose checkpoint measured its heads' rank accuracies on
+    validation: their default trees grow from them (not from typical Medusa accuracies); else {}."""
+    if family not in HEAD_FAMILIES or "head1_rank0" not in meta.get("metrics", {}):
+        return {}
+    return {"accuracies": accuracies_from_metrics(meta["metrics"], module.num_heads)}
 
 
 def check_train_vocab(meta: dict, vocab, name: str) -> None:
@@ -412,7 +422,7 @@ def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_i
             family = name.rsplit("_", 1)[0]
             candidates = [dict(c) for c in search[f"{family}_trees"]]
             # A head tree's depth is the loop's gamma (one head per level), not a drafter argument
-            heads = family in ("medusa", "sequential")
+            heads = family in HEAD_FAMILIES
             over = (lambda c: {k: v for k, v in c.items() if k != "depth"} | {"tree": None}) if heads else dict
             result = choose_tree_budget(setup["target"], lambda c: (lambda: make(compile=compile_, **over(c))),
                                         setup["pilot_prompts"], candidates=candidates, **common)

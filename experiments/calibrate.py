@@ -237,6 +237,7 @@ def pilot(
       draft_seconds_per_step   drafter time per verification step, without `begin` (a per-batch cost
                                that does not depend on the budget, like the prefill)
       overhead_seconds_per_step  the loop's own bookkeeping per step (neither drafter nor target)
+      begin_seconds_per_batch  the drafter's `begin` per batch (its own prefill, if it has one)
       steps, tokens, seconds   verification steps (batch forwards), tokens emitted, total seconds
     Use the same batch_size as the verify cost table: a step's forward is of the whole batch."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -270,6 +271,7 @@ def pilot(
         "draft_tokens_per_step": proposed / row_steps,
         "draft_seconds_per_step": max(draft - begin, 0.0) / steps,
         "overhead_seconds_per_step": max(total - draft - target_s, 0.0) / steps,
+        "begin_seconds_per_batch": begin / len(batches),
         "steps": steps, "tokens": tokens, "seconds": total,
     }
 

@@ -49,7 +49,10 @@ def check_tree(tree: list, vocab_size: int) -> list[Path]:
 
 class MedusaDrafter:
     def __init__(self, heads: MedusaHeads, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
-                 vocab: Tensor | None = None):
+                 vocab: Tensor | None = None, accuracies: list[list[float]] | None = None):
+        """`accuracies[k][r]`: how often head k + 1's rank-r guess was the base's choice (measured on
+        validation, medusa.trees.accuracies_from_metrics): the default tree (tree None) is grown from them,
+        else from typical Medusa accuracies."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
         if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
@@ -67,7 +70,7 @@ class MedusaDrafter:
             self.paths, self.max_depth = [], heads.num_heads
             return
         if tree is None:  # tree_nodes only sizes the default tree; a given tree is used as it is
-            tree = default_tree(heads.num_heads, tree_nodes, ranks=min(RANKS, ranked))
+            tree = default_tree(heads.num_heads, tree_nodes, ranks=min(RANKS, ranked), accuracies=accuracies)
         self.paths = check_tree(tree, ranked)
         self.ranks = max(max(p) for p in self.paths) + 1  # top-k width: the largest rank any node reads
         self.max_depth = min(heads.num_heads, max(map(len, self.paths)))  # deeper nodes have no head

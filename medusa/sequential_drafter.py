@@ -81,8 +81,8 @@ def level_table(paths: list[Path], max_depth: int) -> tuple[Tensor, list[Level]]
 
 class SequentialDrafter(MedusaDrafter):
     def __init__(self, heads: SequentialHeads, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
-                 vocab: Tensor | None = None):
-        super().__init__(heads, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab)  # self.stacked: DecodeHeads
+                 vocab: Tensor | None = None, accuracies: list[list[float]] | None = None):
+        super().__init__(heads, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies)  # self.stacked: DecodeHeads
         if mode == "chain":  # the chain is the tree of top-1 guesses, drafted the same way
             self.paths = [(0,) * d for d in range(1, heads.num_heads + 1)]
         self._levels: dict[int, tuple[Tensor, list[Level]]] = {}

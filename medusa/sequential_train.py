@@ -81,7 +81,8 @@ def evaluate(module: SequentialHeads, base: nn.Module, batch: FeatureBatch, *, v
 
 
 def drafter(module: SequentialHeads, base: nn.Module, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
-            vocab: Tensor | None = None) -> SequentialDrafter:
+            vocab: Tensor | None = None, accuracies: list[list[float]] | None = None) -> SequentialDrafter:
     """The drafter for decoding (decode kwargs from conf/drafter/sequential.yaml `decode:`); `vocab` the sorted
-    token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary."""
-    return SequentialDrafter(module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab)
+    token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary;
+    `accuracies` the heads' measured rank accuracies, to grow the default tree from (see MedusaDrafter)."""
+    return SequentialDrafter(module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies)

@@ -122,7 +122,8 @@ def evaluate(module: MedusaHeads, base: nn.Module, batch: FeatureBatch, *, vocab
 
 
 def drafter(module: MedusaHeads, base: nn.Module, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
-            vocab: Tensor | None = None) -> MedusaDrafter:
+            vocab: Tensor | None = None, accuracies: list[list[float]] | None = None) -> MedusaDrafter:
     """The drafter for decoding (decode kwargs from conf/drafter/medusa.yaml `decode:`); `vocab` the sorted
-    token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary."""
-    return MedusaDrafter(module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab)
+    token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary;
+    `accuracies` the heads' measured rank accuracies, to grow the default tree from (see MedusaDrafter)."""
+    return MedusaDrafter(module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies)

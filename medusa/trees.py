@@ -45,12 +45,19 @@ def typical_accuracies(num_heads: int, ranks: int = RANKS) -> list[list[float]]:
     return out
 
 
-def default_tree(num_heads: int, tree_nodes: int, *, ranks: int = RANKS) -> list[Path]:
-    """A static tree of `tree_nodes` nodes for `num_heads` heads, before any head was measured.
+def default_tree(num_heads: int, tree_nodes: int, *, ranks: int = RANKS,
+                 accuracies: list[list[float]] | None = None) -> list[Path]:
+    """A static tree of `tree_nodes` nodes for `num_heads` heads: grown from the heads' measured rank
+    `accuracies` (`accuracies_from_metrics` of a checkpoint's validation metrics) when given, else from
+    the typical accuracies above, as before any head was measured.
 
     `ranks` caps the rank of any node (a vocabulary smaller than 10 has fewer ranks)."""
     _check_int("tree_nodes", tree_nodes)
-    return grow_tree(typical_accuracies(num_heads, ranks), tree_nodes)
+    if accuracies is None:
+        return grow_tree(typical_accuracies(num_heads, ranks), tree_nodes)
+    if len(accuracies) < num_heads:
+        raise ValueError(f"accuracies for {len(accuracies)} heads: the tree needs all {num_heads}")
+    return grow_tree([row[:ranks] for row in accuracies[:num_heads]], tree_nodes)
 
 
 def accuracies_from_metrics(metrics: dict, num_heads: int) -> list[list[float]]:

@@ -164,6 +164,7 @@ def test_pilot_and_chain_budget_with_prompt_lookup(lm):
     assert result["steps"] > 0 and result["tau"] >= 1.0
     assert len(result["acceptance"]) == 3 and all(0 <= a <= 1 for a in result["acceptance"])
     assert result["draft_seconds_per_step"] > 0 and result["overhead_seconds_per_step"] >= 0
+    assert result["begin_seconds_per_batch"] >= 0  # prompt lookup indexes the prompt in begin
     assert result["tokens"] == 2 * 16
 
     costs = measure_verify_cost(target, **QUICK)

@@ -380,3 +380,16 @@ def test_grow_tree_command_reads_measured_accuracies(tmp_path):
     tree = [tuple(p) for p in json.loads(out.stdout.strip().splitlines()[-1])]
     # node values: (0,) 0.6, (1,) 0.3, (0, 0) 0.6 * 0.3, (2,) 0.15, then (0, 1) and (1, 0) at 0.09
     assert tree == sort_paths([(0,), (1,), (2,), (0, 0)]) == [(0,), (1,), (2,), (0, 0)]
+
+
+def test_default_tree_grows_from_measured_accuracies():
+    """With measured rank accuracies the default tree follows them (here: head 2 is sure, so the tree goes
+    deep); without, it follows typical Medusa accuracies (wide at the first head)."""
+    measured = [[0.9, 0.05, 0.01], [0.8, 0.1, 0.01]]
+    assert default_tree(2, 3, accuracies=measured) == [(0,), (0, 0), (0, 1)]
+    assert default_tree(2, 3) == [(0,), (1,), (0, 0)]
+    base = make_base()
+    drafter = MedusaDrafter(MedusaHeads.from_base(base, num_heads=2, num_layers=1), tree_nodes=3, accuracies=measured)
+    assert drafter.paths == [(0,), (0, 0), (0, 1)]
+    with pytest.raises(ValueError, match="accuracies for 1 heads: the tree needs all 2"):
+        default_tree(2, 3, accuracies=measured[:1])
