@@ -201,3 +201,15 @@ def test_verdict_commit_keeps_the_own_cache_in_step():
     drafter.commit = spy
     speculative_generate(target, drafter, PROMPTS, max_new_tokens=16, spec=SpecConfig(gamma=3))
     assert seen and all(seen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("share", [True, False])
+def test_compiled_early_exit_equals_plain_greedy(share):
+    """torch.compile'd draft steps (the first blocks on the cache's whole buffers) against a compiled target."""
+    lm = make_lm(depth=4)
+    reference = plain_generate(Target(lm), PROMPTS, max_new_tokens=24).tokens
+    drafter = exit_family.drafter(noisy_head(lm, layer=2), lm, share_cache=share, compile=True)
+    out = speculative_generate(Target(lm, compile=True, widths=(1, 4)), drafter, PROMPTS, max_new_tokens=24,
+                               spec=SpecConfig(gamma=3))
+    assert out.tokens == reference and int(out.stats.accepted.sum()) > 0
