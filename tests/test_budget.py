@@ -225,9 +225,10 @@ def test_format_cost_table():
     assert "drafter" not in format_cost_table({1: 0.002})
 
 
-def test_timing_and_recording_wrappers_pass_a_fused_drafters_target_layers():
+def test_timing_and_recording_wrappers_pass_the_optional_protocol_members_on():
     """A fused prophet reads the target's layer states, which speculative_generate asks for from
-    drafter.target_layers: a wrapper that hid them would make every fused pilot or recording fail."""
+    drafter.target_layers; an early-exit drafter needs `attach(target)`. A wrapper that hid either would
+    make every such pilot or recording fail; one that invented them would change what the loop does."""
     from experiments.calibrate import _BeginTimer
     from experiments.generate import RecordingDrafter
 
@@ -237,5 +238,15 @@ def test_timing_and_recording_wrappers_pass_a_fused_drafters_target_layers():
     class Plain:
         vocab_size = 7
 
+    class Exit:
+        vocab_size = 7
+
+        def attach(self, target) -> None:
+            self.target = target
+
     for wrap in (_BeginTimer, RecordingDrafter):
-        assert wrap(Fused()).target_layers == (2, 5) and wrap(Plain()).target_layers == ()
+        assert wrap(Fused()).target_layers == (2, 5)
+        assert getattr(wrap(Plain()), "target_layers", ()) == () and getattr(wrap(Plain()), "attach", None) is None
+        inner = Exit()
+        wrap(inner).attach("the target")
+        assert inner.target == "the target"
