@@ -7,9 +7,11 @@ last accepted node of the verification forward at `commit`. The drafter never ru
 
 A step is one batched computation of all heads on (b, d) (`MedusaHeads.stacked`) and one top-k; the
 tree's shape (which head and rank each node reads, and its parent) is a table computed once per depth
-limit, so proposing has no Python loop over heads, tokens or rows. Picks are deterministic (q = None):
+limit, so proposing has no Python loop over heads, tokens or rows. Tree picks are deterministic (q = None):
 the loop's lossless rules treat q as one-hot, and its tree sampling tries siblings in turn, so a static
-tree stays lossless at any temperature.
+tree stays lossless at any temperature. A chain at T > 0 samples token k from head k's distribution (the
+shared sampling transform) and returns q: speculative sampling then accepts it with probability
+min(1, p / q) instead of only as often as the base samples the head's top guess.
 
 `vocab` (sorted ids (N,), see verify/vocab.py) trims the heads' projections to the N most frequent
 tokens: argmax and top-k run over the subset and map back to full ids, so drafts never leave it.
@@ -24,7 +26,7 @@ from torch import Tensor
 from medusa.heads import MedusaHeads
 from medusa.trees import RANKS, default_tree, node_table
 from verify.drafter import Draft, Verdict
-from verify.sampling import SamplingConfig
+from verify.sampling import SamplingConfig, draft_from_logits
 from verify.target import TargetOutput
 from verify.tree import Path, sort_paths
 from verify.vocab import check_vocab, full_ids
@@ -82,8 +84,9 @@ class MedusaDrafter:
     def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         depth = min(gamma, self.max_depth)  # never deeper than the loop's budget or the number of heads
         logits = self.stacked(self.hidden.to(self.dtype))  # (b, K, N)
-        if self.mode == "chain":  # (b, depth): head k's top-1 at k
-            return Draft(tokens=full_ids(logits[:, :depth].argmax(dim=-1), self.vocab))
+        if self.mode == "chain":  # (b, depth): head k's top-1 at k, or at T > 0 a sample from head k with q
+            tokens, q = draft_from_logits(logits[:, :depth], sampling, generator, vocab=self.vocab, vocab_size=self.vocab_size)
+            return Draft(tokens=tokens, q=q)
         top = logits.topk(self.ranks, dim=-1).indices  # (b, K, R) positions in the subset
         parents, head, rank = self._table(depth, top.device)
         return Draft(tokens=full_ids(top[:, head, rank], self.vocab), parents=parents)  # (b, k), (k,)

@@ -14,8 +14,9 @@ every parent of that level (one head call, one top-k); which parent, rank and an
 is a table computed once per depth limit, so proposing loops over levels only, never over rows or nodes.
 A chain is the tree of rank-0 paths [(0,), (0, 0), ..] returned without parents.
 
-Picks are deterministic (q = None): the loop's lossless rules treat q as one-hot, and its tree sampling
-tries siblings in turn, so drafting stays lossless at any temperature.
+Tree picks are deterministic (q = None): the loop's lossless rules treat q as one-hot, and its tree
+sampling tries siblings in turn, so drafting stays lossless at any temperature. A chain at T > 0 samples
+each head's token given the path sampled before it and returns q (as MedusaDrafter's chain does).
 
 `vocab` (sorted ids (N,)) trims the heads' projections: top-k runs over the subset and maps back to full
 ids, which is also what the next head's embedding reads.
@@ -36,7 +37,7 @@ from medusa.drafter import MedusaDrafter
 from medusa.sequential import SequentialHeads
 from medusa.trees import node_table
 from verify.drafter import Draft, Verdict
-from verify.sampling import SamplingConfig
+from verify.sampling import SamplingConfig, draft_from_logits
 from verify.target import TargetOutput
 from verify.tree import Path
 from verify.vocab import full_ids
@@ -97,13 +98,19 @@ class SequentialDrafter(MedusaDrafter):
         parents, levels = self._table(depth, self.hidden.device)
         hidden = self.hidden.to(self.dtype)  # (b, d)
         tokens = self.pending[:, None]  # (b, 1) verify-indexed: the root, then each level's nodes appended
+        sample, qs = self.mode == "chain" and not sampling.greedy, []
         for d, level in enumerate(levels, start=1):  # head d fills depth d: one call over all rows and parents
             p = level.reads.shape[0]
             reads = rearrange(tokens[:, level.reads], "b p k -> (b p) k")  # (b P, d) full ids of each parent's path
             logits = self.stacked(d, repeat(hidden, "b d -> (b p) d", p=p), reads)  # (b P, N)
+            if sample:  # a chain at T > 0: one node per level, sampled from head d given the sampled path, with q
+                token, q = draft_from_logits(logits, sampling, generator, vocab=self.vocab, vocab_size=self.vocab_size)
+                tokens, qs = torch.cat((tokens, token[:, None]), dim=1), qs + [q]
+                continue
             top = rearrange(logits.topk(level.width, dim=-1).indices, "(b p) r -> b p r", p=p)  # subset positions
             tokens = torch.cat((tokens, full_ids(top[:, level.slot, level.rank], self.vocab)), dim=1)
-        return Draft(tokens=tokens[:, 1:], parents=None if self.mode == "chain" else parents)
+        q = torch.stack(qs, dim=1) if qs else None  # (b, depth, V)
+        return Draft(tokens=tokens[:, 1:], q=q, parents=None if self.mode == "chain" else parents)
 
     def commit(self, verdict: Verdict) -> None:
         super().commit(verdict)  # self.hidden: the target's state at the last accepted node

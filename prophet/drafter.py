@@ -34,9 +34,9 @@ from torch import Tensor
 
 from prophet.model import Prophet
 from verify.drafter import Draft, Verdict
-from verify.sampling import SamplingConfig, probs_from_logits, sample_from_probs
+from verify.sampling import SamplingConfig, draft_from_logits
 from verify.target import TargetOutput, left_to_right, pad_prompts
-from verify.vocab import check_vocab, expand_probs, full_ids, trim_linear
+from verify.vocab import check_vocab, full_ids, trim_linear
 
 MODES = ("chain", "tree")
 
@@ -139,13 +139,10 @@ class ProphetDrafter:
         for j in range(gamma):
             if j > 0:
                 feature = self._step(feature[:, None], tokens[-1][:, None], self.cache)[:, 0]
-            logits = self._logits(feature)  # (b, N)
-            if sampling.greedy:
-                tokens.append(full_ids(logits.argmax(dim=-1), self.vocab))
-            else:  # the same transform the target's p goes through, so p / q compare like with like
-                q = probs_from_logits(logits, sampling)  # (b, N)
-                tokens.append(full_ids(sample_from_probs(q, generator), self.vocab))
-                qs.append(expand_probs(q, self.vocab, self.vocab_size))  # (b, V), zero outside the subset
+            token, q = draft_from_logits(self._logits(feature), sampling, generator, vocab=self.vocab,
+                                         vocab_size=self.vocab_size)
+            tokens.append(token)
+            qs += [] if q is None else [q]  # (b, V), zero outside the subset
         self.drafted = gamma - 1
         return Draft(tokens=torch.stack(tokens, dim=1), q=torch.stack(qs, dim=1) if qs else None)
 

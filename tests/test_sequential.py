@@ -345,3 +345,33 @@ def test_grow_tree_reads_sequential_checkpoints_and_refuses_others(package, tmp_
             grow(cfg)
     else:
         assert grow(cfg) == [[0], [1], [2], [0, 0]]
+
+
+@pytest.mark.parametrize("family", ["medusa", "sequential"])
+def test_chain_at_t1_samples_with_q_and_trees_stay_deterministic(family):
+    """A head chain at T > 0 returns the distribution each token was drawn from (zero outside the trimmed
+    vocabulary, positive at the token); a tree's candidates stay deterministic (q None)."""
+    from medusa.drafter import MedusaDrafter
+    from medusa.heads import MedusaHeads
+    from tests.conftest import make_lm
+    from verify.target import Target
+
+    base = make_lm()
+    vocab = torch.arange(0, 97, 2)
+    heads = (SequentialHeads if family == "sequential" else MedusaHeads).from_base(base, num_heads=3, num_layers=1)
+    make = SequentialDrafter if family == "sequential" else MedusaDrafter
+    prefill = Target(base).prefill([[1, 2, 3], [4, 5]])
+    sampling, gen = SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0)
+    for mode in ("chain", "tree"):
+        drafter = make(heads, mode=mode, vocab=vocab)
+        drafter.begin([[1, 2, 3], [4, 5]], prefill, torch.tensor([6, 8]))
+        draft = drafter.propose(3, sampling, gen)
+        if mode == "tree":
+            assert draft.q is None
+            continue
+        assert draft.q.shape == (2, 3, 97)
+        torch.testing.assert_close(draft.q.sum(-1), torch.ones(2, 3))
+        assert not draft.q[..., 1::2].any()  # nothing outside the subset
+        assert (draft.q.gather(2, draft.tokens[..., None]) > 0).all() and (draft.tokens % 2 == 0).all()
+        greedy = drafter.propose(3, SamplingConfig(), None)
+        assert greedy.q is None

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from verify.drafter import Draft, Verdict
-from verify.sampling import SamplingConfig, probs_from_logits, sample_from_probs
+from verify.sampling import SamplingConfig, draft_from_logits
 from verify.target import Target, TargetOutput
-from verify.vocab import check_vocab, expand_probs, full_ids
+from verify.vocab import check_vocab
 
 
 class DraftModelDrafter:
@@ -40,13 +40,9 @@ class DraftModelDrafter:
         x, tokens, qs = self.uncached, [], []
         for _ in range(gamma):
             logits = self.lm.extend(x).logits[:, -1]  # (b, N): already over the subset
-            if sampling.greedy:
-                token = full_ids(logits.argmax(dim=-1), self.vocab)
-            else:
-                q = probs_from_logits(logits, sampling)  # (b, N)
-                token = full_ids(sample_from_probs(q, generator), self.vocab)
-                qs.append(expand_probs(q, self.vocab, self.vocab_size))  # (b, V), zero outside the subset
+            token, q = draft_from_logits(logits, sampling, generator, vocab=self.vocab, vocab_size=self.vocab_size)
             tokens.append(token)
+            qs += [] if q is None else [q]  # (b, V), zero outside the subset
             x = token[:, None]
         self.fed = self.uncached.shape[1] + gamma - 1
         q = torch.stack(qs, dim=1) if qs else None

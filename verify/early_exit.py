@@ -34,9 +34,9 @@ from torch import Tensor, nn
 
 from verify.drafter import Draft, Verdict
 from verify.engine import COMPILE_OPTIONS, check_layers, lean
-from verify.sampling import SamplingConfig, probs_from_logits, sample_from_probs
+from verify.sampling import SamplingConfig, draft_from_logits
 from verify.target import Target, TargetOutput, pad_prompts
-from verify.vocab import check_vocab, expand_probs, full_ids
+from verify.vocab import check_vocab
 
 
 class EarlyExitDrafter:
@@ -89,13 +89,9 @@ class EarlyExitDrafter:
         x, tokens, qs = self.uncached, [], []
         for _ in range(gamma):
             logits = self._forward(x)[:, -1]  # (b, N)
-            if sampling.greedy:
-                token = full_ids(logits.argmax(dim=-1), self.vocab)
-            else:  # the same transform the target's p goes through, so p / q compare like with like
-                q = probs_from_logits(logits.float(), sampling)  # (b, N)
-                token = full_ids(sample_from_probs(q, generator), self.vocab)
-                qs.append(expand_probs(q, self.vocab, self.vocab_size))  # (b, V), zero outside the subset
+            token, q = draft_from_logits(logits, sampling, generator, vocab=self.vocab, vocab_size=self.vocab_size)
             tokens.append(token)
+            qs += [] if q is None else [q]  # (b, V), zero outside the subset
             x = token[:, None]
         self.fed = self.uncached.shape[1] + gamma - 1
         if self.share_cache:  # rewind the target's cache before it verifies: a length rewind, nothing moves

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from verify.vocab import expand_probs, full_ids
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -76,3 +78,18 @@ def sample_token(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator
     if cfg.greedy:
         return logits.argmax(dim=-1)
     return sample_from_probs(probs_from_logits(logits, cfg), generator)
+
+
+def draft_from_logits(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None, *,
+                      vocab: Tensor | None, vocab_size: int) -> tuple[Tensor, Tensor | None]:
+    """A drafter's logits (..., N) over the sorted ids `vocab` (N,) (None: all V) -> draft tokens (...) as
+    full-vocabulary ids, and q (..., V), the distribution each was drawn from.
+
+    Greedy: the argmax, q None (the loop treats it as one-hot). Otherwise a sample from the same transform
+    the target's p goes through (so p / q compare like with like), q zero outside the subset: lossless
+    speculative sampling accepts a draft with probability min(1, p / q), far more often than a fixed top
+    guess, which the base samples only as often as p gives it."""
+    if cfg.greedy:
+        return full_ids(logits.argmax(dim=-1), vocab), None
+    q = probs_from_logits(logits, cfg)  # (..., N)
+    return full_ids(sample_from_probs(q, generator), vocab), expand_probs(q, vocab, vocab_size)
