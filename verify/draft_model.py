@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from verify.cache import StaticCache
 from verify.drafter import Draft, Verdict
 from verify.sampling import SamplingConfig, draft_from_logits
 from verify.target import Target, TargetOutput
@@ -49,14 +50,19 @@ class DraftModelDrafter:
         return Draft(tokens=torch.stack(tokens, dim=1), q=q)
 
     def commit(self, verdict: Verdict) -> None:
-        u = self.uncached.shape[1]
-        if self.fed == 0:  # no draft this step (budget): the new pending token just joins the queue
-            self.uncached = torch.cat((self.uncached, verdict.pending[:, None]), dim=1)
-            return
-        # Added slots: [uncached (u), d1 .. d_{k-1}]. Keep the first u - 1 + a of them, so that the last
-        # accepted token (the old pending token when a = 0) and the new pending token stay uncached.
-        keep = torch.arange(self.fed, device=verdict.accepted.device) < (u - 1 + verdict.accepted)[:, None]
-        self.lm.commit(keep)
-        last_accepted = torch.cat((self.uncached[:, -1:], verdict.tokens), dim=1).gather(1, verdict.accepted[:, None])
-        self.uncached = torch.cat((last_accepted, verdict.pending[:, None]), dim=1)
-        self.fed = 0
+        self.uncached, self.fed = roll_uncached(self.lm, self.uncached, self.fed, verdict), 0
+
+
+def roll_uncached(cache: Target | StaticCache, uncached: Tensor, fed: int, verdict: Verdict) -> Tensor:
+    """The cache discipline above, for a drafter with a cache of its own (this one, an early-exit drafter
+    on an own cache): roll `cache` back and return the new uncached tokens (b, u').
+
+    The last propose added `fed` slots: [uncached (u), d1 .. d_{k-1}]. Keep the first u - 1 + a of them, so
+    that the last accepted token (the old pending token when a = 0) and the new pending token stay
+    uncached. With no draft this step (fed 0, the budget), the new pending token just joins the queue."""
+    if fed == 0:
+        return torch.cat((uncached, verdict.pending[:, None]), dim=1)
+    keep = torch.arange(fed, device=verdict.accepted.device) < (uncached.shape[1] - 1 + verdict.accepted)[:, None]
+    cache.commit(keep)
+    last_accepted = torch.cat((uncached[:, -1:], verdict.tokens), dim=1).gather(1, verdict.accepted[:, None])
+    return torch.cat((last_accepted, verdict.pending[:, None]), dim=1)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from verify.draft_model import roll_uncached
 from verify.drafter import Draft, Verdict
 from verify.engine import COMPILE_OPTIONS, check_layers, lean
 from verify.sampling import SamplingConfig, draft_from_logits
@@ -100,16 +101,7 @@ class EarlyExitDrafter:
 
     def commit(self, verdict: Verdict) -> None:
         if self.share_cache:  # verification wrote the accepted tokens' entries into the shared cache
-            self.uncached, self.fed = verdict.pending[:, None], 0
-            return
-        u = self.uncached.shape[1]
-        if self.fed == 0:  # no draft this step (budget): the new pending token just joins the queue
-            self.uncached = torch.cat((self.uncached, verdict.pending[:, None]), dim=1)
-            return
-        # Own cache, as the draft model's: of the appended [uncached (u), d1 .. d_{k-1}], keep the first
-        # u - 1 + a, so that the last accepted token and the new pending token stay uncached.
-        keep = torch.arange(self.fed, device=verdict.accepted.device) < (u - 1 + verdict.accepted)[:, None]
-        self.cache.commit(keep)
-        last_accepted = torch.cat((self.uncached[:, -1:], verdict.tokens), dim=1).gather(1, verdict.accepted[:, None])
-        self.uncached = torch.cat((last_accepted, verdict.pending[:, None]), dim=1)
+            self.uncached = verdict.pending[:, None]
+        else:  # an own cache rolls back as the draft model's does
+            self.uncached = roll_uncached(self.cache, self.uncached, self.fed, verdict)
         self.fed = 0
