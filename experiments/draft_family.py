@@ -12,7 +12,6 @@ The four functions of a family (experiments/train_drafter.py): build, loss, eval
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from x_transformers import TransformerWrapper
 
@@ -20,6 +19,7 @@ from experiments.distill import agreement, check_target, distill_loss, student_t
 from experiments.features import FeatureBatch
 from experiments.lm import build_lm
 from verify.draft_model import DraftModelDrafter
+from verify.vocab import subset_linear
 
 __all__ = ["build", "loss", "evaluate", "drafter"]
 
@@ -34,10 +34,7 @@ def build(base: nn.Module, *, dim: int = 128, depth: int = 2, heads: int = 4, ff
 def _logits(module: TransformerWrapper, tokens: Tensor, vocab: Tensor | None) -> Tensor:
     """inputs (B, T) -> logits (B, T, N) over the subset's rows of the draft's own output layer (gradients reach them)."""
     hidden = module(tokens, return_embeddings=True)  # (B, T, d) after the final norm
-    head = module.to_logits
-    if vocab is None:
-        return head(hidden)
-    return F.linear(hidden, head.weight[vocab], None if head.bias is None else head.bias[vocab])
+    return subset_linear(hidden, module.to_logits, vocab)
 
 
 def _check(module: TransformerWrapper, base: nn.Module, batch: FeatureBatch) -> None:

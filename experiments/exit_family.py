@@ -25,7 +25,7 @@ from medusa.heads import ResBlock, copy_linear
 from prophet.model import base_depth
 from verify.early_exit import EarlyExitDrafter
 from verify.engine import check_layers, lean
-from verify.vocab import trim_linear
+from verify.vocab import subset_linear, trim_linear
 
 __all__ = ["build", "loss", "evaluate", "drafter"]
 
@@ -47,9 +47,7 @@ class ExitHead(nn.Module):
 
     def forward(self, state: Tensor, vocab: Tensor | None = None) -> Tensor:
         """Training: the subset's rows are gathered per call, so their gradients reach the full projection."""
-        weight = self.projection.weight if vocab is None else self.projection.weight[vocab]
-        bias = self.projection.bias if vocab is None or self.projection.bias is None else self.projection.bias[vocab]
-        return F.linear(self.blocks(self.norm(state)), weight, bias)
+        return subset_linear(self.blocks(self.norm(state)), self.projection, vocab)
 
     @torch.no_grad()
     def for_decoding(self, vocab: Tensor | None = None) -> Callable[[Tensor], Tensor]:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import Tensor, nn
 
-from verify.vocab import check_vocab, trim_linear
+from verify.vocab import check_vocab, subset_linear, trim_linear
 
 
 def check_head_sizes(*, num_heads: int, num_layers: int) -> None:
@@ -100,9 +100,7 @@ class MedusaHeads(nn.Module):
             return F.linear(features, weight, bias)
         logits = []  # K is small (4-5): K separate matmuls copy no weights
         for k, proj in enumerate(self.projections):
-            weight = proj.weight if vocab is None else proj.weight[vocab]
-            bias = proj.bias if vocab is None or proj.bias is None else proj.bias[vocab]
-            logits.append(F.linear(features[..., k, :], weight, bias))
+            logits.append(subset_linear(features[..., k, :], proj, vocab))
         return torch.stack(logits, dim=-2)  # (..., K, N)
 
     @torch.no_grad()

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from medusa.heads import ResBlock, check_head_sizes, copy_linear
 from prophet.model import FrozenHead
-from verify.vocab import check_vocab, trim_linear
+from verify.vocab import check_vocab, subset_linear, trim_linear
 
 
 class SequentialHeads(nn.Module):
@@ -85,10 +85,7 @@ class SequentialHeads(nn.Module):
     def head_logits(self, k: int, hidden: Tensor, tokens: Tensor, vocab: Tensor | None = None) -> Tensor:
         """Head k (1-based) alone: hidden (..., d), tokens (..., k) -> logits (..., N) over the sorted ids
         `vocab` (N,) (None: all V). The rows are gathered per call, so their gradients reach the full projection."""
-        proj = self.projections[k - 1]
-        weight = proj.weight if vocab is None else proj.weight[vocab]
-        bias = proj.bias if vocab is None or proj.bias is None else proj.bias[vocab]
-        return F.linear(self.features(k, hidden, tokens), weight, bias)
+        return subset_linear(self.features(k, hidden, tokens), self.projections[k - 1], vocab)
 
     def forward(self, hidden: Tensor, tokens: Tensor, vocab: Tensor | None = None) -> Tensor:
         """hidden (..., d), tokens (..., K) = x_{t+1} .. x_{t+K} -> logits (..., K, N) (training, teacher forcing).

@@ -57,6 +57,14 @@ def trim_linear(layer: nn.Linear, ids: Tensor | None) -> tuple[Tensor, Tensor | 
     return weight[ids], None if bias is None else bias[ids]
 
 
+def subset_linear(x: Tensor, layer: nn.Linear, ids: Tensor | None) -> Tensor:
+    """layer(x) onto the subset's rows only: (..., d) -> (..., N) (all V when ids is None). For training: the
+    rows are gathered per call, so gradients reach the layer's full weight (trim_linear detaches them)."""
+    if ids is None:
+        return layer(x)
+    return torch.nn.functional.linear(x, layer.weight[ids], None if layer.bias is None else layer.bias[ids])
+
+
 def subset_logits(logits: Tensor, ids: Tensor | None) -> Tensor:
     """(..., V) full logits -> (..., N) logits of the subset."""
     return logits if ids is None else logits.index_select(-1, ids.to(logits.device))
