@@ -28,7 +28,7 @@ from experiments.features import FeatureBatch
 from medusa import train as medusa_train
 from medusa.sequential import SequentialHeads
 from medusa.sequential_drafter import SequentialDrafter
-from medusa.train import _check_batch, heads_loss, sample_positions
+from medusa.train import check_batch, heads_loss, sample_positions
 
 __all__ = ["build", "loss", "evaluate", "drafter"]
 
@@ -76,7 +76,7 @@ def evaluate(module: SequentialHeads, base: nn.Module, batch: FeatureBatch, *, v
     """medusa.train.evaluate's metrics, heads reading the true tokens: per head k `head{k}_agree` (its top-1
     is the base's top-1 for token t + 1 + k), `head{k}_top1` / `head{k}_top5` (against the corpus token) and
     `head{k}_rank{r}` for r < 10 (the rank-r guess is the base's top-1; rank0 = agree)."""
-    _check_batch(module, batch)
+    check_batch(module, batch)
     return medusa_train.evaluate(_TeacherForced(module, batch.tokens), base, batch, vocab=vocab)
 
 

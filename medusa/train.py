@@ -39,7 +39,7 @@ def build(base: nn.Module, *, num_heads: int = 4, num_layers: int = 1, share_bas
     return MedusaHeads.from_base(base, num_heads=num_heads, num_layers=num_layers, share_base_projection=share_base_projection)
 
 
-def _check_batch(module: MedusaHeads, batch: FeatureBatch) -> None:
+def check_batch(module: MedusaHeads, batch: FeatureBatch) -> None:
     _, t = batch.check()
     if t <= module.num_heads:
         raise ValueError(f"sequence length T={t}: head {module.num_heads} needs T > num_heads to have any target")
@@ -61,7 +61,7 @@ def sample_positions(module: nn.Module, batch: FeatureBatch, *, weight: float, t
     if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 1):
         raise ValueError(f"positions={positions!r}: must be an integer >= 1, or null for every position")
     check_target(target)
-    _check_batch(module, batch)
+    check_batch(module, batch)
     b, t, _ = batch.hidden.shape
     return _sample_positions(b, t - module.num_heads, positions, batch.hidden.device)
 
@@ -104,7 +104,7 @@ def evaluate(module: MedusaHeads, base: nn.Module, batch: FeatureBatch, *, vocab
     against the corpus token; and for each rank r < 10 `head{k}_rank{r}`: how often the rank-r guess is
     the base's top-1 (rank0 = agree). The rank rates are what a static tree is grown from
     (medusa.trees.tree_from_accuracies); a vocabulary smaller than 10 has fewer ranks."""
-    _check_batch(module, batch)
+    check_batch(module, batch)
     t = batch.hidden.shape[1]
     out = module(batch.hidden, vocab)  # (B, T, K, N)
     ranks = min(RANKS, out.shape[-1])
