@@ -268,6 +268,20 @@ class LeanDecoder:
         return hidden, torch.stack([saved[i] for i in layers], dim=2)  # (b, n, S, d)
 
 
+def check_wrapper(wrapper: nn.Module) -> None:
+    """Refuse a TransformerWrapper whose embedding or output side the lean engine does not implement:
+    token embedding in, rotary positions only, one Linear out (also the encoder-decoder's decoder side)."""
+    if getattr(wrapper, "num_memory_tokens", 0) or getattr(wrapper, "l2norm_embed", False):
+        raise UnsupportedModel("the model uses memory tokens or l2norm_embed: the lean engine implements neither")
+    for name in ("post_emb_norm", "project_emb"):
+        if type(getattr(wrapper, name, nn.Identity())).__name__ != "Identity":
+            raise UnsupportedModel(f"the model's {name} is {type(getattr(wrapper, name)).__name__}: the lean engine implements none")
+    if type(getattr(wrapper, "pos_emb", None)).__name__ != "always":
+        raise UnsupportedModel("the model has an absolute position embedding: the lean engine implements rotary positions only")
+    if not isinstance(getattr(wrapper, "to_logits", None), nn.Linear):
+        raise UnsupportedModel("the model's to_logits is not a Linear layer: the lean engine needs one output projection")
+
+
 class LeanLM:
     """An x-transformers TransformerWrapper on the lean engine: token ids (b, n) -> (logits, hidden).
 
@@ -275,15 +289,7 @@ class LeanLM:
     subset in its order. A draft model with a trimmed vocabulary reads them; a target never does."""
 
     def __init__(self, wrapper: nn.Module, vocab: Tensor | None = None):
-        if getattr(wrapper, "num_memory_tokens", 0) or getattr(wrapper, "l2norm_embed", False):
-            raise UnsupportedModel("the model uses memory tokens or l2norm_embed: the lean engine implements neither")
-        for name in ("post_emb_norm", "project_emb"):
-            if type(getattr(wrapper, name, nn.Identity())).__name__ != "Identity":
-                raise UnsupportedModel(f"the model's {name} is {type(getattr(wrapper, name)).__name__}: the lean engine implements none")
-        if type(getattr(wrapper, "pos_emb", None)).__name__ != "always":
-            raise UnsupportedModel("the model has an absolute position embedding: the lean engine implements rotary positions only")
-        if not isinstance(getattr(wrapper, "to_logits", None), nn.Linear):
-            raise UnsupportedModel("the model's to_logits is not a Linear layer: the lean engine needs one output projection")
+        check_wrapper(wrapper)
         self.decoder = LeanDecoder(wrapper.attn_layers, where="attn_layers")
         self.embedding = wrapper.token_emb.emb.weight.detach()
         self.vocab = vocab
