@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	# No torch yet: take the CPU build that lies on this disk; a GPU user installs CUDA torch first (README).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e ".[test,sweep]"
+	$(PY) -m pip install -e ".[test,sweep,hf]"
 	touch $(STAMP)
 
 setup: $(STAMP)

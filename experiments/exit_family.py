@@ -23,7 +23,7 @@ from experiments.distill import agreement, check_target, distill_loss, student_t
 from experiments.features import FeatureBatch
 from medusa.heads import ResBlock, copy_linear
 from prophet.model import base_depth
-from verify.early_exit import EarlyExitDrafter
+from verify.early_exit import EarlyExitDrafter, check_lean_base
 from verify.engine import check_layers, lean
 from verify.vocab import subset_linear, trim_linear
 
@@ -58,6 +58,7 @@ class ExitHead(nn.Module):
 
 def build(base: nn.Module, *, layer: int, num_layers: int = 1) -> ExitHead:
     """A fresh exit head on block `layer` of `base` (1 .. depth - 1: the last block's state is the base's own output)."""
+    check_lean_base(base)
     layer = check_layers([layer], base_depth(base), name="drafter.module.layer")[0]
     final = lean(base).decoder.final_gain  # x-transformers' LayerNorm gain (gamma + unit offset), or None
     gain = torch.ones(base.to_logits.in_features, device=base.to_logits.weight.device) if final is None else final

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from prophet.model import base_features
 from verify.plain import plain_generate
 from verify.sampling import SamplingConfig
-from verify.target import Target
+from verify.target import make_target
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -144,7 +144,7 @@ def continue_windows(base: nn.Module, windows: Tensor, *, prompt_len: int, tempe
     new = windows.shape[1] - prompt_len
     prompts = windows[:, :prompt_len].tolist()
     generator = torch.Generator(device=windows.device).manual_seed(seed)
-    out = plain_generate(Target(base), prompts, max_new_tokens=new, sampling=SamplingConfig(temperature=temperature),
+    out = plain_generate(make_target(base), prompts, max_new_tokens=new, sampling=SamplingConfig(temperature=temperature),
                          generator=generator).tokens  # no EOS stop: every row runs to full length
     return torch.cat((windows[:, :prompt_len], torch.tensor(out, dtype=torch.long, device=windows.device)), dim=1)
 

@@ -36,6 +36,7 @@ from x_transformers import Decoder
 
 from verify.cache import StaticCache
 from verify.engine import LeanDecoder, block_depth, check_layers, lean
+from verify.hf import HFBase
 
 
 @torch.no_grad()
@@ -48,6 +49,8 @@ def base_features(base: nn.Module, tokens: Tensor, layers: Sequence[int] = ()) -
     read from the x-transformers forward's `layer_hiddens[2 * i]`. That keeps every block's attention
     intermediates alive until the forward returns, so the plain path is taken when no layer is asked for.
     """
+    if isinstance(base, HFBase):  # a Hugging Face causal LM: its own hidden_states give the layers
+        return base.features(tokens, tuple(layers))
     layers = check_layers(layers, base_depth(base))
     if not layers:
         logits, hidden = base(tokens, return_logits_and_embeddings=True)
@@ -58,7 +61,10 @@ def base_features(base: nn.Module, tokens: Tensor, layers: Sequence[int] = ()) -
 
 
 def base_depth(base: nn.Module) -> int | None:
-    """Blocks of an x-transformers TransformerWrapper's decoder; None unless they are (attention, feed-forward) pairs."""
+    """Blocks of an x-transformers TransformerWrapper's decoder (None unless they are (attention, feed-forward)
+    pairs), or of a Hugging Face causal LM (HFBase)."""
+    if isinstance(base, HFBase):
+        return base.depth
     return block_depth(base.attn_layers.layer_types)
 
 
@@ -135,7 +141,7 @@ class Prophet(nn.Module):
     @classmethod
     def from_base(cls, base: nn.Module, *, dim: int, depth: int = 1, heads: int = 4,
                   fuse_layers: Sequence[int] | None = None, **kwargs) -> "Prophet":
-        """A prophet for an x-transformers TransformerWrapper `base` (embedding and output layer borrowed).
+        """A prophet for a base (an x-transformers TransformerWrapper or an HFBase) (embedding and output layer borrowed).
         `fuse_layers`: blocks of the base (1-based, below the last) whose states `seed` mixes in; None: none."""
         head = FrozenHead(embedding=base.token_emb.emb, to_logits=base.to_logits, depth=base_depth(base))
         prophet = cls(head=head, dim=dim, depth=depth, heads=heads, fuse_layers=fuse_layers, **kwargs)

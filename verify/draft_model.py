@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from verify.cache import StaticCache
 from verify.drafter import Draft, Verdict
 from verify.sampling import SamplingConfig, draft_from_logits
-from verify.target import Target, TargetOutput
+from verify.target import Target, TargetOutput, make_target
 from verify.vocab import check_vocab
 
 
@@ -28,7 +28,7 @@ class DraftModelDrafter:
         self.vocab = check_vocab(vocab, model.num_tokens)  # (N,) or None = all V
         # The draft LM's output layer keeps only the subset's rows: its logits are (b, n, N).
         # A compiled draft LM runs steps of 1 token, plus 2 at the start of a cycle (the uncached pair).
-        self.lm = Target(model, pad_id=pad_id, compile=compile, widths=(1, 2), vocab=self.vocab)
+        self.lm = make_target(model, pad_id=pad_id, compile=compile, widths=(1, 2), vocab=self.vocab)
         self.vocab_size = self.lm.vocab_size
 
     def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:

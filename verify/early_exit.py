@@ -37,7 +37,15 @@ from verify.drafter import Draft, Verdict
 from verify.engine import COMPILE_OPTIONS, check_layers, lean
 from verify.sampling import SamplingConfig, draft_from_logits
 from verify.target import Target, TargetOutput, pad_prompts
+from verify.hf import HFBase
 from verify.vocab import check_vocab
+
+
+def check_lean_base(base: nn.Module) -> None:
+    """Early exit runs the base's own first blocks on the lean engine, which serves x-transformers bases only."""
+    if isinstance(base, HFBase):
+        raise ValueError(f"early exit needs an x-transformers base (it drafts with the base's first blocks on the lean "
+                         f"engine); got a Hugging Face {type(base.hf).__name__}")
 
 
 class EarlyExitDrafter:
@@ -47,6 +55,7 @@ class EarlyExitDrafter:
         (b, n, N) over `vocab` (all V when None)."""
         if not isinstance(share_cache, bool):
             raise ValueError(f"share_cache={share_cache!r}: must be true or false")
+        check_lean_base(base)
         self.base, self.engine = base, lean(base, compile=compile)  # the target's own fused weights (built once per base)
         self.layer = check_layers([layer], self.engine.decoder.depth, name="layer")[0]
         self.head, self.share_cache = head, share_cache

@@ -47,6 +47,31 @@ def pad_prompts(prompts: list[list[int]], pad_id: int, device: torch.device) -> 
     return tokens, lengths
 
 
+def check_prompts(prompts: list[list[int]], *, vocab_size: int, max_seq_len: int, max_new_tokens: int) -> None:
+    """One-line errors for prompts a model cannot take, before any work starts."""
+    if len(prompts) == 0:
+        raise ValueError("prompts=[]: need at least one prompt")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]}: ids must be in [0, {vocab_size})")
+        if len(prompt) + max_new_tokens > max_seq_len:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens: with max_new_tokens={max_new_tokens} it must be at most "
+                f"max_seq_len - max_new_tokens = {max_seq_len - max_new_tokens}"
+            )
+
+
+def make_target(model: nn.Module, **kwargs) -> "Target":
+    """The target for a base: the lean engine for an x-transformers LM, verify.hf's adapter for a
+    Hugging Face causal LM (an HFBase). kwargs as `Target` takes them."""
+    from verify.hf import HFBase, HFTarget  # imported here: verify.hf builds on this module
+
+    return HFTarget(model, **kwargs) if isinstance(model, HFBase) else Target(model, **kwargs)
+
+
 class Target:
     """A frozen causal LM (x-transformers TransformerWrapper with rotary positions) plus its KV cache.
 
@@ -89,20 +114,7 @@ class Target:
         return self.cache.lengths
 
     def check_tokens(self, prompts: list[list[int]], *, max_new_tokens: int) -> None:
-        """One-line errors for prompts the model cannot take, before any work starts."""
-        if len(prompts) == 0:
-            raise ValueError("prompts=[]: need at least one prompt")
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-            bad = [t for t in prompt if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt {i} has token id {bad[0]}: ids must be in [0, {self.vocab_size})")
-            if len(prompt) + max_new_tokens > self.max_seq_len:
-                raise ValueError(
-                    f"prompt {i} has {len(prompt)} tokens: with max_new_tokens={max_new_tokens} it must be at most "
-                    f"max_seq_len - max_new_tokens = {self.max_seq_len - max_new_tokens}"
-                )
+        check_prompts(prompts, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len, max_new_tokens=max_new_tokens)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> TargetOutput:

@@ -1,0 +1,220 @@
+"""Hugging Face `transformers` causal LMs as the frozen base: the attributes the drafters read of a base,
+and a target with the same interface as `verify.target.Target`, so the one speculative loop, plain
+decoding and every drafter run on them unchanged.
+
+`transformers` is optional: this module imports it only inside the functions that need it.
+
+The target keeps transformers' own KV cache (`DynamicCache`) and handles rows that accept different
+numbers of tokens without moving anything: every extend appends k slots to every row; a row's rejected
+slots stay in the cache as holes that its attention mask hides from then on, and each token gets its
+position from `position_ids` (a row's count of valid tokens, plus its depth in a tree), not from its
+slot. Slots no row keeps at the end are cropped (`cache.crop(-n)`), so a batch of one never has holes.
+Tree drafts see their ancestors through a 4D boolean attention mask (b, 1, k, slots + k). This needs a
+model whose positions come from `position_ids` (rotary or learned absolute positions: Llama, Mistral,
+Qwen, GPT-2, ...); a model with relative position biases over slots (T5, ALiBi) would need the cache
+compacted instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from einops import repeat
+from torch import Tensor, nn
+
+from verify.cache import tree_attention
+from verify.engine import check_layers
+from verify.target import TargetOutput, check_prompts, pad_prompts, right_to_left
+from verify.vocab import check_vocab, trim_linear
+
+# Transforms some CausalLM classes apply to the output layer's logits; the adapter computes logits from the
+# backbone's hidden states with the output layer alone, so it refuses models that have them.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
+
+
+class _Embedding(nn.Module):
+    """`base.token_emb.emb`, as x-transformers names the input embedding (what the prophet borrows)."""
+
+    def __init__(self, emb: nn.Embedding):
+        super().__init__()
+        self.emb = emb
+
+
+class HFBase(nn.Module):
+    """A `transformers` causal LM seen as the project sees a base.
+
+    forward(tokens (b, n)) -> logits (b, n, V), like an x-transformers TransformerWrapper, so base training
+    and its loss need no change; `features` gives hidden states and layer states for drafter training.
+    `num_tokens`, `max_seq_len`, `depth`, `to_logits` (the output layer) and `token_emb.emb` (the input
+    embedding) are what drafters read; the last two are the HF model's own modules, not copies.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        config = model.config
+        if getattr(config, "is_encoder_decoder", False):
+            raise ValueError(f"{type(model).__name__} is an encoder-decoder: HFBase takes a causal LM")
+        for name in _LOGIT_TRANSFORMS:
+            if getattr(config, name, None) not in (None, 1, 1.0):
+                raise ValueError(f"{type(model).__name__} has {name}={getattr(config, name)!r}: the adapter supports "
+                                 "causal LMs whose logits are the output layer applied to the final hidden state")
+        if not isinstance(model.get_output_embeddings(), nn.Linear):
+            raise ValueError(f"{type(model).__name__} has no nn.Linear output layer (get_output_embeddings)")
+        self.hf = model
+        self.num_tokens: int = config.vocab_size
+        self.max_seq_len: int = config.max_position_embeddings
+        self.depth: int = config.num_hidden_layers
+
+    @property
+    def to_logits(self) -> nn.Linear:
+        return self.hf.get_output_embeddings()
+
+    @property
+    def token_emb(self) -> _Embedding:
+        return _Embedding(self.hf.get_input_embeddings())
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """tokens (b, n) -> logits (b, n, V)."""
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+    def backbone(self, tokens: Tensor, *, layers: tuple[int, ...] = (), **kwargs) -> tuple[Tensor, Tensor | None, object]:
+        """Run the model without its output layer: final hidden states (b, n, d) after the final norm, the
+        states after `layers` (b, n, S, d) or None, and the model output (its `past_key_values`)."""
+        out = self.hf.base_model(input_ids=tokens, output_hidden_states=bool(layers), **kwargs)
+        # hidden_states[i] is the residual stream after block i (0: the embeddings), as layer i is defined
+        # for every base (verify.engine.check_layers); layer `depth` is refused there.
+        states = torch.stack([out.hidden_states[i] for i in layers], dim=2) if layers else None
+        return out.last_hidden_state, states, out
+
+    @torch.no_grad()
+    def features(self, tokens: Tensor, layers: tuple[int, ...] = ()) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(hidden (b, n, d), logits (b, n, V), layer states (b, n, S, d) or None), all float32."""
+        layers = check_layers(layers, self.depth)
+        hidden, states, _ = self.backbone(tokens, layers=layers, use_cache=False)
+        logits = self.to_logits(hidden)
+        return hidden.float(), logits.float(), None if states is None else states.float()
+
+
+def load_hf_base(directory: str | Path, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> HFBase:
+    """A causal LM saved by `save_pretrained` in a local directory (config.json + *.safetensors).
+    Never downloads: `local_files_only`; never unpickles: safetensors only."""
+    path = Path(directory)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"{directory}: no *.safetensors weights (pickled .bin weights are refused: they can run code)")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True, dtype=dtype)
+    return HFBase(model).to(device).eval()
+
+
+class HFTarget:
+    """A frozen `HFBase` plus transformers' KV cache, with the interface of `verify.target.Target`:
+    prefill, extend (a chain or a tree in one forward), per-row commit (rollback), row_lengths.
+
+    `vocab` (ids (N,)) makes every output's logits (b, n, N) over that subset: for a draft model.
+    Eager only (`compile=True` is refused): the cache grows by concatenation, so shapes change every step.
+    """
+
+    def __init__(self, base: HFBase, *, pad_id: int = 0, compile: bool = False, vocab: Tensor | None = None, **_):
+        if not isinstance(base, HFBase):
+            raise ValueError(f"HFTarget takes an HFBase, got {type(base).__name__}")
+        if compile:
+            raise ValueError("compile=True: the Hugging Face adapter runs eager only; use compile=false")
+        base.eval()
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.model = base
+        self.vocab = check_vocab(vocab, base.num_tokens)
+        self.weight, self.bias = trim_linear(base.to_logits, self.vocab)  # (N, d), (N,) or None
+        self.vocab_size, self.max_seq_len, self.pad_id = base.num_tokens, base.max_seq_len, pad_id
+        self.device = next(base.parameters()).device
+        self.layers: tuple[int, ...] = ()
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = None
+        self.valid: Tensor | None = None  # (b, slots) which cache slots hold a token of the row
+        self.lengths: Tensor | None = None  # (b,) valid tokens per row
+        self.added = 0  # slots the last extend appended
+
+    def use_layers(self, layers: tuple[int, ...]) -> None:
+        """From the next forward on, outputs carry the residual states after these blocks (see `Target`)."""
+        self.layers = check_layers(layers, self.model.depth)
+
+    @property
+    def row_lengths(self) -> Tensor:
+        return self.lengths
+
+    def check_tokens(self, prompts: list[list[int]], *, max_new_tokens: int) -> None:
+        check_prompts(prompts, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len, max_new_tokens=max_new_tokens)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: list[list[int]]) -> TargetOutput:
+        """Run the prompts; returns outputs for every prompt position, left-padded (row b ends at index W - 1)."""
+        from transformers import DynamicCache
+
+        tokens, lengths = pad_prompts(prompts, self.pad_id, self.device)  # right-padded: (b, W)
+        b, width = tokens.shape
+        self.cache = DynamicCache(config=self.model.hf.config)
+        self.valid = torch.arange(width, device=self.device) < lengths[:, None]  # (b, W)
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        positions = repeat(torch.arange(width, device=self.device), "w -> b w", b=b)
+        out = self._forward(tokens, causal & self.valid[:, None, :], positions)
+        self.lengths, self.added = lengths, 0
+        self._crop()
+        return TargetOutput(*(None if x is None else right_to_left(x, lengths) for x in (out.logits, out.hidden, out.layers)))
+
+    @torch.inference_mode()
+    def extend(self, tokens: Tensor, *, parents: Tensor | None = None) -> TargetOutput:
+        """Run k new tokens (b, k) on top of the cache and append them (chain, or a tree with `parents`
+        (k,) or (b, k), -1 = child of the cached prefix: a node sees the prefix, its ancestors and itself)."""
+        b, k = tokens.shape
+        if parents is None:
+            allow = torch.ones(k, k, dtype=torch.bool, device=self.device).tril().expand(b, k, k)
+            depth = torch.arange(k, device=self.device).expand(b, k)
+        else:
+            parents = repeat(parents, "k -> b k", b=b) if parents.ndim == 1 else parents
+            allow, depth = tree_attention(parents.to(self.device))
+        mask = torch.cat((self.valid[:, None, :].expand(b, k, -1), allow), dim=2)  # (b, k, slots + k)
+        out = self._forward(tokens, mask, self.lengths[:, None] + depth)
+        self.valid = torch.cat((self.valid, torch.ones(b, k, dtype=torch.bool, device=self.device)), dim=1)
+        self.lengths, self.added = self.lengths + k, self.added + k
+        return out
+
+    def commit(self, keep: Tensor) -> None:
+        """Roll back: of the last k slots (k <= slots appended since the last commit or prefill, all of
+        them valid), keep those where keep (b, k) is True. Kept tokens must be root paths (a chain
+        prefix, a tree's accepted path): their positions were given at extend time as length + depth."""
+        b, k = keep.shape
+        if b != self.valid.shape[0] or k > self.added:
+            raise ValueError(f"commit: keep has shape {(b, k)}; the target holds {self.valid.shape[0]} rows and "
+                             f"{self.added} slots appended since the last commit")
+        keep = keep.to(self.device)
+        self.valid = torch.cat((self.valid[:, : self.valid.shape[1] - k], keep), dim=1)
+        self.lengths = self.lengths - k + keep.sum(1)
+        self.added = 0
+        self._crop()
+
+    def _forward(self, tokens: Tensor, allow: Tensor, positions: Tensor) -> TargetOutput:
+        """tokens (b, n), allow (b, n, slots + n), positions (b, n) -> outputs, appending n slots to the cache."""
+        hidden, states, _ = self.model.backbone(tokens, layers=self.layers, attention_mask=allow[:, None],
+                                                position_ids=positions, past_key_values=self.cache, use_cache=True)
+        return TargetOutput(logits=F.linear(hidden, self.weight, self.bias), hidden=hidden, layers=states)
+
+    def _crop(self) -> None:
+        """Drop trailing slots that no row keeps (for a batch of one: every rejected slot)."""
+        used = self.valid.any(0)
+        keep = int(used.nonzero().max()) + 1 if bool(used.any()) else 0
+        drop = self.valid.shape[1] - keep
+        if drop > 0:
+            self.cache.crop(-drop)
+            self.valid = self.valid[:, :keep]
+
+
+def is_hf(model: nn.Module) -> bool:
+    return isinstance(model, HFBase)
