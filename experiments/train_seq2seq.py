@@ -1,0 +1,214 @@
+"""Encoder-decoder targets end to end: train a target and a smaller draft encoder-decoder on stdlib
+function -> docstring summary (experiments/seq2seq_data.py), then benchmark plain decoding against
+draft-model and prompt-lookup speculative decoding on held-out pairs (experiments/seq2seq_bench.py).
+
+    python -m experiments.train_seq2seq                                  # mode=all: train both, benchmark
+    python -m experiments.train_seq2seq mode=train train.max_minutes=3
+    python -m experiments.train_seq2seq mode=bench checkpoints=outputs/seq2seq/<run>
+
+`run(cfg)` is a plain function (tests call it through Hydra's compose API); `main` only wraps it. The
+run directory gets target/ and draft/ checkpoints (safetensors + meta.json), metrics.jsonl, and the
+benchmark's results.md / results.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from x_transformers import XTransformer
+
+from experiments.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from experiments.cli import exit_on_user_error
+from experiments.data import prepare_data
+from experiments.seq2seq_data import Pairs, pad_batch, seq2seq_pairs
+from experiments.train_base import lr_at, make_optimizer, resolve_device
+
+log = logging.getLogger(__name__)
+MODES = ("train", "bench", "all")
+SIZE_KEYS = ("dim", "enc_depth", "dec_depth", "heads")
+
+
+def build_seq2seq(*, num_tokens: int, dim: int, enc_depth: int, dec_depth: int, heads: int,
+                  max_source_len: int, max_target_len: int) -> XTransformer:
+    """An x-transformers encoder-decoder the lean engine serves: rotary positions on both sides (no
+    absolute embedding), pre-norm, GELU feed-forward, one token embedding shared by both sides."""
+    return XTransformer(
+        dim=dim, tie_token_emb=True,
+        enc_num_tokens=num_tokens, enc_depth=enc_depth, enc_heads=heads, enc_max_seq_len=max_source_len,
+        enc_rotary_pos_emb=True,
+        dec_num_tokens=num_tokens, dec_depth=dec_depth, dec_heads=heads, dec_max_seq_len=max_target_len,
+        dec_rotary_pos_emb=True,
+    )
+
+
+def model_config(cfg: DictConfig, size: DictConfig, num_tokens: int) -> dict[str, Any]:
+    """build_seq2seq's keyword arguments (what a checkpoint records)."""
+    return dict(num_tokens=num_tokens, **{k: int(size[k]) for k in SIZE_KEYS},
+                max_source_len=int(cfg.pairs.max_source_tokens), max_target_len=int(cfg.pairs.max_target_tokens) + 1)
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """One-line errors naming the value and what is allowed, before any work starts."""
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ValueError(message)
+
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    need(cfg.mode in MODES, f"mode={cfg.mode!r}: use one of {', '.join(MODES)}")
+    need(cfg.mode != "bench" or cfg.checkpoints is not None, "mode=bench needs checkpoints=<a run directory with target/ and draft/>")
+    for name in ("target", "draft"):
+        for key in SIZE_KEYS:
+            v = cfg[name][key]
+            need(is_int(v) and v >= 1, f"{name}.{key}={v!r}: must be an integer >= 1")
+        need(cfg[name].dim % cfg[name].heads == 0, f"{name}.dim={cfg[name].dim} must be a multiple of {name}.heads={cfg[name].heads}")
+    for key, low in (("max_source_tokens", 1), ("max_target_tokens", 2)):
+        need(is_int(cfg.pairs[key]) and cfg.pairs[key] >= low, f"pairs.{key}={cfg.pairs[key]!r}: must be an integer >= {low}")
+    t = cfg.train
+    for key in ("batch_size", "target_steps", "draft_steps", "log_every", "eval_pairs"):
+        need(is_int(t[key]) and t[key] >= 1, f"train.{key}={t[key]!r}: must be an integer >= 1")
+    need(is_int(t.warmup_steps) and t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps!r}: must be an integer >= 0")
+    need(isinstance(t.lr, (int, float)) and t.lr > 0, f"train.lr={t.lr!r}: must be a number > 0")
+    need(t.max_minutes is None or (isinstance(t.max_minutes, (int, float)) and t.max_minutes > 0),
+         f"train.max_minutes={t.max_minutes!r}: must be a number > 0, or null for the step budget only")
+    b = cfg.bench
+    for key in ("pairs", "max_new_tokens", "gamma", "ngram", "repeats"):
+        need(is_int(b[key]) and b[key] >= 1, f"bench.{key}={b[key]!r}: must be an integer >= 1")
+    need(b.max_new_tokens <= cfg.pairs.max_target_tokens, f"bench.max_new_tokens={b.max_new_tokens}: must be at most "
+         f"pairs.max_target_tokens={cfg.pairs.max_target_tokens} (the decoder's length)")
+    temps = list(b.temperatures)
+    need(len(temps) > 0 and all(isinstance(x, (int, float)) and x >= 0 for x in temps),
+         f"bench.temperatures={temps!r}: must be a non-empty list of numbers >= 0")
+    resolve_device(cfg.device)
+
+
+def seq2seq_loss(model: XTransformer, sources: list[list[int]], targets: list[list[int]], *, bos_id: int,
+                 device: torch.device) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats) of the targets given the sources; the decoder reads
+    [bos, target[:-1]] and predicts target (EOS last), padding ignored."""
+    source, source_mask = pad_batch(sources, 0)
+    target, target_mask = pad_batch(targets, 0)
+    inputs = torch.cat((torch.full_like(target[:, :1], bos_id), target[:, :-1]), dim=1)
+    labels = target.masked_fill(~target_mask, -100)
+    encoded = model.encoder(source.to(device), mask=source_mask.to(device), return_embeddings=True)
+    logits = model.decoder.net(inputs.to(device), context=encoded, context_mask=source_mask.to(device))  # (B, T, V)
+    return F.cross_entropy(logits.transpose(1, 2), labels.to(device), ignore_index=-100)
+
+
+@torch.no_grad()
+def evaluate(model: XTransformer, pairs: Pairs, *, count: int, batch_size: int, bos_id: int, device: torch.device) -> float:
+    """Mean loss over the first `count` held-out pairs (token-weighted)."""
+    model.eval()
+    total = tokens = 0.0
+    for i in range(0, min(count, len(pairs.sources)), batch_size):
+        src, tgt = pairs.sources[i : i + batch_size], pairs.targets[i : i + batch_size]
+        n = sum(len(t) for t in tgt)
+        total += float(seq2seq_loss(model, src, tgt, bos_id=bos_id, device=device)) * n
+        tokens += n
+    model.train()
+    return total / tokens
+
+
+def train_model(name: str, cfg: DictConfig, config: dict[str, Any], train: Pairs, val: Pairs, *, bos_id: int,
+                device: torch.device, logger: Any, metrics) -> tuple[XTransformer, dict[str, Any]]:
+    """AdamW with warm-up and cosine decay for the step or time budget, whichever ends first."""
+    torch.manual_seed(cfg.seed)
+    model = build_seq2seq(**config).to(device)
+    t = cfg.train
+    steps = int(t[f"{name}_steps"])
+    optimizer = make_optimizer(model, lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    start, budget = time.monotonic(), None if t.max_minutes is None else 60.0 * t.max_minutes
+    step = 0
+    while step < steps:
+        fraction = 0.0 if budget is None else (time.monotonic() - start) / budget
+        if fraction >= 1.0:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, lr=t.lr, min_lr=t.lr / 10, warmup_steps=t.warmup_steps, max_steps=steps, time_fraction=fraction)
+        rows = torch.randint(0, len(train.sources), (t.batch_size,), generator=generator).tolist()
+        loss = seq2seq_loss(model, [train.sources[i] for i in rows], [train.targets[i] for i in rows], bos_id=bos_id, device=device)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        if step % t.log_every == 0:
+            row = {"model": name, "step": step, "train/loss": float(loss), "minutes": (time.monotonic() - start) / 60}
+            metrics(row)
+            logger.log({f"{name}/train_loss": float(loss)}, step=step)
+    val_loss = evaluate(model, val, count=t.eval_pairs, batch_size=t.batch_size, bos_id=bos_id, device=device)
+    result = {"model": name, "steps": step, "minutes": (time.monotonic() - start) / 60, "val_loss": val_loss,
+              "val_ppl": math.exp(val_loss), "parameters": sum(p.numel() for p in model.parameters())}
+    metrics(result)
+    logger.log({f"{name}/val_loss": val_loss}, step=step)
+    log.info("%s: %s", name, result)
+    return model.eval(), result
+
+
+def load_seq2seq(directory: Path, device: torch.device) -> tuple[XTransformer, dict[str, Any]]:
+    """Rebuild a model saved by this entry point: (model in eval mode, meta)."""
+    ckpt = load_checkpoint(directory)
+    model = build_seq2seq(**ckpt.meta["model_config"])
+    try:
+        model.load_state_dict(ckpt.state_dict, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {directory} does not fit its model config: {' '.join(str(e).split())}") from None
+    return model.to(device).eval(), ckpt.meta
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Train (mode train/all) and benchmark (mode bench/all) as configured; returns the results."""
+    from experiments.seq2seq_bench import benchmark  # the benchmark imports this module's loaders
+
+    validate_config(cfg)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.device)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    data = prepare_data(**OmegaConf.to_container(cfg.data, resolve=True))
+    train, val = seq2seq_pairs(data, max_source_tokens=cfg.pairs.max_source_tokens, max_target_tokens=cfg.pairs.max_target_tokens)
+    log.info("pairs: %d train, %d held out", len(train.sources), len(val.sources))
+    results: dict[str, Any] = {"pairs": {"train": len(train.sources), "val": len(val.sources)}}
+    if cfg.mode in ("train", "all"):
+        logger = instantiate(cfg.logger, dir=str(out_dir), run_config=OmegaConf.to_container(cfg, resolve=True),
+                             _convert_="all", _recursive_=False)
+        with open(out_dir / "metrics.jsonl", "a") as f:
+            write = lambda row: (f.write(json.dumps(row) + "\n"), f.flush())  # noqa: E731
+            try:
+                for name in ("target", "draft"):
+                    config = model_config(cfg, cfg[name], data.vocab_size)
+                    model, results[name] = train_model(name, cfg, config, train, val, bos_id=data.eos_id,
+                                                       device=device, logger=logger, metrics=write)
+                    save_checkpoint(out_dir / name, model=model, model_config=config, tokenizer_json=data.tokenizer.to_str(),
+                                    step=results[name]["steps"], extra={"task": "function -> docstring summary", **results[name]})
+            finally:
+                logger.finish()
+    if cfg.mode in ("bench", "all"):
+        where = out_dir if cfg.checkpoints is None else Path(cfg.checkpoints)
+        target, _ = load_seq2seq(where / "target", device)
+        draft, _ = load_seq2seq(where / "draft", device)
+        results["bench"] = benchmark(target, draft, val, cfg, bos_id=data.eos_id, eos_id=data.eos_id, out_dir=out_dir)
+    return results
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="seq2seq")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    result = run(cfg)
+    print(json.dumps(result), file=sys.stdout)  # one JSON object last, for scripts
+
+
+if __name__ == "__main__":
+    main()
