@@ -140,7 +140,9 @@ class Seq2SeqDraftDrafter(DraftModelDrafter):
 
     def __init__(self, model: nn.Module | tuple[nn.Module, nn.Module], *, bos_id: int, pad_id: int = 0):
         self.vocab = None  # drafts over the whole vocabulary
-        self.lm = Seq2SeqTarget(model, bos_id=bos_id, pad_id=pad_id)
+        # The draft LM runs at most the 2 uncached tokens at once, never a wide extend: a cache of
+        # max_seq_len + 3 slots (not + 65) matters when thousands of rows decode together.
+        self.lm = Seq2SeqTarget(model, bos_id=bos_id, pad_id=pad_id, max_draft=2)
         self.vocab_size = self.lm.vocab_size
 
 
