@@ -55,8 +55,10 @@ def function_docstrings(text: str) -> list[tuple[str, str, str]]:
     return found
 
 
-def seq2seq_pairs(data: PreparedData, *, max_source_tokens: int, max_target_tokens: int) -> tuple[Pairs, Pairs]:
+def seq2seq_pairs(data: PreparedData, *, max_source_tokens: int, max_target_tokens: int,
+                  max_files: int | None = None) -> tuple[Pairs, Pairs]:
     """(train, validation) pairs from the stdlib, tokenized with `data.tokenizer`, split by `data.val_files`.
+    `max_files` must be the data's own (the first files in the corpus's order, as prepare_data takes them).
 
     Sources longer than max_source_tokens are cut (the signature and the start of the body survive);
     pairs whose summary + EOS exceeds max_target_tokens are dropped (a cut summary teaches nothing)."""
@@ -65,7 +67,7 @@ def seq2seq_pairs(data: PreparedData, *, max_source_tokens: int, max_target_toke
     root = Path(sysconfig.get_paths()["stdlib"])
     val_files = set(data.val_files)
     split: dict[bool, list[tuple[str, str, str]]] = {False: [], True: []}
-    for path in stdlib_files():
+    for path in stdlib_files()[:max_files]:
         name = path.relative_to(root).as_posix()
         text = path.read_bytes().decode("utf-8", errors="replace")
         split[name in val_files] += [(f"{name}:{fn}", code, doc) for fn, code, doc in function_docstrings(text)]

@@ -3,7 +3,7 @@ function -> docstring summary (experiments/seq2seq_data.py), then benchmark plai
 draft-model and prompt-lookup speculative decoding on held-out pairs (experiments/seq2seq_bench.py).
 
     python -m experiments.train_seq2seq                                  # mode=all: train both, benchmark
-    python -m experiments.train_seq2seq mode=train train.max_minutes=3
+    python -m experiments.train_seq2seq mode=train train.target_minutes=3 train.draft_minutes=1
     python -m experiments.train_seq2seq mode=bench checkpoints=outputs/seq2seq/<run>
 
 `run(cfg)` is a plain function (tests call it through Hydra's compose API); `main` only wraps it. The
@@ -66,6 +66,7 @@ def validate_config(cfg: DictConfig) -> None:
 
     is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
     need(cfg.mode in MODES, f"mode={cfg.mode!r}: use one of {', '.join(MODES)}")
+    need(cfg.data.source == "stdlib", f"data.source={cfg.data.source!r}: the function -> docstring task reads the stdlib only (data=stdlib)")
     need(cfg.mode != "bench" or cfg.checkpoints is not None, "mode=bench needs checkpoints=<a run directory with target/ and draft/>")
     for name in ("target", "draft"):
         for key in SIZE_KEYS:
@@ -79,8 +80,9 @@ def validate_config(cfg: DictConfig) -> None:
         need(is_int(t[key]) and t[key] >= 1, f"train.{key}={t[key]!r}: must be an integer >= 1")
     need(is_int(t.warmup_steps) and t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps!r}: must be an integer >= 0")
     need(isinstance(t.lr, (int, float)) and t.lr > 0, f"train.lr={t.lr!r}: must be a number > 0")
-    need(t.max_minutes is None or (isinstance(t.max_minutes, (int, float)) and t.max_minutes > 0),
-         f"train.max_minutes={t.max_minutes!r}: must be a number > 0, or null for the step budget only")
+    for key in ("target_minutes", "draft_minutes"):
+        need(t[key] is None or (isinstance(t[key], (int, float)) and t[key] > 0),
+             f"train.{key}={t[key]!r}: must be a number > 0, or null for the step budget only")
     b = cfg.bench
     for key in ("pairs", "max_new_tokens", "gamma", "ngram", "repeats"):
         need(is_int(b[key]) and b[key] >= 1, f"bench.{key}={b[key]!r}: must be an integer >= 1")
@@ -128,7 +130,8 @@ def train_model(name: str, cfg: DictConfig, config: dict[str, Any], train: Pairs
     steps = int(t[f"{name}_steps"])
     optimizer = make_optimizer(model, lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     generator = torch.Generator().manual_seed(cfg.seed)
-    start, budget = time.monotonic(), None if t.max_minutes is None else 60.0 * t.max_minutes
+    minutes = t[f"{name}_minutes"]
+    start, budget = time.monotonic(), None if minutes is None else 60.0 * minutes
     step = 0
     while step < steps:
         fraction = 0.0 if budget is None else (time.monotonic() - start) / budget
@@ -144,9 +147,9 @@ def train_model(name: str, cfg: DictConfig, config: dict[str, Any], train: Pairs
         optimizer.step()
         step += 1
         if step % t.log_every == 0:
-            row = {"model": name, "step": step, "train/loss": float(loss), "minutes": (time.monotonic() - start) / 60}
+            row = {"model": name, "step": step, "train/loss": loss.detach().item(), "minutes": (time.monotonic() - start) / 60}
             metrics(row)
-            logger.log({f"{name}/train_loss": float(loss)}, step=step)
+            logger.log({f"{name}/train_loss": row["train/loss"]}, step=step)
     val_loss = evaluate(model, val, count=t.eval_pairs, batch_size=t.batch_size, bos_id=bos_id, device=device)
     result = {"model": name, "steps": step, "minutes": (time.monotonic() - start) / 60, "val_loss": val_loss,
               "val_ppl": math.exp(val_loss), "parameters": sum(p.numel() for p in model.parameters())}
@@ -178,7 +181,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     data = prepare_data(**OmegaConf.to_container(cfg.data, resolve=True))
-    train, val = seq2seq_pairs(data, max_source_tokens=cfg.pairs.max_source_tokens, max_target_tokens=cfg.pairs.max_target_tokens)
+    train, val = seq2seq_pairs(data, max_source_tokens=cfg.pairs.max_source_tokens, max_target_tokens=cfg.pairs.max_target_tokens,
+                               max_files=cfg.data.max_files)
+    if not train.sources or not val.sources:
+        raise ValueError(f"the corpus gave {len(train.sources)} training and {len(val.sources)} held-out pairs: need both (more data.max_files?)")
     log.info("pairs: %d train, %d held out", len(train.sources), len(val.sources))
     results: dict[str, Any] = {"pairs": {"train": len(train.sources), "val": len(val.sources)}}
     if cfg.mode in ("train", "all"):

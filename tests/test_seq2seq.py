@@ -293,3 +293,58 @@ def test_t5_refuses_batches_trees_and_layers_in_one_line():
     target.extend(torch.tensor([[5, 6]]))
     with pytest.raises(ValueError, match=r"^keep is not a prefix"):
         target.commit(torch.tensor([[False, True]]))
+
+
+# ------------------------------------------------------------------------------------ entry point
+
+TINY = ["logger=none", "data.max_files=60", "data.vocab_size=512", "target.dim=32", "target.enc_depth=1",
+        "target.dec_depth=1", "target.heads=2", "draft.dim=16", "draft.enc_depth=1", "draft.dec_depth=1", "draft.heads=2",
+        "train.target_steps=6", "train.draft_steps=4", "train.batch_size=4", "train.log_every=2", "train.eval_pairs=8",
+        "bench.pairs=3", "bench.max_new_tokens=8", "bench.repeats=1"]
+
+
+def seq2seq_cfg(*overrides: str):
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        return compose("seq2seq", overrides=["out_dir=/tmp/unused", *overrides])
+
+
+@pytest.mark.parametrize("override, match", [
+    ("mode=serve", r"^mode='serve': use one of train, bench, all$"),
+    ("mode=bench", r"^mode=bench needs checkpoints="),
+    ("target.dim=30", r"^target.dim=30 must be a multiple of target.heads=4$"),
+    ("draft.enc_depth=0", r"^draft.enc_depth=0: must be an integer >= 1$"),
+    ("pairs.max_target_tokens=1", r"^pairs.max_target_tokens=1: must be an integer >= 2$"),
+    ("train.draft_minutes=0", r"^train.draft_minutes=0: must be a number > 0, or null"),
+    ("bench.max_new_tokens=65", r"^bench.max_new_tokens=65: must be at most pairs.max_target_tokens=64"),
+    ("bench.temperatures=[]", r"^bench.temperatures=\[\]: must be a non-empty list of numbers >= 0$"),
+    ("data=files", r"^data.source='files': the function -> docstring task reads the stdlib only"),
+])
+def test_bad_settings_raise_one_line_errors_before_any_work(override, match):
+    from experiments.train_seq2seq import validate_config
+
+    validate_config(seq2seq_cfg())  # the defaults are valid
+    with pytest.raises(ValueError, match=match):
+        validate_config(seq2seq_cfg(override))
+
+
+@pytest.mark.slow
+def test_train_and_benchmark_end_to_end(tmp_path):
+    import json
+
+    from experiments.checkpoint import load_checkpoint
+    from experiments.train_seq2seq import run
+
+    cfg = seq2seq_cfg(*TINY, f"data.cache_dir={tmp_path / 'data'}")
+    cfg.out_dir = str(tmp_path / "run")
+    result = run(cfg)
+    assert {"target", "draft", "bench"} <= result.keys()
+    meta = load_checkpoint(tmp_path / "run" / "target").meta
+    assert meta["model_config"]["dim"] == 32 and meta["task"] == "function -> docstring summary"
+    rows = json.loads((tmp_path / "run" / "results.json").read_text())["rows"]
+    assert {(r["method"], r["temperature"]) for r in rows} == {(m, t) for m in ("plain", "draft", "lookup") for t in (0.0, 1.0)}
+    assert all(r["identical_to_plain"] for r in rows if r["temperature"] == 0)
+    assert "| 0 | lookup |" in (tmp_path / "run" / "results.md").read_text()
