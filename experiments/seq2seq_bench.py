@@ -32,7 +32,7 @@ METHODS = ("plain", "draft", "lookup")
 def _decode_all(method: str, target: Seq2SeqTarget, drafters: dict, sources: list[list[int]], *, cfg: DictConfig,
                 sampling: SamplingConfig, eos_id: int, seed: int) -> dict[str, Any]:
     """Decode every source alone; totals of tokens, target forwards, drafts and seconds, and the outputs."""
-    totals = {"tokens": 0, "forwards": 0, "proposed": 0, "accepted": 0, "seconds": 0.0, "outputs": []}
+    totals = {"tokens": 0, "forwards": 0, "proposed": 0, "accepted": 0, "seconds": 0.0, "draft_seconds": 0.0, "outputs": []}
     for i, source in enumerate(sources):
         generator = torch.Generator().manual_seed(seed * 100_003 + i)
         kwargs = dict(max_new_tokens=cfg.bench.max_new_tokens, sampling=sampling, eos_id=eos_id, generator=generator)
@@ -46,6 +46,7 @@ def _decode_all(method: str, target: Seq2SeqTarget, drafters: dict, sources: lis
         totals["proposed"] += int(s.proposed.sum())
         totals["accepted"] += int(s.accepted.sum())
         totals["seconds"] += s.time_total
+        totals["draft_seconds"] += s.time_draft
         totals["outputs"].append(out.tokens[0])
     return totals
 
@@ -84,6 +85,7 @@ def _row(method: str, temperature: float, runs: dict[str, list[dict]]) -> dict[s
            "tau": first["tokens"] / first["forwards"],
            "alpha": first["accepted"] / first["proposed"] if first["proposed"] else None,
            "tokens_per_s": statistics.median(m["tokens"] / m["seconds"] for m in mine),
+           "draft_share": statistics.median(m["draft_seconds"] / m["seconds"] for m in mine),
            "speedup": statistics.median(speedups)}
     if temperature == 0:  # greedy: lossless means token-identical to plain decoding
         row["identical_to_plain"] = all(m["outputs"] == plain[0]["outputs"] for m in mine)
@@ -95,13 +97,13 @@ def _markdown(result: dict[str, Any]) -> str:
              f"gamma {result['gamma']}, max_new_tokens {result['max_new_tokens']}",
              "", f"CPU: {result['cpu']}, {result['threads']} threads, {result['engine']}; speedup = median over "
              f"{result['repeats']} interleaved repeats of tokens/s vs plain in the same repeat.", "",
-             "| T | method | tokens | tau | alpha | tokens/s | speedup | T=0 identical to plain |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| T | method | tokens | tau | alpha | tokens/s | speedup | drafting time | T=0 identical to plain |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         alpha = "-" if r["alpha"] is None else f"{r['alpha']:.2f}"
         same = {True: "yes", False: "NO"}.get(r.get("identical_to_plain"), "-")
         lines.append(f"| {r['temperature']:g} | {r['method']} | {r['tokens']} | {r['tau']:.2f} | {alpha} | "
-                     f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {same} |")
+                     f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['draft_share']:.0%} | {same} |")
     return "\n".join(lines) + "\n"
 
 

@@ -126,7 +126,7 @@ class LeanCrossDecoder:
         n, capacity = x.shape[1], k_buf[0].shape[2]
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
         pos = slots if pos is None else pos
-        cos, sin = (rearrange(t[pos], "b n r -> b 1 n r") for t in self._table(max(capacity, int(pos.max()) + 1)))
+        cos, sin = (rearrange(t[pos], "b n r -> b 1 n r") for t in self._table(capacity))  # pos < capacity: a tree node sits at depth < n
         mask = visibility(start, n, allow, capacity)  # (b, 1, n, S)
         layer = cross = 0
         for kind, w in self.blocks:

@@ -8,6 +8,10 @@ output (b, 1, V). From there the decoder is a causal LM over its own tokens, so 
 contract is `verify.target.Target`'s: the last emitted token is pending (not yet cached), `extend` runs
 a chain or a tree on top of a static per-row cache, `commit` keeps the accepted slots per row.
 
+Drafters: `Seq2SeqDraftDrafter` (below) is the independent draft model with a small encoder-decoder.
+Prompt lookup (verify/prompt_lookup.py) needs no change: the loop hands it the sources as prompts, so
+it matches the generated text against source + generated text, and copies what followed in the source.
+
 Decoder start token: the caller chooses `bos_id`. The project's seq2seq models (experiments/
 train_seq2seq.py) reuse the tokenizer's EOS id (0, "<|endoftext|>") as the decoder start, as T5 reuses
 its pad id: no tokenizer change, and a target never emits its start token as anything but "end".
