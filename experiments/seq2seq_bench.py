@@ -4,7 +4,9 @@ decoding on held-out sources, one source at a time (batch 1), at each configured
 Every method runs in this one process after a warm-up, interleaved per repeat (plain, draft, lookup,
 plain, ...), and a speedup is the ratio of tokens/s within one repeat; the table reports the median over
 repeats. tau = tokens emitted / target forwards (the prefill included), alpha = accepted / proposed
-draft tokens. At T=0 every speculative output is checked token for token against plain decoding.
+draft tokens, rep4 = share of output tokens that complete a 4-gram seen earlier in source + output (a
+model that loops or copies is easy to draft for). At T=0 every speculative output is checked token for
+token against plain decoding.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from experiments.report import repeated_ngram_share
 from experiments.seq2seq_data import Pairs
 from verify.plain import plain_generate
 from verify.prompt_lookup import PromptLookupDrafter
@@ -68,7 +71,7 @@ def benchmark(target_model: nn.Module, draft_model: nn.Module, val: Pairs, cfg: 
             for method in METHODS:  # the same seeds every repeat: the same work, timed again
                 runs[method].append(_decode_all(method, target, drafters, sources, cfg=cfg, sampling=sampling,
                                                 eos_id=eos_id, seed=cfg.seed))
-        rows += [_row(method, float(temperature), runs) for method in METHODS]
+        rows += [_row(method, float(temperature), runs, sources) for method in METHODS]
     result = {"rows": rows, "sources": len(sources), "gamma": cfg.bench.gamma, "ngram": cfg.bench.ngram,
               "max_new_tokens": cfg.bench.max_new_tokens, "repeats": cfg.bench.repeats, "batch": 1,
               "threads": torch.get_num_threads(), "cpu": _cpu_name(), "engine": "lean eager fp32"}
@@ -77,12 +80,14 @@ def benchmark(target_model: nn.Module, draft_model: nn.Module, val: Pairs, cfg: 
     return result
 
 
-def _row(method: str, temperature: float, runs: dict[str, list[dict]]) -> dict[str, Any]:
+def _row(method: str, temperature: float, runs: dict[str, list[dict]], sources: list[list[int]]) -> dict[str, Any]:
     mine, plain = runs[method], runs["plain"]
     first = mine[0]
     speedups = [(m["tokens"] / m["seconds"]) / (p["tokens"] / p["seconds"]) for m, p in zip(mine, plain)]
     row = {"method": method, "temperature": temperature, "tokens": first["tokens"],
            "tau": first["tokens"] / first["forwards"],
+           # output tokens completing a 4-gram seen earlier in source + output: what copying can draft
+           "rep4": repeated_ngram_share(sources, first["outputs"]),
            "alpha": first["accepted"] / first["proposed"] if first["proposed"] else None,
            "tokens_per_s": statistics.median(m["tokens"] / m["seconds"] for m in mine),
            "draft_share": statistics.median(m["draft_seconds"] / m["seconds"] for m in mine),
@@ -97,12 +102,12 @@ def _markdown(result: dict[str, Any]) -> str:
              f"gamma {result['gamma']}, max_new_tokens {result['max_new_tokens']}",
              "", f"CPU: {result['cpu']}, {result['threads']} threads, {result['engine']}; speedup = median over "
              f"{result['repeats']} interleaved repeats of tokens/s vs plain in the same repeat.", "",
-             "| T | method | tokens | tau | alpha | tokens/s | speedup | drafting time | T=0 identical to plain |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| T | method | tokens | rep4 | tau | alpha | tokens/s | speedup | drafting time | T=0 identical to plain |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         alpha = "-" if r["alpha"] is None else f"{r['alpha']:.2f}"
         same = {True: "yes", False: "NO"}.get(r.get("identical_to_plain"), "-")
-        lines.append(f"| {r['temperature']:g} | {r['method']} | {r['tokens']} | {r['tau']:.2f} | {alpha} | "
+        lines.append(f"| {r['temperature']:g} | {r['method']} | {r['tokens']} | {r['rep4']:.2f} | {r['tau']:.2f} | {alpha} | "
                      f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['draft_share']:.0%} | {same} |")
     return "\n".join(lines) + "\n"
 
