@@ -23,6 +23,7 @@ from experiments.benchmark import checkpoint_for, get_prompts
 from experiments.checkpoint import load_lm
 from experiments.cli import exit_on_user_error
 from experiments.train_base import resolve_device
+from verify.hf import HFBase
 from verify.plain import plain_generate
 from verify.target import Target
 
@@ -54,6 +55,9 @@ def compare(cfg: DictConfig) -> dict:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     base, tokenizer, meta = load_lm(checkpoint_for(cfg, "base"), device=str(device))
+    if isinstance(base, HFBase):
+        raise ValueError("the baseline compares against x-transformers' generate; for a Hugging Face base run "
+                         "python -m experiments.peer (against transformers' generate)")
     prompts = get_prompts(cfg, tokenizer, meta)
     n = cfg.decode.max_new_tokens
     target, wrapper = Target(base, compile=cfg.compile), AutoregressiveWrapper(base)

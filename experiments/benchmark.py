@@ -33,7 +33,7 @@ from experiments.artifacts import ensure
 from experiments.calibrate import cached_verify_cost, choose_chain_budget, choose_tree_budget, cpu_model, format_cost_table
 from experiments.checkpoint import load_checkpoint, load_lm
 from experiments.cli import exit_on_user_error
-from experiments.data import prepare_data, token_counts
+from experiments.data import base_data_config, prepare_data, token_counts
 from experiments.prompts import heldout_prompts, load_prompts
 from experiments.report import mode, repeated_ngram_share, write_report
 from experiments.train_base import resolve_device
@@ -45,7 +45,7 @@ from verify.plain import plain_generate
 from verify.prompt_lookup import PromptLookupDrafter
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target
+from verify.target import Target, make_target
 from verify.vocab import frequent_tokens
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def checkpoint_for(cfg: DictConfig, kind: str, base_ckpt: str | None = None, bas
     if given is not None:
         return given
     overrides = list(cfg.artifacts[kind])
-    data_cfg = (base_meta or {}).get("data", {}).get("config")
+    data_cfg = base_data_config(base_meta or {}, {}) if base_meta else None
     if data_cfg:
         overrides += [f"data.{key}={json.dumps(value)}" for key, value in sorted(data_cfg.items())]
     if kind in DRAFTER_KINDS:
@@ -162,7 +162,7 @@ def drafter_vocab(cfg: DictConfig, base_meta: dict, vocab_size: int):
         return None
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"vocab={n!r}: must be null (the full vocabulary) or an integer >= 1")
-    data_cfg = base_meta.get("data", {}).get("config") or OmegaConf.to_container(cfg.data, resolve=True)
+    data_cfg = base_data_config(base_meta, OmegaConf.to_container(cfg.data, resolve=True))
     ids = frequent_tokens(token_counts(prepare_data(**data_cfg), vocab_size), n)
     if ids is not None:
         log.info("drafter vocabulary: the %d most frequent training tokens of %d", ids.numel(), vocab_size)
@@ -173,8 +173,7 @@ def get_prompts(cfg: DictConfig, tokenizer, base_meta: dict) -> list[list[int]]:
     if cfg.prompts.file:
         prompts = load_prompts(cfg.prompts.file, tokenizer)
         return prompts[: cfg.prompts.num_prompts]
-    data_cfg = base_meta.get("data", {}).get("config") or OmegaConf.to_container(cfg.data, resolve=True)
-    data = prepare_data(**data_cfg)
+    data = prepare_data(**base_data_config(base_meta, OmegaConf.to_container(cfg.data, resolve=True)))
     if data.tokenizer.to_str() != tokenizer.to_str():
         raise ValueError("the data config gives another tokenizer than the base's: pass the base's data config")
     return heldout_prompts(data, num_prompts=cfg.prompts.num_prompts, prompt_len=cfg.prompts.prompt_len, seed=cfg.seed)
@@ -318,14 +317,15 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
     prompts = get_prompts(cfg, tokenizer, base_meta)
-    Target(base).check_tokens(prompts, max_new_tokens=cfg.decode.max_new_tokens)  # before any drafter trains
+    widths = compile_widths(cfg, spec)
+    # Every target before any drafter trains: bad prompts, or compile on a base that cannot, fail first.
+    targets = [make_target(base, compile=compiled, widths=widths) for _, compiled in settings]
+    targets[0].check_tokens(prompts, max_new_tokens=cfg.decode.max_new_tokens)
     methods = make_methods(cfg, base, base_meta, base_ckpt, tokenizer)
     batches = [prompts[i : i + cfg.decode.batch_size] for i in range(0, len(prompts), cfg.decode.batch_size)]
-    widths = compile_widths(cfg, spec)
     setups = []
-    for threads, compiled in settings:
+    for (threads, compiled), target in zip(settings, targets):
         threads = threads if threads is not None else torch.get_num_threads()
-        target = Target(base, compile=compiled, widths=widths)
         setup = dict(threads=threads, compiled=compiled, target=target, spec=spec, makers=methods)
         setup["methods"] = {name: (lambda f=f, c=compiled: f(compile=c)) for name, f in methods.items()}
         if cfg.budget == "auto":

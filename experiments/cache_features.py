@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.checkpoint import load_lm
 from experiments.cli import exit_on_user_error
-from experiments.data import prepare_data
+from experiments.data import base_data_config, prepare_data
 from experiments.features import check_features_config, feature_spec, open_features
 from experiments.train_base import resolve_device
 
@@ -40,7 +40,7 @@ def run(cfg: DictConfig) -> dict:
     seq_len = cfg.seq_len if cfg.seq_len is not None else base.max_seq_len
     if not 2 <= seq_len <= base.max_seq_len:
         raise ValueError(f"seq_len={seq_len}: must lie in [2, the base's context {base.max_seq_len}]")
-    data = prepare_data(**(base_meta.get("data", {}).get("config") or OmegaConf.to_container(cfg.data, resolve=True)))
+    data = prepare_data(**base_data_config(base_meta, OmegaConf.to_container(cfg.data, resolve=True)))
     if data.tokenizer.to_str() != tokenizer.to_str():
         raise ValueError(f"data config gives another tokenizer than base {cfg.base_checkpoint}'s: use the base's data config")
     spec = feature_spec(features, base_meta=base_meta, data=data, seq_len=seq_len, layers=tuple(cfg.layers or ()))

@@ -33,8 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
-from x_transformers import TransformerWrapper
-
+from experiments.data import load_tokenizer
 from experiments.lm import build_lm
 
 __all__ = [
@@ -317,8 +316,11 @@ def load_checkpoint(directory: str | Path, *, expected_config: dict[str, Any] | 
 
 def load_lm(
     directory: str | Path, *, device: str | torch.device = "cpu"
-) -> tuple[TransformerWrapper, Tokenizer, dict[str, Any]]:
-    """Rebuild a base LM from its checkpoint: (model in eval mode, tokenizer, meta)."""
+) -> tuple[torch.nn.Module, Tokenizer, dict[str, Any]]:
+    """Rebuild a base LM from its checkpoint: (model in eval mode, tokenizer, meta). A Hugging Face model
+    directory (config.json, *.safetensors, tokenizer.json; no meta.json) loads too, as an HFBase."""
+    if _is_hf_directory(Path(directory)):
+        return _load_hf(Path(directory), device)
     ckpt = load_checkpoint(directory)
     model = build_lm(**ckpt.meta["model_config"])
     try:
@@ -329,3 +331,25 @@ def load_lm(
         raise CheckpointError(f"checkpoint {directory} has no tokenizer")
     tokenizer = Tokenizer.from_str(ckpt.meta["tokenizer"])
     return model.to(device).eval(), tokenizer, ckpt.meta
+
+
+def _is_hf_directory(directory: Path) -> bool:
+    return (directory / "config.json").is_file() and not (directory / META_FILE).exists()
+
+
+def _load_hf(directory: Path, device: str | torch.device) -> tuple[torch.nn.Module, Tokenizer, dict[str, Any]]:
+    """A model saved by transformers' save_pretrained, with its own tokenizer. Its meta names no corpus:
+    entry points take the run's data config, with this tokenizer (experiments.data.base_data_config)."""
+    from verify.hf import load_hf_base  # transformers is optional
+
+    try:
+        tokenizer, eos_id = load_tokenizer(str(directory))
+        base = load_hf_base(directory, device=device)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"Hugging Face model {directory}: {_one_line(e)}") from None
+    if tokenizer.get_vocab_size() > base.num_tokens:
+        raise CheckpointError(f"Hugging Face model {directory}: its tokenizer has {tokenizer.get_vocab_size()} tokens, "
+                              f"more than the model's vocab_size {base.num_tokens}")
+    meta = {"fingerprint": fingerprint(base.state_dict()), "model_config": {"arch": "hf", "path": str(directory.resolve())},
+            "tokenizer": tokenizer.to_str(), "data": {"config": None, "eos_id": eos_id, "tokenizer_path": str(directory.resolve())}}
+    return base, tokenizer, meta

@@ -183,6 +183,25 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     return _configure(tokenizer)
 
 
+def load_tokenizer(path: str) -> tuple[Tokenizer, int]:
+    """A model's own tokenizer: a tokenizer.json file, or a Hugging Face model directory holding one ->
+    (tokenizer, EOS id). EOS is tokenizer_config.json's `eos_token` beside it when there is one, else
+    a token named <|endoftext|>, </s> or <eos>: documents are joined with it, as the model was trained."""
+    file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise ValueError(f"tokenizer={path!r}: no such tokenizer.json (give the file or the model directory holding it)")
+    tokenizer = _configure(Tokenizer.from_file(str(file)))
+    names = [EOS, "</s>", "<eos>"]
+    config = file.parent / "tokenizer_config.json"
+    if config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token")
+        names = [eos.get("content") if isinstance(eos, dict) else eos] if eos else names
+    for name in names:
+        if tokenizer.token_to_id(name) is not None:
+            return tokenizer, tokenizer.token_to_id(name)
+    raise ValueError(f"tokenizer={path!r} has none of the end-of-text tokens {names}: documents need one between them")
+
+
 def _configure(tokenizer: Tokenizer) -> Tokenizer:
     # A literal "<|endoftext|>" inside a document is text, not a document boundary. This flag is not
     # saved in tokenizer.json, so it is set again on every load.
@@ -242,12 +261,16 @@ def _write_entry(entry: Path, tokenizer: Tokenizer, train: np.ndarray, val: np.n
         raise
 
 
-def _build_entry(entry: Path, docs: datasets.Dataset, val_fraction: float, vocab_size: int, key: str) -> None:
+def _build_entry(entry: Path, docs: datasets.Dataset, val_fraction: float, vocab_size: int, key: str,
+                 tokenizer_path: str | None) -> None:
     names, texts = list(docs["path"]), list(docs["text"])
     train_idx, val_idx = split_documents(names, val_fraction)
     train_texts, val_texts = [texts[i] for i in train_idx], [texts[i] for i in val_idx]
-    tokenizer = train_tokenizer(train_texts, vocab_size)  # train split only: no peeking at validation
-    eos_id = tokenizer.token_to_id(EOS)
+    if tokenizer_path is None:
+        tokenizer = train_tokenizer(train_texts, vocab_size)  # train split only: no peeking at validation
+        eos_id = tokenizer.token_to_id(EOS)
+    else:  # a model's own tokenizer
+        tokenizer, eos_id = load_tokenizer(tokenizer_path)
     train = tokenize_documents(tokenizer, train_texts, eos_id)
     val = tokenize_documents(tokenizer, val_texts, eos_id)
     meta = {
@@ -305,16 +328,32 @@ def prepare_data(
     vocab_size: int = 8192,
     max_files: int | None = None,
     cache_dir: str = ".cache/data",
+    tokenizer: str | None = None,
 ) -> PreparedData:
-    """Load the corpus, split it by file, train the tokenizer on train, tokenize both sides; cached."""
+    """Load the corpus, split it by file, train the tokenizer on train (or take `tokenizer`, a model's own:
+    a tokenizer.json or the model directory holding it; vocab_size is then the tokenizer's), tokenize both
+    sides; cached."""
     _check_args(source, paths, hub_name, val_fraction, vocab_size, max_files)
+    own = None if tokenizer is None else load_tokenizer(tokenizer)[0]  # a bad path fails before the corpus is read
     docs = load_documents(source, paths, hub_name, hub_split, text_field, max_files)
     described = f"hub:{hub_name}:{hub_split}:{text_field}" if source == "hub" else source
+    if own is not None:  # the tokenizer's content, not its path, decides the entry
+        described += ":tokenizer:" + hashlib.sha256(own.to_str().encode()).hexdigest()
     key = cache_key(described, docs, val_fraction, vocab_size, max_files)
     entry = Path(cache_dir) / key
     if not (entry / "meta.json").exists():
-        _build_entry(entry, docs, val_fraction, vocab_size, key)
+        _build_entry(entry, docs, val_fraction, vocab_size, key, tokenizer)
     return _load_entry(entry)
+
+
+def base_data_config(base_meta: dict, fallback: dict) -> dict:
+    """prepare_data's arguments for a base: those it was trained with (its meta), else `fallback` (the
+    run's data config), with the base's own tokenizer when it brings one (a Hugging Face directory)."""
+    data = base_meta.get("data") or {}
+    config = dict(data.get("config") or fallback)
+    if data.get("tokenizer_path"):
+        config["tokenizer"] = data["tokenizer_path"]
+    return config
 
 
 # ---------------------------------------------------------------- batches

@@ -36,7 +36,7 @@ from verify.drafter import Draft, Verdict
 from verify.plain import Generation, check_max_new_tokens, plain_generate
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target, TargetOutput
+from verify.target import Target, TargetOutput, make_target
 
 ACCEPTED_STYLE = "green"
 
@@ -172,7 +172,7 @@ def load_session(cfg: DictConfig) -> Session:
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
     make = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[cfg.method]
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
-    target = Target(base, compile=cfg.compile, widths=(1, spec.gamma + 1, *(cfg[f].decode.tree_nodes + 1 for f in TREE_FAMILIES)))
+    target = make_target(base, compile=cfg.compile, widths=(1, spec.gamma + 1, *(cfg[f].decode.tree_nodes + 1 for f in TREE_FAMILIES)))
     return Session(target, lambda: make(compile=cfg.compile), tokenizer, eos_id, sampling, spec, rule, cfg)
 
 

@@ -179,7 +179,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if seq_len > base.max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds the base's context max_seq_len={base.max_seq_len}")
     module = family.build(base, **OmegaConf.to_container(cfg.drafter.module, resolve=True)).to(device)
-    data = prepare_data(**OmegaConf.to_container(cfg.data, resolve=True))
+    data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
+    if (base_meta.get("data") or {}).get("tokenizer_path"):  # a Hugging Face directory brings its own tokenizer
+        data_cfg["tokenizer"] = base_meta["data"]["tokenizer_path"]
+    data = prepare_data(**data_cfg)
     if data.tokenizer.to_str() != tokenizer.to_str():
         raise ValueError(f"data config gives another tokenizer than base {cfg.base_checkpoint}'s: use the base's data config")
     out_dir.mkdir(parents=True, exist_ok=True)

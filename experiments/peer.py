@@ -1,0 +1,228 @@
+"""Peer benchmark: this project's decoding against transformers' own `generate`, on the same Hugging Face
+model, assistant and prompts, in one process.
+
+    python -m experiments.peer                      # trains (once, cached) a Llama base and assistant
+    python -m experiments.peer checkpoints.base=<dir> checkpoints.assistant=<dir>
+
+Pairs, each at temperature 0 where both must emit the same tokens:
+- plain: our plain decoding vs `generate(do_sample=False)`;
+- draft: our draft-model speculative decoding vs assisted generation (`assistant_model=`) with the same
+  assistant, at our gamma with its confidence threshold off ("same gamma"), and at transformers' own
+  defaults (20 tokens, confidence threshold 0.4, adjusted as it goes);
+- prompt lookup: ours vs `prompt_lookup_num_tokens=gamma, max_matching_ngram_size=max_ngram`.
+Batch 1 for every pair (transformers' assisted generation and prompt lookup take one row); at larger
+batch sizes our batched decoding is timed beside transformers' batched plain generate.
+tau = new tokens per forward of the target (for transformers counted by a hook on the target's
+backbone); tokens/s = new tokens over wall time; ratio = ours / theirs, median over interleaved rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.artifacts import ensure
+from experiments.calibrate import cpu_model
+from experiments.checkpoint import load_lm
+from experiments.cli import exit_on_user_error
+from experiments.data import base_data_config, prepare_data
+from experiments.prompts import heldout_prompts
+from experiments.train_base import resolve_device
+from verify.draft_model import DraftModelDrafter
+from verify.hf import HFBase, HFTarget
+from verify.plain import plain_generate
+from verify.prompt_lookup import PromptLookupDrafter
+from verify.speculative import SpecConfig, speculative_generate
+
+log = logging.getLogger(__name__)
+PAIRS = ("plain", "draft", "prompt_lookup")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """One-line errors for every setting, before any model loads or trains."""
+    for key in ("max_new_tokens", "gamma", "repeats"):
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r}: must be an integer >= 1")
+    sizes = list(cfg.batch_sizes)
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+        raise ValueError(f"batch_sizes={sizes!r}: must be a non-empty list of integers >= 1")
+    if cfg.threads is not None and (isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 1):
+        raise ValueError(f"threads={cfg.threads!r}: must be null or an integer >= 1")
+    PromptLookupDrafter(vocab_size=1, **cfg.prompt_lookup)  # its own one-line errors
+
+
+def load_pair(cfg: DictConfig, device: torch.device) -> tuple[HFBase, HFBase, Any, dict, str]:
+    """The target and assistant (trained by their recipes when no checkpoint is given), both Hugging Face models."""
+    base_dir = cfg.checkpoints.base or str(ensure("base", list(cfg.artifacts.base), root=cfg.artifacts.root))
+    base, tokenizer, meta = load_lm(base_dir, device=str(device))
+    assistant_dir = cfg.checkpoints.assistant
+    if assistant_dir is None:  # the assistant learns the base's corpus with the base's tokenizer
+        data = [f"data.{k}={json.dumps(v)}" for k, v in sorted(base_data_config(meta, {}).items())]
+        assistant_dir = str(ensure("base", [*cfg.artifacts.assistant, *data], root=cfg.artifacts.root))
+    assistant, assistant_tokenizer, _ = load_lm(assistant_dir, device=str(device))
+    for name, model in (("base", base), ("assistant", assistant)):
+        if not isinstance(model, HFBase):
+            raise ValueError(f"{name} {type(model).__name__}: the peer benchmark compares against transformers, so both "
+                             "models must be Hugging Face models (train_base base=llama_small, or a save_pretrained directory)")
+    if assistant_tokenizer.to_str() != tokenizer.to_str():
+        raise ValueError(f"assistant {assistant_dir} has another tokenizer than base {base_dir}: train it on the base's data config")
+    return base, assistant, tokenizer, meta, base_dir
+
+
+class ForwardCounter:
+    """Counts forwards of a module (the target's backbone): one hook for the whole run."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.calls = 0
+        module.register_forward_hook(lambda *_: setattr(self, "calls", self.calls + 1))
+
+
+def theirs(base: HFBase, assistant: HFBase, pair: str, prompts: list[list[int]], cfg: DictConfig, variant: str) -> list[list[int]]:
+    """transformers' generate on a batch of equal-length prompts (no padding needed) -> new tokens per row."""
+    ids = torch.tensor(prompts, device=base.to_logits.weight.device)
+    kwargs: dict[str, Any] = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=cfg.max_new_tokens,
+                                  eos_token_id=None, pad_token_id=0)
+    if pair == "draft":
+        kwargs["assistant_model"] = assistant.hf
+        gen = assistant.hf.generation_config
+        if variant == "same_gamma":
+            gen.num_assistant_tokens, gen.num_assistant_tokens_schedule, gen.assistant_confidence_threshold = cfg.gamma, "constant", 0.0
+        else:  # transformers' defaults, reset at every call (within a call it adapts the threshold)
+            gen.num_assistant_tokens, gen.num_assistant_tokens_schedule, gen.assistant_confidence_threshold = 20, "constant", 0.4
+    elif pair == "prompt_lookup":
+        kwargs.update(prompt_lookup_num_tokens=cfg.gamma, max_matching_ngram_size=cfg.prompt_lookup.max_ngram)
+    with torch.inference_mode():
+        out = base.hf.generate(ids, **kwargs)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def ours(base: HFBase, assistant: HFBase, pair: str, prompts: list[list[int]], cfg: DictConfig) -> list[list[int]]:
+    target = HFTarget(base)
+    if pair == "plain":
+        return plain_generate(target, prompts, max_new_tokens=cfg.max_new_tokens).tokens
+    drafter = DraftModelDrafter(assistant) if pair == "draft" else PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
+    return speculative_generate(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens, spec=SpecConfig(gamma=cfg.gamma)).tokens
+
+
+def run(fn, batches: list[list[list[int]]], counter: ForwardCounter) -> dict[str, Any]:
+    """Decode every batch with fn: tokens, seconds, new tokens and row-forwards (a target forward serves
+    every row of its batch; rows run to max_new_tokens together, there is no EOS stop)."""
+    start, tokens, row_forwards = time.perf_counter(), [], 0
+    for batch in batches:
+        calls = counter.calls
+        tokens += fn(batch)
+        row_forwards += (counter.calls - calls) * len(batch)
+    seconds = time.perf_counter() - start
+    return dict(tokens=tokens, seconds=seconds, row_forwards=row_forwards, new=sum(len(t) for t in tokens))
+
+
+def contenders(cfg: DictConfig, base: HFBase, assistant: HFBase) -> dict[str, tuple[str, Any]]:
+    """name -> (pair, decode function of a batch), for every pair and side."""
+    out = {}
+    for pair in PAIRS:
+        out[f"ours/{pair}"] = (pair, lambda b, p=pair: ours(base, assistant, p, b, cfg))
+        variants = ("same_gamma", "defaults") if pair == "draft" else ("defaults",)
+        for v in variants:
+            out[f"transformers/{pair}/{v}"] = (pair, lambda b, p=pair, v=v: theirs(base, assistant, p, b, cfg, v))
+    return out
+
+
+def bench_batch(cfg: DictConfig, base: HFBase, assistant: HFBase, prompts: list[list[int]], batch_size: int,
+                counter: ForwardCounter) -> list[dict]:
+    """Every contender that can decode at this batch size, timed in interleaved rounds after a warm-up."""
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    named = contenders(cfg, base, assistant)
+    if batch_size > 1:  # transformers' assisted generation and prompt lookup refuse batches; say so, keep plain
+        named = {n: c for n, c in named.items() if n.startswith("ours/") or n == "transformers/plain/defaults"}
+    for name, (_, fn) in named.items():
+        run(fn, batches[:1], counter)  # warm-up
+    rounds: dict[str, list[dict]] = {name: [] for name in named}
+    for r in range(cfg.repeats):
+        order = list(named) if r % 2 == 0 else list(reversed(named))  # neither side always runs on a warmer machine
+        for name in order:
+            rounds[name].append(run(named[name][1], batches, counter))
+    reference = rounds["transformers/plain/defaults"][0]["tokens"]
+    rows = []
+    for name, (pair, _) in named.items():
+        first = rounds[name][0]
+        rows.append(dict(name=name, pair=pair, batch_size=batch_size, tau=first["new"] / max(first["row_forwards"], 1),
+                         tokens_per_s=statistics.median(x["new"] / x["seconds"] for x in rounds[name]),
+                         rounds_tokens_per_s=[x["new"] / x["seconds"] for x in rounds[name]],
+                         identical=all(x["tokens"] == reference for x in rounds[name])))
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """ours / theirs per pair and batch size, against transformers' fastest variant of the same method."""
+    out = []
+    for row in rows:
+        if not row["name"].startswith("ours/"):
+            continue
+        peers = [r for r in rows if r["batch_size"] == row["batch_size"] and r["name"].startswith("transformers/")
+                 and (r["pair"] == row["pair"] or row["batch_size"] > 1)]
+        best = max(peers, key=lambda r: r["tokens_per_s"])
+        out.append(dict(pair=row["pair"], batch_size=row["batch_size"], against=best["name"],
+                        ratio=row["tokens_per_s"] / best["tokens_per_s"]))
+    return out
+
+
+def markdown(rows: list[dict], summary: list[dict], header: dict) -> str:
+    lines = [f"# Peer benchmark: ours vs transformers {header['transformers']} generate", "",
+             f"CPU: {header['cpu']}; threads {header['threads']}; {header['prompts']} held-out prompts x "
+             f"{header['max_new_tokens']} new tokens; gamma {header['gamma']}; temperature 0; float32, eager.", "",
+             "| batch | contender | tau | tokens/s | identical to transformers' greedy |", "|---|---|---|---|---|"]
+    lines += [f"| {r['batch_size']} | {r['name']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {'yes' if r['identical'] else 'NO'} |"
+              for r in rows]
+    lines += ["", "| batch | method | ours / transformers' fastest | against |", "|---|---|---|---|"]
+    lines += [f"| {s['batch_size']} | {s['pair']} | {s['ratio']:.2f}x | {s['against']} |" for s in summary]
+    return "\n".join(lines) + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)  # a reader sees the old file or the whole new one, never a part
+
+
+def peer(cfg: DictConfig) -> dict[str, Any]:
+    check_config(cfg)
+    device = resolve_device(cfg.device)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    base, assistant, tokenizer, meta, base_dir = load_pair(cfg, device)
+    data = prepare_data(**base_data_config(meta, OmegaConf.to_container(cfg.data, resolve=True)))
+    prompts = heldout_prompts(data, num_prompts=cfg.prompts.num_prompts, prompt_len=cfg.prompts.prompt_len, seed=cfg.seed)
+    HFTarget(base).check_tokens(prompts, max_new_tokens=cfg.max_new_tokens)
+    counter = ForwardCounter(base.hf.base_model)
+    rows = [row for b in cfg.batch_sizes for row in bench_batch(cfg, base, assistant, prompts, b, counter)]
+    import transformers
+
+    header = dict(cpu=cpu_model(), threads=torch.get_num_threads(), prompts=len(prompts), max_new_tokens=cfg.max_new_tokens,
+                  gamma=cfg.gamma, transformers=transformers.__version__, base=base_dir, torch=torch.__version__)
+    summary = ratios(rows)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(out_dir / "results.json", json.dumps(dict(header=header, rows=rows, summary=summary), indent=2))
+    write_atomic(out_dir / "results.md", markdown(rows, summary, header))
+    log.info("\n%s", markdown(rows, summary, header))
+    return dict(header=header, summary=summary)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="peer")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    print(json.dumps(peer(cfg)), file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
