@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -327,3 +329,16 @@ def test_cli_bug_keeps_traceback() -> None:
 
     with pytest.raises(KeyError):
         entry()
+
+
+def test_the_project_imports_and_refuses_llama_without_transformers():
+    """transformers is the optional `hf` extra: without it every module imports, and arch=llama says what to install."""
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import prophet.model, medusa.drafter, verify.hf, verify.early_exit, verify.speculative\n"
+            "import experiments.benchmark, experiments.generate, experiments.train_drafter, experiments.peer\n"
+            "from experiments.lm import build_lm\n"
+            "try:\n    build_lm(arch='llama', num_tokens=10, dim=8, depth=1, heads=2, max_seq_len=8)\n"
+            "except ValueError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "arch=llama needs transformers: pip install -e '.[hf]'"
