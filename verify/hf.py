@@ -120,7 +120,9 @@ class HFTarget:
     Eager only (`compile=True` is refused): the cache grows by concatenation, so shapes change every step.
     """
 
-    def __init__(self, base: HFBase, *, pad_id: int = 0, compile: bool = False, vocab: Tensor | None = None, **_):
+    def __init__(self, base: HFBase, *, pad_id: int = 0, compile: bool = False, vocab: Tensor | None = None,
+                 max_draft: int = 64, widths: tuple[int, ...] = (1,)):
+        # max_draft and widths size the lean engine's static cache and compiled widths; a DynamicCache needs neither.
         if not isinstance(base, HFBase):
             raise ValueError(f"HFTarget takes an HFBase, got {type(base).__name__}")
         if compile:
@@ -215,6 +217,3 @@ class HFTarget:
             self.cache.crop(-drop)
             self.valid = self.valid[:, :keep]
 
-
-def is_hf(model: nn.Module) -> bool:
-    return isinstance(model, HFBase)
