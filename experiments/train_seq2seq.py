@@ -84,7 +84,7 @@ def validate_config(cfg: DictConfig) -> None:
         need(t[key] is None or (isinstance(t[key], (int, float)) and t[key] > 0),
              f"train.{key}={t[key]!r}: must be a number > 0, or null for the step budget only")
     b = cfg.bench
-    for key in ("pairs", "max_new_tokens", "gamma", "ngram", "repeats"):
+    for key in ("pairs", "batch", "max_new_tokens", "gamma", "ngram", "repeats"):
         need(is_int(b[key]) and b[key] >= 1, f"bench.{key}={b[key]!r}: must be an integer >= 1")
     need(b.max_new_tokens <= cfg.pairs.max_target_tokens, f"bench.max_new_tokens={b.max_new_tokens}: must be at most "
          f"pairs.max_target_tokens={cfg.pairs.max_target_tokens} (the decoder's length)")

@@ -183,6 +183,13 @@ def test_bad_sources_raise_one_line_errors(model, sources, max_new, match):
         plain_generate(Seq2SeqTarget(model, bos_id=BOS), sources, max_new_tokens=max_new)
 
 
+def test_a_draft_encoder_shorter_than_the_source_is_a_one_line_error(model):
+    short = XTransformer(dim=16, enc_num_tokens=V, enc_depth=1, enc_heads=2, enc_max_seq_len=4, enc_rotary_pos_emb=True,
+                         dec_num_tokens=V, dec_depth=1, dec_heads=2, dec_max_seq_len=32, dec_rotary_pos_emb=True)
+    with pytest.raises(ValueError, match=r"^source 0 has 8 tokens: the encoder takes at most 4$"):
+        speculative_generate(Seq2SeqTarget(model, bos_id=BOS), Seq2SeqDraftDrafter(short, bos_id=BOS), SOURCES[:1], max_new_tokens=4)
+
+
 def test_layers_and_bad_models_are_refused_in_one_line(model):
     target = Seq2SeqTarget(model, bos_id=BOS)
     target.use_layers(())
@@ -300,7 +307,7 @@ def test_t5_refuses_batches_trees_and_layers_in_one_line():
 TINY = ["logger=none", "data.max_files=60", "data.vocab_size=512", "target.dim=32", "target.enc_depth=1",
         "target.dec_depth=1", "target.heads=2", "draft.dim=16", "draft.enc_depth=1", "draft.dec_depth=1", "draft.heads=2",
         "train.target_steps=6", "train.draft_steps=4", "train.batch_size=4", "train.log_every=2", "train.eval_pairs=8",
-        "bench.pairs=3", "bench.max_new_tokens=8", "bench.repeats=1"]
+        "bench.pairs=3", "bench.batch=2", "bench.max_new_tokens=8", "bench.repeats=1"]
 
 
 def seq2seq_cfg(*overrides: str):
@@ -320,6 +327,7 @@ def seq2seq_cfg(*overrides: str):
     ("pairs.max_target_tokens=1", r"^pairs.max_target_tokens=1: must be an integer >= 2$"),
     ("train.draft_minutes=0", r"^train.draft_minutes=0: must be a number > 0, or null"),
     ("bench.max_new_tokens=65", r"^bench.max_new_tokens=65: must be at most pairs.max_target_tokens=64"),
+    ("bench.batch=0", r"^bench.batch=0: must be an integer >= 1$"),
     ("bench.temperatures=[]", r"^bench.temperatures=\[\]: must be a non-empty list of numbers >= 0$"),
     ("data=files", r"^data.source='files': the function -> docstring task reads the stdlib only"),
 ])

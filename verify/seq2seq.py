@@ -149,6 +149,11 @@ class Seq2SeqDraftDrafter(DraftModelDrafter):
         self.lm = Seq2SeqTarget(model, bos_id=bos_id, pad_id=pad_id, max_draft=2)
         self.vocab_size = self.lm.vocab_size
 
+    def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
+        # The draft's encoder may take fewer source tokens than the target's: say so in one line.
+        self.lm.check_tokens(prompts, max_new_tokens=0)
+        super().begin(prompts, prefill, pending)
+
 
 @torch.inference_mode()
 def check_against_reference(encoder: nn.Module, decoder: nn.Module, target: Seq2SeqTarget, *, tolerance: float = 1e-3) -> None:
