@@ -38,10 +38,11 @@ from experiments.data import base_data_config, prepare_data
 from experiments.prompts import heldout_prompts
 from experiments.train_base import resolve_device
 from verify.draft_model import DraftModelDrafter
-from verify.hf import HFBase, HFTarget
+from verify.hf import HFBase
 from verify.plain import plain_generate
 from verify.prompt_lookup import PromptLookupDrafter
 from verify.speculative import SpecConfig, speculative_generate
+from verify.target import ENGINES, make_target
 
 log = logging.getLogger(__name__)
 PAIRS = ("plain", "draft", "prompt_lookup")
@@ -59,6 +60,11 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.threads is not None and (isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 1):
         raise ValueError(f"threads={cfg.threads!r}: must be null or an integer >= 1")
     PromptLookupDrafter(vocab_size=1, **cfg.prompt_lookup)  # its own one-line errors
+    settings = list(cfg.ours)
+    if not settings or any(set(s) != {"engine", "compile"} or s["engine"] not in ENGINES or not isinstance(s["compile"], bool)
+                           for s in settings):
+        raise ValueError(f"ours={OmegaConf.to_container(cfg.ours)!r}: must be a non-empty list of {{engine: "
+                         f"{'|'.join(ENGINES)}, compile: true|false}}")
 
 
 def load_pair(cfg: DictConfig, device: torch.device) -> tuple[HFBase, HFBase, Any, dict, str]:
@@ -106,11 +112,15 @@ def theirs(base: HFBase, assistant: HFBase, pair: str, prompts: list[list[int]],
     return out[:, ids.shape[1]:].tolist()
 
 
-def ours(base: HFBase, assistant: HFBase, pair: str, prompts: list[list[int]], cfg: DictConfig) -> list[list[int]]:
-    target = HFTarget(base)
+def ours(base: HFBase, assistant: HFBase, pair: str, prompts: list[list[int]], cfg: DictConfig, setting: dict) -> list[list[int]]:
+    """Our decoding of a batch: plain, or the one speculative loop with the assistant or prompt lookup."""
+    target = make_target(base, engine=setting["engine"], compile=setting["compile"], widths=(1, cfg.gamma + 1))
     if pair == "plain":
         return plain_generate(target, prompts, max_new_tokens=cfg.max_new_tokens).tokens
-    drafter = DraftModelDrafter(assistant) if pair == "draft" else PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
+    if pair == "draft":  # the assistant runs on the same engine as the target
+        drafter = DraftModelDrafter(assistant, compile=setting["compile"], engine=setting["engine"])
+    else:
+        drafter = PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
     return speculative_generate(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens, spec=SpecConfig(gamma=cfg.gamma)).tokens
 
 
@@ -127,10 +137,13 @@ def run(fn, batches: list[list[list[int]]], counter: ForwardCounter) -> dict[str
 
 
 def contenders(cfg: DictConfig, base: HFBase, assistant: HFBase) -> dict[str, tuple[str, Any]]:
-    """name -> (pair, decode function of a batch), for every pair and side."""
+    """name -> (pair, decode function of a batch), for every pair, our engine settings and transformers' variants."""
     out = {}
     for pair in PAIRS:
-        out[f"ours/{pair}"] = (pair, lambda b, p=pair: ours(base, assistant, p, b, cfg))
+        for setting in cfg.ours:
+            setting = dict(setting)
+            name = f"ours[{setting['engine']}{'+compile' if setting['compile'] else ''}]/{pair}"
+            out[name] = (pair, lambda b, p=pair, s=setting: ours(base, assistant, p, b, cfg, s))
         variants = ("same_gamma", "defaults") if pair == "draft" else ("defaults",)
         for v in variants:
             out[f"transformers/{pair}/{v}"] = (pair, lambda b, p=pair, v=v: theirs(base, assistant, p, b, cfg, v))
@@ -143,7 +156,7 @@ def bench_batch(cfg: DictConfig, base: HFBase, assistant: HFBase, prompts: list[
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     named = contenders(cfg, base, assistant)
     if batch_size > 1:  # transformers' assisted generation and prompt lookup refuse batches; say so, keep plain
-        named = {n: c for n, c in named.items() if n.startswith("ours/") or n == "transformers/plain/defaults"}
+        named = {n: c for n, c in named.items() if n.startswith("ours") or n == "transformers/plain/defaults"}
     for name, (_, fn) in named.items():
         run(fn, batches[:1], counter)  # warm-up
     rounds: dict[str, list[dict]] = {name: [] for name in named}
@@ -166,12 +179,12 @@ def ratios(rows: list[dict]) -> list[dict]:
     """ours / theirs per pair and batch size, against transformers' fastest variant of the same method."""
     out = []
     for row in rows:
-        if not row["name"].startswith("ours/"):
+        if not row["name"].startswith("ours"):
             continue
         peers = [r for r in rows if r["batch_size"] == row["batch_size"] and r["name"].startswith("transformers/")
                  and (r["pair"] == row["pair"] or row["batch_size"] > 1)]
         best = max(peers, key=lambda r: r["tokens_per_s"])
-        out.append(dict(pair=row["pair"], batch_size=row["batch_size"], against=best["name"],
+        out.append(dict(ours=row["name"], pair=row["pair"], batch_size=row["batch_size"], against=best["name"],
                         ratio=row["tokens_per_s"] / best["tokens_per_s"]))
     return out
 
@@ -179,12 +192,12 @@ def ratios(rows: list[dict]) -> list[dict]:
 def markdown(rows: list[dict], summary: list[dict], header: dict) -> str:
     lines = [f"# Peer benchmark: ours vs transformers {header['transformers']} generate", "",
              f"CPU: {header['cpu']}; threads {header['threads']}; {header['prompts']} held-out prompts x "
-             f"{header['max_new_tokens']} new tokens; gamma {header['gamma']}; temperature 0; float32, eager.", "",
+             f"{header['max_new_tokens']} new tokens; gamma {header['gamma']}; temperature 0; float32; transformers eager.", "",
              "| batch | contender | tau | tokens/s | identical to transformers' greedy |", "|---|---|---|---|---|"]
     lines += [f"| {r['batch_size']} | {r['name']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {'yes' if r['identical'] else 'NO'} |"
               for r in rows]
-    lines += ["", "| batch | method | ours / transformers' fastest | against |", "|---|---|---|---|"]
-    lines += [f"| {s['batch_size']} | {s['pair']} | {s['ratio']:.2f}x | {s['against']} |" for s in summary]
+    lines += ["", "| batch | ours | ours / transformers' fastest | against |", "|---|---|---|---|"]
+    lines += [f"| {s['batch_size']} | {s['ours']} | {s['ratio']:.2f}x | {s['against']} |" for s in summary]
     return "\n".join(lines) + "\n"
 
 
@@ -202,7 +215,7 @@ def peer(cfg: DictConfig) -> dict[str, Any]:
     base, assistant, tokenizer, meta, base_dir = load_pair(cfg, device)
     data = prepare_data(**base_data_config(meta, OmegaConf.to_container(cfg.data, resolve=True)))
     prompts = heldout_prompts(data, num_prompts=cfg.prompts.num_prompts, prompt_len=cfg.prompts.prompt_len, seed=cfg.seed)
-    HFTarget(base).check_tokens(prompts, max_new_tokens=cfg.max_new_tokens)
+    make_target(base, engine="hf").check_tokens(prompts, max_new_tokens=cfg.max_new_tokens)
     counter = ForwardCounter(base.hf.base_model)
     rows = [row for b in cfg.batch_sizes for row in bench_batch(cfg, base, assistant, prompts, b, counter)]
     import transformers

@@ -79,10 +79,10 @@ def noisy(module, scale: float = 0.05, seed: int = 0):
     return module
 
 
-def drafters(base: HFBase) -> dict:
+def drafters(base: HFBase, engine: str) -> dict:
     return {
         "prompt_lookup": lambda: PromptLookupDrafter(vocab_size=V),
-        "draft_model": lambda: DraftModelDrafter(perturbed(base)),
+        "draft_model": lambda: DraftModelDrafter(perturbed(base), engine=engine),
         "medusa_chain": lambda: MedusaDrafter(noisy(MedusaHeads.from_base(base, num_heads=3, num_layers=1)), mode="chain"),
         "medusa_tree": lambda: MedusaDrafter(noisy(MedusaHeads.from_base(base, num_heads=3, num_layers=1)), tree_nodes=8),
         "sequential_tree": lambda: SequentialDrafter(noisy(SequentialHeads.from_base(base, num_heads=3)), tree_nodes=8),
@@ -92,18 +92,22 @@ def drafters(base: HFBase) -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=sorted(BASES))
+# (model, engine): transformers' own forward and cache (hf) for both; the Llama also on the lean engine
+@pytest.fixture(scope="module", params=[("llama", "hf"), ("llama", "lean"), ("gpt2", "hf")], ids="-".join)
 def base_and_reference(request):
-    base = BASES[request.param]()
-    return base, [hf_greedy(base, p) for p in PROMPTS]
+    name, engine = request.param
+    base = BASES[name]()
+    return base, [hf_greedy(base, p) for p in PROMPTS], engine
 
 
 # ------------------------------------------------------------------------------------------ exactness
 
 
 def test_plain_greedy_equals_transformers_generate(base_and_reference):
-    base, reference = base_and_reference
-    out = plain_generate(HFTarget(base), PROMPTS, max_new_tokens=NEW_TOKENS)
+    base, reference, engine = base_and_reference
+    target = make_target(base, engine=engine)
+    assert isinstance(target, HFTarget) == (engine == "hf")
+    out = plain_generate(target, PROMPTS, max_new_tokens=NEW_TOKENS)
     assert out.tokens == reference
 
 
@@ -111,8 +115,8 @@ def test_plain_greedy_equals_transformers_generate(base_and_reference):
                                   "prophet_chain", "prophet_tree"])
 @pytest.mark.parametrize("gamma", [1, 3])
 def test_speculative_greedy_equals_transformers_generate(base_and_reference, name, gamma):
-    base, reference = base_and_reference
-    out = speculative_generate(HFTarget(base), drafters(base)[name](), PROMPTS, max_new_tokens=NEW_TOKENS,
+    base, reference, engine = base_and_reference
+    out = speculative_generate(make_target(base, engine=engine), drafters(base, engine)[name](), PROMPTS, max_new_tokens=NEW_TOKENS,
                                spec=SpecConfig(gamma=gamma))
     assert out.tokens == reference
     if name == "draft_model":  # a perturbed copy agrees often: the rollback paths really ran
@@ -121,8 +125,8 @@ def test_speculative_greedy_equals_transformers_generate(base_and_reference, nam
 
 def test_batch_rows_match_their_single_runs(base_and_reference):
     """Rows that accept different counts leave holes in the shared cache; each row must still decode alone."""
-    base, reference = base_and_reference
-    out = speculative_generate(HFTarget(base), DraftModelDrafter(perturbed(base, scale=0.3)), PROMPTS,
+    base, reference, engine = base_and_reference
+    out = speculative_generate(make_target(base, engine=engine), DraftModelDrafter(perturbed(base, scale=0.3), engine=engine), PROMPTS,
                                max_new_tokens=NEW_TOKENS, spec=SpecConfig(gamma=4))
     accepted = out.stats.accepted.tolist()
     assert len(set(accepted)) > 1, f"rows accepted {accepted}: the test needs rows that differ"
@@ -192,6 +196,29 @@ def test_layer_states_are_the_models_hidden_states():
     torch.testing.assert_close(logits, out.logits)
 
 
+@pytest.mark.parametrize("config", [
+    dict(num_key_value_heads=2),  # grouped-query attention: 2 query heads per cached kv head
+    dict(num_key_value_heads=4, attention_bias=True, head_dim=16),  # biases; a head width other than dim / heads
+])
+def test_the_lean_llama_engine_equals_the_transformers_forward(config):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128, initializer_range=0.5, rms_norm_eps=1e-5, rope_theta=500.0, **config))
+    base = HFBase(model).eval()
+    lean_target, hf_target = make_target(base, engine="lean"), HFTarget(base)
+    lean_target.use_layers((1,))
+    hf_target.use_layers((1,))
+    a, b = lean_target.prefill(PROMPTS), hf_target.prefill(PROMPTS)
+    for i, p in enumerate(PROMPTS):
+        for x, y in ((a.logits, b.logits), (a.hidden, b.hidden), (a.layers, b.layers)):
+            torch.testing.assert_close(x[i, -len(p):], y[i, -len(p):], atol=1e-4, rtol=1e-4)
+    parents = torch.tensor([-1, 0, 0, 1])
+    tokens = torch.tensor([[11, 12, 13, 14]] * 3)
+    torch.testing.assert_close(lean_target.extend(tokens, parents=parents).logits,
+                               hf_target.extend(tokens, parents=parents).logits, atol=1e-4, rtol=1e-4)
+
+
 def test_a_saved_model_loads_from_its_directory(tmp_path):
     base = llama()
     base.hf.save_pretrained(tmp_path)  # config.json + model.safetensors
@@ -232,6 +259,12 @@ def t5():
     return transformers.T5ForConditionalGeneration(config)
 
 
+def gelu_llama():
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, hidden_act="gelu")
+    return HFBase(transformers.LlamaForCausalLM(config))
+
+
 def softcapped():
     config = transformers.Gemma2Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0)
@@ -241,6 +274,10 @@ def softcapped():
 @pytest.mark.parametrize("make, match", [
     (lambda: HFTarget(make_lm()), r"HFTarget takes an HFBase, got TransformerWrapper"),
     (lambda: HFTarget(llama(), compile=True), r"compile=True: the Hugging Face adapter runs eager only"),
+    (lambda: make_target(gpt2(), engine="lean"), r"GPT2LMHeadModel: the lean engine runs LlamaForCausalLM"),
+    (lambda: make_target(make_lm(), engine="hf"), r"engine='hf' takes a Hugging Face model \(HFBase\), got TransformerWrapper"),
+    (lambda: make_target(llama(), engine="fast"), r"engine='fast': must be one of auto, lean, hf"),
+    (lambda: make_target(gelu_llama(), engine="lean"), r"hidden_act='gelu': the lean Llama engine does not implement it"),
     (lambda: HFBase(t5()), r"T5ForConditionalGeneration is an encoder-decoder"),
     (lambda: HFBase(softcapped()), r"final_logit_softcapping=30.0"),
     (lambda: HFTarget(llama()).use_layers((2,)), r"2 is not a block index in \[1, 1\]"),

@@ -24,11 +24,12 @@ from verify.vocab import check_vocab
 
 class DraftModelDrafter:
     def __init__(self, model: nn.Module, *, pad_id: int = 0, compile: bool = False,
-                 vocab: Tensor | None = None):
+                 vocab: Tensor | None = None, engine: str = "auto"):
         self.vocab = check_vocab(vocab, model.num_tokens)  # (N,) or None = all V
         # The draft LM's output layer keeps only the subset's rows: its logits are (b, n, N).
         # A compiled draft LM runs steps of 1 token, plus 2 at the start of a cycle (the uncached pair).
-        self.lm = make_target(model, pad_id=pad_id, compile=compile, widths=(1, 2), vocab=self.vocab)
+        # engine: which target runs a Hugging Face draft LM (verify.target.make_target).
+        self.lm = make_target(model, engine=engine, pad_id=pad_id, compile=compile, widths=(1, 2), vocab=self.vocab)
         self.vocab_size = self.lm.vocab_size
 
     def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:

@@ -354,13 +354,17 @@ def _weights_version(params: tuple[Tensor, ...]) -> int:
 
 
 def lean(module: nn.Module, build=None, *, compile: bool = False, vocab: Tensor | None = None):
-    """The lean engine of `module` (a TransformerWrapper, or AttentionLayers with `build=LeanDecoder`),
+    """The lean engine of `module` (a TransformerWrapper, an HFBase around a Llama, or AttentionLayers with
+    `build=LeanDecoder`),
     built once and rebuilt only when its parameters changed in place (optimizer steps, load_state_dict);
     checked against the x-transformers forward. `vocab`: a LeanLM's output layer trimmed to these ids (see `LeanLM`).
 
     compile=True: the engine's step goes through torch.compile with static shapes (one compiled
     program per input width; Inductor's on-disk cache makes a second process reuse them)."""
-    build = build or LeanLM
+    if build is None:  # a Hugging Face Llama (verify.hf.HFBase) has an engine of its own
+        from verify.lean_llama import LeanLlama  # imported here: it builds on this module
+
+        build = LeanLlama if hasattr(module, "hf") else LeanLM
     built = _BUILT.setdefault(module, {})
     key = (build, compile, None if vocab is None else tuple(vocab.tolist()))
     cached = built.get(key)  # (parameters, their version then, engine)

@@ -64,12 +64,25 @@ def check_prompts(prompts: list[list[int]], *, vocab_size: int, max_seq_len: int
             )
 
 
-def make_target(model: nn.Module, **kwargs) -> "Target":
-    """The target for a base: the lean engine for an x-transformers LM, verify.hf's adapter for a
-    Hugging Face causal LM (an HFBase). kwargs as `Target` takes them."""
+ENGINES = ("auto", "lean", "hf")
+
+
+def make_target(model: nn.Module, *, engine: str = "auto", **kwargs) -> "Target":
+    """The target for a base. engine="lean": the lean engine (x-transformers LMs, and transformers' Llama
+    through verify.lean_llama); "hf": verify.hf's adapter on transformers' own forward and cache (any
+    causal LM wrapped as an HFBase); "auto": lean where it runs the model, else the adapter.
+    kwargs as `Target` takes them."""
     from verify.hf import HFBase, HFTarget  # imported here: verify.hf builds on this module
 
-    return HFTarget(model, **kwargs) if isinstance(model, HFBase) else Target(model, **kwargs)
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: must be one of {', '.join(ENGINES)}")
+    if not isinstance(model, HFBase):
+        if engine == "hf":
+            raise ValueError(f"engine='hf' takes a Hugging Face model (HFBase), got {type(model).__name__}")
+        return Target(model, **kwargs)
+    if engine == "hf" or (engine == "auto" and type(model.hf).__name__ != "LlamaForCausalLM"):
+        return HFTarget(model, **kwargs)
+    return Target(model, **kwargs)
 
 
 class Target:

@@ -1,0 +1,153 @@
+"""The lean engine for Hugging Face Llama models (verify.hf.HFBase around a LlamaForCausalLM).
+
+transformers' eager Llama is, at the sizes a CPU decodes, mostly Python: a 6-block, 9M-parameter model
+costs about 5.8 ms per token here, for about 18 MFLOP of weights. This reads its weights into the same
+fused form the x-transformers engine uses (one qkv matmul, one gate-and-up matmul per block) and runs
+them with plain torch ops on the project's StaticCache, optionally torch.compile'd; `Target`, the decode
+loops and every drafter use it exactly as they use the x-transformers engine.
+
+What differs from x-transformers' blocks: RMSNorm, SwiGLU feed-forward, grouped-query attention (keys
+and values cached for kv_heads heads only; each group of queries attends to its shared head), and
+rotary on the first and second half of each head (transformers' rotate_half) instead of interleaved
+pairs. Anything else (rope scaling, sliding windows, an MLP bias, another activation) is refused in one
+line, and the engine is checked numerically against the model's own forward when it is built.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+
+from verify.cache import StaticCache, visibility, write_kv
+from verify.engine import LeanDecoder, LeanLM, UnsupportedModel, block_depth
+
+
+def _check_config(config) -> None:
+    """One line naming the first setting this engine does not implement."""
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    checks = [
+        ("model_type", config.model_type, config.model_type == "llama"),
+        ("hidden_act", config.hidden_act, config.hidden_act == "silu"),
+        ("mlp_bias", getattr(config, "mlp_bias", False), not getattr(config, "mlp_bias", False)),
+        ("rope_type", rope, rope == "default"),
+        ("pretraining_tp", getattr(config, "pretraining_tp", 1), getattr(config, "pretraining_tp", 1) == 1),
+    ]
+    for name, value, ok in checks:
+        if not ok:
+            raise UnsupportedModel(f"{name}={value!r}: the lean Llama engine does not implement it (use the transformers adapter, verify.hf.HFTarget)")
+
+
+def half_rotary_table(inv_freq: Tensor, length: int) -> tuple[Tensor, Tensor]:
+    """cos, sin (length, dim_head) for rotary on the two halves of a head, with the sign of the swap in sin:
+    rotary(x) = x * cos + swap_halves(x) * sin, swap_halves(x1, x2) = (x2, x1)."""
+    freqs = torch.outer(torch.arange(length, device=inv_freq.device, dtype=torch.float32), inv_freq.float())
+    return torch.cat((freqs.cos(), freqs.cos()), dim=-1), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+
+
+def _rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + torch.cat(x.chunk(2, dim=-1)[::-1], dim=-1) * sin
+
+
+def _attend_grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """q (b, h, n, dh) over k, v (b, g, S, dh), g kv heads shared by h / g query heads each, under mask
+    (b, 1, n, S): the queries of a group stack along n, so one matmul per group and no key is copied."""
+    b, h, n, _ = q.shape
+    q = rearrange(q, "b (g r) n d -> b g (r n) d", g=k.shape[1])
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (b, g, r n, S)
+    out = torch.matmul(scores.masked_fill(~mask.repeat(1, 1, h // k.shape[1], 1), float("-inf")).softmax(dim=-1), v)
+    return rearrange(out, "b g (r n) d -> b (g r) n d", n=n)
+
+
+class LlamaDecoder(LeanDecoder):
+    """The blocks of a transformers LlamaModel as fused tensors; the interface of `LeanDecoder`."""
+
+    def __init__(self, model: nn.Module):  # model: the LlamaModel (HFBase.hf.model)
+        config = model.config
+        _check_config(config)
+        self.blocks = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            w = torch.cat([p.weight for p in projections]).detach()
+            b = None if attn.q_proj.bias is None else torch.cat([p.bias for p in projections]).detach()
+            out_bias = None if attn.o_proj.bias is None else attn.o_proj.bias.detach()
+            self.blocks.append(("a", (layer.input_layernorm.weight.detach(), w, b, attn.o_proj.weight.detach(), out_bias)))
+            gate_up = torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)).detach()  # (2 hidden, d): one matmul
+            self.blocks.append(("f", (layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.weight.detach())))
+        self.depth = block_depth([kind for kind, _ in self.blocks])
+        self.final_gain = model.norm.weight.detach()
+        self.eps = config.rms_norm_eps
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.dim_head = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scale = self.dim_head ** -0.5
+        self.inv_freq = model.rotary_emb.inv_freq.detach()
+        self.dim = config.hidden_size
+        self.step, self.compiled = self.forward, False
+        self.dtype = self.final_gain.dtype
+        self.cos = self.sin = None
+        self._table(1)
+
+    def new_cache(self, batch: int, capacity: int, *, device: torch.device | None = None,
+                  layers: int | None = None) -> StaticCache:
+        """Keys and values are cached for the kv heads only."""
+        device = device if device is not None else self.inv_freq.device
+        return StaticCache(layers=self.num_layers if layers is None else layers, batch=batch, heads=self.kv_heads,
+                           dim_head=self.dim_head, capacity=capacity, device=device, dtype=self.dtype)
+
+    def _table(self, length: int) -> tuple[Tensor, Tensor]:
+        if self.cos is None or self.cos.shape[0] < length:  # grown by doubling, outside any compiled step
+            size = max(length, 2 * (0 if self.cos is None else self.cos.shape[0]))
+            self.cos, self.sin = (t.to(self.dtype) for t in half_rotary_table(self.inv_freq, size))
+        return self.cos, self.sin
+
+    def forward(self, x: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, pos: Tensor | None,
+                allow: Tensor | None, layers: tuple[int, ...] = (), blocks: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """As `LeanDecoder.forward`: writes keys/values at slots start (b,) + [0, n), returns hidden (b, n, d)."""
+        n, capacity = x.shape[1], k_buf[0].shape[2]
+        slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
+        pos = slots if pos is None else pos
+        cos, sin = (rearrange(t[pos], "b n r -> b 1 n r") for t in self._table(capacity))
+        mask = visibility(start, n, allow, capacity)  # (b, 1, n, S)
+        q_width, kv_width = self.heads * self.dim_head, self.kv_heads * self.dim_head
+        layer, saved = 0, {}
+        ends = {2 * i - 1: i for i in layers}
+        for index, (kind, w) in enumerate(self.blocks if blocks is None else self.blocks[: 2 * blocks]):
+            h = F.rms_norm(x, (self.dim,), w[0], self.eps)
+            if kind == "a":
+                q, k, v = F.linear(h, w[1], w[2]).split((q_width, kv_width, kv_width), dim=-1)
+                q = _rotate_halves(rearrange(q, "b n (h d) -> b h n d", h=self.heads), cos, sin)
+                k = _rotate_halves(rearrange(k, "b n (h d) -> b h n d", h=self.kv_heads), cos, sin)
+                k_all, v_all = write_kv(k_buf[layer], v_buf[layer], k, rearrange(v, "b n (h d) -> b h n d", h=self.kv_heads), slots)
+                attended = _attend_grouped(q, k_all, v_all, mask, self.scale)
+                x = x + F.linear(rearrange(attended, "b h n d -> b n (h d)"), w[3], w[4])
+                layer += 1
+            else:
+                gate, up = F.linear(h, w[1]).chunk(2, dim=-1)
+                x = x + F.linear(F.silu(gate) * up, w[2])
+            if index in ends:
+                saved[ends[index]] = x
+        if blocks is not None:
+            return x
+        hidden = F.rms_norm(x, (self.dim,), self.final_gain, self.eps)
+        if not layers:
+            return hidden
+        return hidden, torch.stack([saved[i] for i in layers], dim=2)
+
+
+class LeanLlama(LeanLM):
+    """An HFBase around a LlamaForCausalLM on the lean engine: the interface of `LeanLM`."""
+
+    def __init__(self, base: nn.Module, vocab: Tensor | None = None):
+        model = base.hf
+        if type(model).__name__ != "LlamaForCausalLM":
+            raise UnsupportedModel(f"{type(model).__name__}: the lean engine runs LlamaForCausalLM (others go through verify.hf.HFTarget)")
+        self.decoder = LlamaDecoder(model.model)
+        self.embedding = model.model.embed_tokens.weight.detach()
+        self.vocab = vocab
+        head = model.lm_head
+        self.head_weight = head.weight.detach() if vocab is None else head.weight.detach()[vocab]
+        self.head_bias = None if head.bias is None else (head.bias.detach() if vocab is None else head.bias.detach()[vocab])
+        self.vocab_size, self.max_seq_len = base.num_tokens, base.max_seq_len
+        self.step, self.compiled = self.forward, False
