@@ -39,7 +39,7 @@ from experiments.prompts import heldout_prompts
 from experiments.train_base import resolve_device
 from verify.draft_model import DraftModelDrafter
 from verify.hf import HFBase
-from verify.plain import plain_generate
+from verify.plain import Generation, plain_generate
 from verify.prompt_lookup import PromptLookupDrafter
 from verify.speculative import SpecConfig, speculative_generate
 from verify.target import ENGINES, make_target
@@ -112,26 +112,30 @@ def theirs(base: HFBase, assistant: HFBase, pair: str, prompts: list[list[int]],
     return out[:, ids.shape[1]:].tolist()
 
 
-def ours(base: HFBase, assistant: HFBase, pair: str, prompts: list[list[int]], cfg: DictConfig, setting: dict) -> list[list[int]]:
+def ours(base: HFBase, assistant: HFBase, pair: str, prompts: list[list[int]], cfg: DictConfig, setting: dict) -> Generation:
     """Our decoding of a batch: plain, or the one speculative loop with the assistant or prompt lookup."""
     target = make_target(base, engine=setting["engine"], compile=setting["compile"], widths=(1, cfg.gamma + 1))
     if pair == "plain":
-        return plain_generate(target, prompts, max_new_tokens=cfg.max_new_tokens).tokens
+        return plain_generate(target, prompts, max_new_tokens=cfg.max_new_tokens)
     if pair == "draft":  # the assistant runs on the same engine as the target
         drafter = DraftModelDrafter(assistant, compile=setting["compile"], engine=setting["engine"])
     else:
         drafter = PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
-    return speculative_generate(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens, spec=SpecConfig(gamma=cfg.gamma)).tokens
+    return speculative_generate(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens, spec=SpecConfig(gamma=cfg.gamma))
 
 
 def run(fn, batches: list[list[list[int]]], counter: ForwardCounter) -> dict[str, Any]:
     """Decode every batch with fn: tokens, seconds, new tokens and row-forwards (a target forward serves
-    every row of its batch; rows run to max_new_tokens together, there is no EOS stop)."""
+    every row of its batch). Our loops count their own forwards per row; transformers' are counted on the
+    target's backbone, times the batch's rows (they run to max_new_tokens together: there is no EOS stop)."""
     start, tokens, row_forwards = time.perf_counter(), [], 0
     for batch in batches:
         calls = counter.calls
-        tokens += fn(batch)
-        row_forwards += (counter.calls - calls) * len(batch)
+        out = fn(batch)
+        if isinstance(out, Generation):
+            tokens, row_forwards = tokens + out.tokens, row_forwards + int(out.stats.forwards.sum())
+        else:
+            tokens, row_forwards = tokens + out, row_forwards + (counter.calls - calls) * len(batch)
     seconds = time.perf_counter() - start
     return dict(tokens=tokens, seconds=seconds, row_forwards=row_forwards, new=sum(len(t) for t in tokens))
 

@@ -105,6 +105,8 @@ def test_peer_benchmark_end_to_end(llama_base, hf_dir, cache_dir, tmp_path):
     # The assistant is the base itself: every draft token is accepted, on both sides.
     draft = {r["name"]: r["tau"] for r in result["rows"] if r["batch_size"] == 1 and r["pair"] == "draft"}
     assert min(draft["ours[lean]/draft"], draft["ours[hf]/draft"], draft["transformers/draft/same_gamma"]) > 1.5
+    assert all(1.0 <= r["tau"] <= 5.0 for r in result["rows"])  # at most gamma + 1 tokens per target forward
+    assert all(r["tau"] == 1.0 for r in result["rows"] if r["pair"] == "plain")
     assert {(s["ours"], s["batch_size"]) for s in out["summary"]} == \
         {(f"ours[{e}]/{p}", b) for e in ("lean", "hf") for p in peer_mod.PAIRS for b in (1, 2)}
     assert "| 1 | ours[lean]/plain |" in (tmp_path / "results.md").read_text()
