@@ -161,8 +161,9 @@ def bench_batch(cfg: DictConfig, base: HFBase, assistant: HFBase, prompts: list[
     named = contenders(cfg, base, assistant)
     if batch_size > 1:  # transformers' assisted generation and prompt lookup refuse batches; say so, keep plain
         named = {n: c for n, c in named.items() if n.startswith("ours") or n == "transformers/plain/defaults"}
+    shapes = list({len(b): b for b in batches}.values())  # one batch of each size: a compiled step per shape
     for name, (_, fn) in named.items():
-        run(fn, batches[:1], counter)  # warm-up
+        run(fn, shapes, counter)  # warm-up (compiles)
     rounds: dict[str, list[dict]] = {name: [] for name in named}
     for r in range(cfg.repeats):
         order = list(named) if r % 2 == 0 else list(reversed(named))  # neither side always runs on a warmer machine
