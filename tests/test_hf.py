@@ -219,6 +219,18 @@ def test_the_lean_llama_engine_equals_the_transformers_forward(config):
                                hf_target.extend(tokens, parents=parents).logits, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
+def test_compiled_lean_llama_decodes_what_transformers_generates(base_and_reference):
+    base, reference, engine = base_and_reference
+    if engine != "lean":
+        pytest.skip("compiling is the lean engine's")
+    target = make_target(base, compile=True, widths=(1, 4))
+    assert plain_generate(target, PROMPTS, max_new_tokens=NEW_TOKENS).tokens == reference
+    out = speculative_generate(target, DraftModelDrafter(perturbed(base), compile=True), PROMPTS, max_new_tokens=NEW_TOKENS,
+                               spec=SpecConfig(gamma=3))
+    assert out.tokens == reference
+
+
 def test_a_saved_model_loads_from_its_directory(tmp_path):
     base = llama()
     base.hf.save_pretrained(tmp_path)  # config.json + model.safetensors

@@ -1,7 +1,9 @@
 """An independent small draft model (Leviathan et al., Chen et al.): a smaller LM on the target's
 tokenizer drafts gamma tokens autoregressively with its own KV cache.
 
-Cache discipline: the draft LM is a `Target` too, so it has the one cache owner and the one rollback.
+Cache discipline: the draft LM is a target too (`verify.target.make_target`: the lean engine, or for a
+Hugging Face model that only transformers runs, verify.hf's adapter), so it has the one cache owner and
+the one rollback.
 After a step its cache holds everything up to, but not including, the last accepted token; the two
 uncached tokens (that token and the new pending one) open the next draft forward. No token that is
 still in the cache is ever fed again, and no rejected token stays in it.

@@ -2,8 +2,9 @@
 one forward, roll it back per row.
 
 Convention shared with the decode loops: the last emitted token of a row is *pending*, not yet in the
-cache; the next `extend` starts with it. The forward runs on the lean engine (verify/engine.py) over a
-static cache (verify/cache.py); nothing outside these three files knows x-transformers is underneath.
+cache; the next `extend` starts with it. The forward runs on the lean engine over a static cache
+(verify/cache.py): verify/engine.py for x-transformers LMs, verify/lean_llama.py for a Hugging Face Llama.
+`make_target` picks the engine; verify/hf.py is the target for other Hugging Face causal LMs.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def make_target(model: nn.Module, *, engine: str = "auto", **kwargs) -> "Target"
 
 
 class Target:
-    """A frozen causal LM (x-transformers TransformerWrapper with rotary positions) plus its KV cache.
+    """A frozen causal LM (an x-transformers TransformerWrapper with rotary positions, or an HFBase around a
+    transformers Llama) plus its KV cache.
 
     `vocab` (ids (N,)) makes every output's logits (b, n, N) over that subset: for a draft model.
     `max_draft` is the widest extend the cache makes room for beyond max_seq_len (a wider one grows it).
