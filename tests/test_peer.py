@@ -82,12 +82,26 @@ def test_a_save_pretrained_directory_loads_with_its_own_tokenizer(llama_base, hf
     assert torch.equal(own.train_ids, trained.train_ids) and own.eos_id == trained.eos_id
 
 
-def test_a_drafter_trains_on_an_hf_directory_base(hf_dir, cache_dir, tmp_path):
-    cfg = make_cfg("train_drafter", "drafter=medusa", f"base_checkpoint={hf_dir}", *DATA, "logger=none", "max_steps=2",
-                   "eval_every=2", "eval_blocks=2", "batch_size=2", "seq_len=32", "optim.warmup_steps=1",
-                   "features.use=false", f"data.cache_dir={cache_dir}", f"out_dir={tmp_path}")
-    result = train_drafter.train(cfg)
+def drafter_on(base: Path, family: str, cache_dir: str, out_dir: Path, *overrides: str):
+    return make_cfg("train_drafter", f"drafter={family}", f"base_checkpoint={base}", *DATA, "logger=none", "max_steps=2",
+                    "eval_every=2", "eval_blocks=2", "batch_size=2", "seq_len=32", "optim.warmup_steps=1",
+                    "features.use=false", f"data.cache_dir={cache_dir}", f"out_dir={out_dir}", *overrides)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("medusa", []), ("sequential", []),
+    ("prophet", ["drafter.module.dim=32", "drafter.module.heads=2", "drafter.module.fuse_layers=[1]"]),
+    ("draft", ["drafter.module.dim=32", "drafter.module.depth=1", "drafter.module.heads=2"]),
+])
+def test_every_drafter_family_trains_on_an_hf_directory_base(family, overrides, hf_dir, cache_dir, tmp_path):
+    result = train_drafter.train(drafter_on(hf_dir, family, cache_dir, tmp_path, *overrides))
     assert result["step"] == 2 and Path(result["checkpoint"]).is_dir()
+
+
+def test_early_exit_on_an_hf_base_is_refused_in_one_line(hf_dir, cache_dir, tmp_path):
+    with pytest.raises(ValueError, match="early exit needs an x-transformers base") as excinfo:
+        train_drafter.train(drafter_on(hf_dir, "early_exit", cache_dir, tmp_path, "drafter.module.layer=1"))
+    assert "\n" not in str(excinfo.value)
 
 
 def test_peer_benchmark_end_to_end(llama_base, hf_dir, cache_dir, tmp_path):
