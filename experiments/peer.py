@@ -65,6 +65,8 @@ def check_config(cfg: DictConfig) -> None:
                            for s in settings):
         raise ValueError(f"ours={OmegaConf.to_container(cfg.ours)!r}: must be a non-empty list of {{engine: "
                          f"{'|'.join(ENGINES)}, compile: true|false}}")
+    if any(s["engine"] == "hf" and s["compile"] for s in settings):
+        raise ValueError("ours: {engine: hf, compile: true}: the transformers adapter runs eager only; compile the lean engine")
 
 
 def load_pair(cfg: DictConfig, device: torch.device) -> tuple[HFBase, HFBase, Any, dict, str]:

@@ -131,6 +131,7 @@ def test_peer_benchmark_end_to_end(llama_base, hf_dir, cache_dir, tmp_path):
     ("batch_sizes=[]", r"batch_sizes=\[\]: must be a non-empty list"),
     ("max_new_tokens=true", r"max_new_tokens=True: must be an integer >= 1"),
     ("prompt_lookup.min_ngram=4", r"min_ngram=4, max_ngram=3"),
+    ("ours=[{engine:hf,compile:true}]", r"the transformers adapter runs eager only"),
     ("ours=[{engine:fast,compile:false}]", r"ours=\[\{'engine': 'fast', 'compile': False\}\]: must be a non-empty list"),
 ])
 def test_peer_settings_fail_before_any_model_loads(override, match, tmp_path):
