@@ -145,7 +145,7 @@ def test_numerical_check_catches_what_structure_misses():
     with torch.no_grad():
         lm.to_logits.weight.add_(1.0)  # the engine shares this weight: give it another one, so only the reference moves
         engine.head_weight = torch.randn(101, 64)
-        with pytest.raises(UnsupportedModel, match="differs from the x-transformers forward"):
+        with pytest.raises(UnsupportedModel, match="differs from the model.s own forward"):
             check_against_reference(lm, engine)
 
 

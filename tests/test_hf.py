@@ -220,10 +220,9 @@ def test_the_lean_llama_engine_equals_the_transformers_forward(config):
 
 
 @pytest.mark.slow
-def test_compiled_lean_llama_decodes_what_transformers_generates(base_and_reference):
-    base, reference, engine = base_and_reference
-    if engine != "lean":
-        pytest.skip("compiling is the lean engine's")
+def test_compiled_lean_llama_decodes_what_transformers_generates():
+    base = llama()
+    reference = [hf_greedy(base, p) for p in PROMPTS]
     target = make_target(base, compile=True, widths=(1, 4))
     assert plain_generate(target, PROMPTS, max_new_tokens=NEW_TOKENS).tokens == reference
     out = speculative_generate(target, DraftModelDrafter(perturbed(base), compile=True), PROMPTS, max_new_tokens=NEW_TOKENS,

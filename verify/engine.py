@@ -354,10 +354,10 @@ def _weights_version(params: tuple[Tensor, ...]) -> int:
 
 
 def lean(module: nn.Module, build=None, *, compile: bool = False, vocab: Tensor | None = None):
-    """The lean engine of `module` (a TransformerWrapper, an HFBase around a Llama, or AttentionLayers with
-    `build=LeanDecoder`),
-    built once and rebuilt only when its parameters changed in place (optimizer steps, load_state_dict);
-    checked against the x-transformers forward. `vocab`: a LeanLM's output layer trimmed to these ids (see `LeanLM`).
+    """The lean engine of `module` (a TransformerWrapper, an HFBase around a transformers Llama, or
+    AttentionLayers with `build=LeanDecoder`), built once and rebuilt only when its parameters changed in
+    place (optimizer steps, load_state_dict); checked against the module's own forward. `vocab`: a LeanLM's
+    output layer trimmed to these ids (see `LeanLM`).
 
     compile=True: the engine's step goes through torch.compile with static shapes (one compiled
     program per input width; Inductor's on-disk cache makes a second process reuse them)."""
@@ -408,4 +408,4 @@ def check_against_reference(module: nn.Module, engine, *, tolerance: float = 1e-
         module.train(was_training)
     err = float((ref.float() - ours.float()).abs().max())
     if not err <= tolerance * max(1.0, float(ref.float().abs().max())):
-        raise UnsupportedModel(f"the lean engine differs from the x-transformers forward by {err:.2e}: the model uses an option it does not implement")
+        raise UnsupportedModel(f"the lean engine differs from the model's own forward by {err:.2e}: the model uses an option it does not implement")
