@@ -37,7 +37,7 @@ from experiments.data import load_tokenizer
 from experiments.lm import build_lm
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "fingerprint", "save_checkpoint", "load_checkpoint", "load_lm",
+    "Checkpoint", "CheckpointError", "fingerprint", "save_checkpoint", "load_checkpoint", "load_lm", "load_model",
     "checkpoint_exists",
 ]
 
@@ -321,16 +321,21 @@ def load_lm(
     directory (config.json, *.safetensors, tokenizer.json; no meta.json) loads too, as an HFBase."""
     if _is_hf_directory(Path(directory)):
         return _load_hf(Path(directory), device)
+    model, meta = load_model(directory, build_lm, device=device)
+    if meta["tokenizer"] is None:
+        raise CheckpointError(f"checkpoint {directory} has no tokenizer")
+    return model, Tokenizer.from_str(meta["tokenizer"]), meta
+
+
+def load_model(directory: str | Path, build, *, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Rebuild a model from its checkpoint with `build(**meta["model_config"])`: (model in eval mode, meta)."""
     ckpt = load_checkpoint(directory)
-    model = build_lm(**ckpt.meta["model_config"])
+    model = build(**ckpt.meta["model_config"])
     try:
         model.load_state_dict(ckpt.state_dict, strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"checkpoint {directory} does not fit its model config: {_one_line(e)}") from None
-    if ckpt.meta["tokenizer"] is None:
-        raise CheckpointError(f"checkpoint {directory} has no tokenizer")
-    tokenizer = Tokenizer.from_str(ckpt.meta["tokenizer"])
-    return model.to(device).eval(), tokenizer, ckpt.meta
+    return model.to(device).eval(), ckpt.meta
 
 
 def _is_hf_directory(directory: Path) -> bool:

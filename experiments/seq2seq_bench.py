@@ -13,7 +13,6 @@ token against plain decoding.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from experiments.calibrate import cpu_model
 from experiments.report import repeated_ngram_share
 from experiments.seq2seq_data import Pairs
 from verify.plain import plain_generate
@@ -77,7 +77,7 @@ def benchmark(target_model: nn.Module, draft_model: nn.Module, val: Pairs, cfg: 
         rows += [_row(method, float(temperature), runs, sources) for method in METHODS]
     result = {"rows": rows, "sources": len(sources), "gamma": cfg.bench.gamma, "ngram": cfg.bench.ngram,
               "max_new_tokens": cfg.bench.max_new_tokens, "repeats": cfg.bench.repeats, "batch": cfg.bench.batch,
-              "threads": torch.get_num_threads(), "cpu": _cpu_name(), "engine": "lean eager fp32"}
+              "threads": torch.get_num_threads(), "cpu": cpu_model(), "engine": "lean eager fp32"}
     (out_dir / "results.json").write_text(json.dumps(result, indent=1))
     (out_dir / "results.md").write_text(_markdown(result))
     return result
@@ -113,13 +113,3 @@ def _markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {r['temperature']:g} | {r['method']} | {r['tokens']} | {r['rep4']:.2f} | {r['tau']:.2f} | {alpha} | "
                      f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['draft_share']:.0%} | {same} |")
     return "\n".join(lines) + "\n"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"

@@ -28,7 +28,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from x_transformers import XTransformer
 
-from experiments.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from experiments.checkpoint import load_model, save_checkpoint
 from experiments.cli import exit_on_user_error
 from experiments.data import prepare_data
 from experiments.seq2seq_data import Pairs, pad_batch, seq2seq_pairs
@@ -161,13 +161,7 @@ def train_model(name: str, cfg: DictConfig, config: dict[str, Any], train: Pairs
 
 def load_seq2seq(directory: Path, device: torch.device) -> tuple[XTransformer, dict[str, Any]]:
     """Rebuild a model saved by this entry point: (model in eval mode, meta)."""
-    ckpt = load_checkpoint(directory)
-    model = build_seq2seq(**ckpt.meta["model_config"])
-    try:
-        model.load_state_dict(ckpt.state_dict, strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"checkpoint {directory} does not fit its model config: {' '.join(str(e).split())}") from None
-    return model.to(device).eval(), ckpt.meta
+    return load_model(directory, build_seq2seq, device=device)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:

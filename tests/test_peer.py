@@ -24,16 +24,9 @@ from verify.hf import HFBase  # noqa: E402
 LLAMA = ["base=llama_small", "base.dim=32", "base.depth=2", "base.heads=2", "base.kv_heads=1", *DATA, "logger=none",
          "max_steps=6", "optim.warmup_steps=1", "batch_size=4", "seq_len=64", "eval_blocks=2", "eval_every=6",
          "checkpoint_every=6"]
+pytestmark = pytest.mark.usefixtures("one_thread")
 PEER = ["prompts.num_prompts=2", "prompts.prompt_len=8", "max_new_tokens=8", "repeats=1", "batch_sizes=[1,2]", "threads=1",
         "ours=[{engine:lean,compile:false},{engine:hf,compile:false}]"]  # eager: compiling is for the real run
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

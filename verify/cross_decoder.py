@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from verify.cache import StaticCache, visibility, write_kv
 from verify.engine import (
     _LAYERS_OFF, UnsupportedModel, _attend, _bias, _check_attention, _feedforward_weights, _layer_norm_weight,
-    _require, _rotate, rotary_table,
+    _require, _rotate, pre_norm_blocks, rotary_table,
 )
 
 
@@ -40,32 +40,18 @@ class LeanCrossDecoder:
 
     def __init__(self, layers: nn.Module, *, where: str = "decoder"):
         _require(layers, {**_LAYERS_OFF, "cross_attend": True}, where)
-        if not getattr(layers, "causal", False):
-            raise UnsupportedModel(f"{where}.causal=False: a decoder must be causal")
-        rotary = getattr(layers, "rotary_pos_emb", None)
-        if rotary is None or rotary.scale is not None or rotary.interpolation_factor != 1:
-            raise UnsupportedModel(f"{where}: the lean engine needs plain rotary positions (rotary_pos_emb=True, no xpos, no interpolation)")
-        if tuple(layers.layers_execute_order) != tuple(range(len(layers.layers))):
-            raise UnsupportedModel(f"{where}: custom layer execution orders are not implemented by the lean engine")
         self.blocks: list[tuple[str, tuple]] = []
-        for i, (kind, (norms, module, residual)) in enumerate(zip(layers.layer_types, layers.layers)):
-            here = f"{where}.layers[{i}]"
-            if norms[1] is not None or norms[2] is not None or type(residual).__name__ != "Residual":
-                raise UnsupportedModel(f"{here}: the lean engine implements pre-norm residual blocks only")
-            _require(residual, dict(residual_scale=None, scale_residual_constant=1.0), here)
-            gain = _layer_norm_weight(norms[0], here + ".norm")
-            if kind in ("a", "c"):
-                self.blocks.append((kind, (gain, *self._attention(module, here, cross=kind == "c"))))
-            elif kind == "f":
+        for kind, gain, module, here in pre_norm_blocks(layers, where, kinds=("a", "c", "f")):
+            if kind == "f":
                 self.blocks.append(("f", (gain, *_feedforward_weights(module, here))))
             else:
-                raise UnsupportedModel(f"{here}: layer type {kind!r}; the lean engine implements 'a', 'c' and 'f' only")
+                self.blocks.append((kind, (gain, *self._attention(module, here, cross=kind == "c"))))
         kinds = [kind for kind, _ in self.blocks]
         if "a" not in kinds or "c" not in kinds:
             raise UnsupportedModel(f"{where} needs self-attention and cross-attention layers, has {''.join(kinds)!r}")
         final = layers.final_norm
         self.final_gain = None if type(final).__name__ == "Identity" else _layer_norm_weight(final, where + ".final_norm")
-        self.inv_freq = rotary.inv_freq.detach()
+        self.inv_freq = layers.rotary_pos_emb.inv_freq.detach()
         self.dim = layers.dim
         self.dtype = self.blocks[0][1][0].dtype
         self.cos = self.sin = None

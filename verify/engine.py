@@ -150,38 +150,47 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tens
     return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(dim=-1), v)
 
 
+def pre_norm_blocks(layers: nn.Module, where: str, *, kinds: tuple[str, ...]) -> list[tuple[str, Tensor, nn.Module, str]]:
+    """The structural checks every lean decoder makes of x-transformers AttentionLayers (causal, plain
+    rotary positions, the default execution order, pre-norm residual blocks of `kinds` only) ->
+    (kind, norm gain, module, its name) per layer."""
+    if not getattr(layers, "causal", False):
+        raise UnsupportedModel(f"{where}.causal=False: the lean engine runs causal decoders only")
+    rotary = getattr(layers, "rotary_pos_emb", None)
+    if rotary is None or rotary.scale is not None or rotary.interpolation_factor != 1:
+        raise UnsupportedModel(f"{where}: the lean engine needs plain rotary positions (rotary_pos_emb=True, no xpos, no interpolation)")
+    if tuple(layers.layers_execute_order) != tuple(range(len(layers.layers))):
+        raise UnsupportedModel(f"{where}: custom layer execution orders are not implemented by the lean engine")
+    blocks = []
+    for i, (kind, (norms, module, residual)) in enumerate(zip(layers.layer_types, layers.layers)):
+        here = f"{where}.layers[{i}]"
+        if norms[1] is not None or norms[2] is not None or type(residual).__name__ != "Residual":
+            raise UnsupportedModel(f"{here}: the lean engine implements pre-norm residual blocks only")
+        _require(residual, dict(residual_scale=None, scale_residual_constant=1.0), here)
+        if kind not in kinds:
+            raise UnsupportedModel(f"{here}: layer type {kind!r}; the lean engine implements {', '.join(map(repr, kinds))} only")
+        blocks.append((kind, _layer_norm_weight(norms[0], here + ".norm"), module, here))
+    return blocks
+
+
 class LeanDecoder:
     """The layers of an x-transformers decoder as fused tensors: inputs (b, n, d) -> hidden (b, n, d) after the
     final norm, and on request the residual states after chosen blocks (`check_layers` says what layer i is)."""
 
     def __init__(self, layers: nn.Module, *, where: str = "decoder"):
         _require(layers, _LAYERS_OFF, where)
-        if not getattr(layers, "causal", False):
-            raise UnsupportedModel(f"{where}.causal=False: the lean engine runs causal decoders only")
-        rotary = getattr(layers, "rotary_pos_emb", None)
-        if rotary is None or rotary.scale is not None or rotary.interpolation_factor != 1:
-            raise UnsupportedModel(f"{where}: the lean engine needs plain rotary positions (rotary_pos_emb=True, no xpos, no interpolation)")
-        if tuple(layers.layers_execute_order) != tuple(range(len(layers.layers))):
-            raise UnsupportedModel(f"{where}: custom layer execution orders are not implemented by the lean engine")
         self.blocks: list[tuple[str, tuple]] = []
-        for i, (kind, (norms, module, residual)) in enumerate(zip(layers.layer_types, layers.layers)):
-            here = f"{where}.layers[{i}]"
-            if norms[1] is not None or norms[2] is not None or type(residual).__name__ != "Residual":
-                raise UnsupportedModel(f"{here}: the lean engine implements pre-norm residual blocks only")
-            _require(residual, dict(residual_scale=None, scale_residual_constant=1.0), here)
-            gain = _layer_norm_weight(norms[0], here + ".norm")
+        for kind, gain, module, here in pre_norm_blocks(layers, where, kinds=("a", "f")):
             if kind == "a":
                 self.blocks.append(("a", (gain, *self._attention(module, here))))
-            elif kind == "f":
-                self.blocks.append(("f", (gain, *_feedforward_weights(module, here))))
             else:
-                raise UnsupportedModel(f"{here}: layer type {kind!r}; the lean engine implements 'a' and 'f' only")
+                self.blocks.append(("f", (gain, *_feedforward_weights(module, here))))
         if not self.num_layers:
             raise UnsupportedModel(f"{where} has no attention layer")
         self.depth = block_depth([kind for kind, _ in self.blocks])  # None: no layer states to give
         final = layers.final_norm
         self.final_gain = None if type(final).__name__ == "Identity" else _layer_norm_weight(final, where + ".final_norm")
-        self.inv_freq = rotary.inv_freq.detach()
+        self.inv_freq = layers.rotary_pos_emb.inv_freq.detach()
         self.dim = layers.dim
         self.step, self.compiled = self.forward, False  # or its compiled version (`lean(..., compile=True)`)
         self.dtype = self.blocks[0][1][0].dtype  # the first block's norm gain: the model's dtype
