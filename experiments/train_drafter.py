@@ -10,8 +10,11 @@ loss(module, base, batch, *, vocab, **loss) -> (loss, metrics), evaluate(module,
 -> metrics, and drafter(module, base, **decode). `batch` is a FeatureBatch (experiments/features.py): the
 tokens and the frozen base's outputs on them, read from the feature cache (written on first use; the base
 never runs during training) or, with features.use=false, computed by the base on every step.
-This file owns everything else: the optimiser, precision, validation, logging and checkpoints.
-A drafter checkpoint records the base's fingerprint; `load_drafter` refuses any other base.
+The loop (optimiser, schedule, precision, periodic checkpoints and exact resume, DDP under torchrun) is
+experiments/training.py's, shared with the base; this file supplies the drafter's loss, batches and
+validation. A drafter checkpoint records the base's fingerprint; `load_drafter` refuses any other base.
+
+    torchrun --standalone --nproc_per_node 2 -m experiments.train_drafter drafter=medusa base_checkpoint=...
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import logging
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -31,14 +35,17 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from experiments import draft_family, exit_family
-from experiments.checkpoint import CheckpointError, load_checkpoint, load_lm, save_checkpoint
+from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, load_lm, save_checkpoint
 from experiments.cli import exit_on_user_error
 from experiments.data import prepare_data, token_counts
+from experiments.distributed import Dist, check_batch_divides, close_distributed, init_distributed, main_first, shard
 from experiments.features import FeatureBatch, check_features_config, feature_spec, open_features, teacher_batch
 from experiments.lm import count_parameters
-from experiments.precision import autocast, check_precision, resolve_precision
-from experiments.train_base import (
-    MetricsFile, _progress, _validate_optim, batch_for_step, lr_at, make_optimizer, resolve_device, validation_blocks,
+from experiments.precision import check_precision, resolve_precision
+from experiments.rundir import RunLock
+from experiments.training import (
+    LoopSettings, LoopState, TrainLoop, batch_for_step, check_loop_config, check_positive_int, check_recipe,
+    make_logger, make_optimizer, prepare_run_dir, require, resolve_device, validation_blocks,
 )
 from medusa import sequential_train as sequential_family, train as medusa_family
 from prophet import train as prophet_family
@@ -56,31 +63,32 @@ def drafter_family(name: str) -> ModuleType:
     return FAMILIES[name]
 
 
-def _positive_int(cfg: DictConfig, key: str, *, allow_null: bool = False) -> None:
-    value = cfg[key]
-    if allow_null and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} must be a positive integer{' or null' if allow_null else ''}, got {value!r}")
-
-
 def validate_config(cfg: DictConfig) -> None:
     """Checks that need no data or model, so a bad value fails at once with one line."""
     if OmegaConf.is_missing(cfg, "base_checkpoint") or cfg.base_checkpoint is None:
         raise ValueError("base_checkpoint is required: the directory of a trained base (experiments.train_base)")
-    for key in ("max_steps", "log_every", "eval_every", "eval_blocks"):
-        _positive_int(cfg, key)
     for key in ("batch_size", "vocab"):
-        _positive_int(cfg, key, allow_null=True)
-    _positive_int(cfg.drafter, "batch_size")
+        check_positive_int(cfg[key], key, allow_null=True)
+    check_positive_int(cfg.drafter.batch_size, "batch_size")
     if cfg.seq_len is not None and (not isinstance(cfg.seq_len, int) or isinstance(cfg.seq_len, bool) or cfg.seq_len < 2):
         raise ValueError(f"seq_len must be an integer >= 2 or null (the base's context), got {cfg.seq_len!r}")
-    if cfg.max_minutes is not None and not cfg.max_minutes > 0:
-        raise ValueError(f"max_minutes must be positive or null, got {cfg.max_minutes!r}")
+    check_loop_config(cfg)
     check_features_config(OmegaConf.to_container(cfg.features, resolve=True))
     check_precision(cfg.precision)
-    _validate_optim(cfg.optim, cfg.max_steps)
     drafter_family(cfg.drafter.package)
+
+
+def recipe(cfg: DictConfig, *, base_meta: dict, seq_len: int, batch_size: int) -> dict[str, Any]:
+    """What decides the drafter's weights (checked on resume): the base, the drafter config, data, batches,
+    optimizer, feature cache settings; not the budgets, not where caches live, not the number of processes."""
+    container = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
+    data, features = container(cfg.data), container(cfg.features)
+    data.pop("cache_dir", None)
+    for key in ("dir", "root"):
+        features.pop(key, None)
+    return {"base_fingerprint": base_meta["fingerprint"], "drafter": container(cfg.drafter), "seed": cfg.seed,
+            "seq_len": seq_len, "batch_size": batch_size, "vocab": cfg.vocab, "data": data, "features": features,
+            "optim": container(cfg.optim)}
 
 
 def load_drafter(directory: str | Path, base: nn.Module, base_meta: dict) -> tuple[nn.Module, ModuleType, dict]:
@@ -127,35 +135,54 @@ def validate(family: ModuleType, module: nn.Module, base: nn.Module, batches: li
     return {key: value / rows for key, value in totals.items()}
 
 
-def save(out_dir: Path, cfg: DictConfig, module: nn.Module, base_meta: dict, *, step: int, extra: dict) -> Path:
+def save(out_dir: Path, cfg: DictConfig, module: nn.Module, base_meta: dict, *, step: int, extra: dict,
+         optimizer: torch.optim.Optimizer | None = None) -> Path:
     config = {"package": cfg.drafter.package, "module": OmegaConf.to_container(cfg.drafter.module, resolve=True)}
     extra = {"kind": "drafter", "base_fingerprint": base_meta["fingerprint"], "base_checkpoint": str(cfg.base_checkpoint),
              "drafter": OmegaConf.to_container(cfg.drafter, resolve=True), **extra}
     return save_checkpoint(out_dir / "checkpoint", model=module, model_config=config, tokenizer_json=None,
-                           step=step, extra=extra)
+                           step=step, extra=extra, optimizer=optimizer)
+
+
+def resume(ckpt_dir: Path, cfg: DictConfig, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+           expected_recipe: dict) -> LoopState:
+    """Load the drafter, its optimizer and the loop state from `ckpt_dir`, after checking it is this run's."""
+    config = {"package": cfg.drafter.package, "module": OmegaConf.to_container(cfg.drafter.module, resolve=True)}
+    ckpt = load_checkpoint(ckpt_dir, expected_config=config)
+    require(ckpt.meta.get("kind") == "drafter", f"{ckpt_dir} is not a drafter checkpoint (kind={ckpt.meta.get('kind')!r})")
+    check_recipe(ckpt_dir, ckpt.meta.get("recipe"), expected_recipe)
+    require(ckpt.optimizer_state is not None, f"checkpoint {ckpt_dir} has no optimizer state to resume from")
+    module.load_state_dict(ckpt.state_dict, strict=True)
+    optimizer.load_state_dict(ckpt.optimizer_state)
+    log.info("resumed from %s at step %d", ckpt_dir, ckpt.meta["step"])
+    return LoopState.from_meta(ckpt.meta, "positions")
 
 
 class Batches:
     """Training batches: from the feature cache, or (features.use=false) from the base on every step."""
 
     def __init__(self, cfg: DictConfig, base: nn.Module, base_meta: dict, data, *, seq_len: int, batch_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, ctx: Dist) -> None:
         self.cfg, self.base, self.data, self.seq_len, self.batch_size, self.device = cfg, base, data, seq_len, batch_size, device
+        self.ctx = ctx
         self.layers, f = layers_needed(cfg), cfg.features
         self.cache, self.spec = None, None
         if f.use:
             self.spec = feature_spec(OmegaConf.to_container(f), base_meta=base_meta, data=data, seq_len=seq_len,
                                      layers=self.layers)
             started = time.perf_counter()
-            self.cache = open_features(base, data.train_ids, self.spec, directory=f.dir, root=f.root)
+            with main_first(ctx):  # rank 0 writes the cache; the others open it after
+                self.cache = open_features(base, data.train_ids, self.spec, directory=f.dir, root=f.root)
             self.cache_seconds = time.perf_counter() - started
 
     def __call__(self, step: int) -> FeatureBatch:
+        """This rank's rows of step `step`'s batch (all of it in a single process)."""
         if self.cache is not None:
-            return self.cache.sample(step=step, seed=self.cfg.seed, batch_size=self.batch_size).to(self.device)
+            batch = self.cache.sample(step=step, seed=self.cfg.seed, batch_size=self.batch_size)
+            return shard(batch, self.ctx).to(self.device)
         tokens = batch_for_step(self.data.train_ids, step=step, seed=self.cfg.seed, batch_size=self.batch_size,
                                 seq_len=self.seq_len, device=self.device)  # (B, T + 1)
-        return teacher_batch(self.base, tokens, layers=self.layers, top_k=self.cfg.features.top_k)
+        return teacher_batch(self.base, shard(tokens, self.ctx), layers=self.layers, top_k=self.cfg.features.top_k)
 
     def describe(self) -> dict[str, Any]:
         if self.cache is None:
@@ -165,14 +192,24 @@ class Batches:
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Train the configured drafter on the frozen base; return the final validation metrics."""
+    """Train (or resume) the configured drafter on the frozen base, alone or as one rank of torchrun."""
     validate_config(cfg)
+    ctx, device = init_distributed(resolve_device(cfg.device))
+    try:
+        check_batch_divides(cfg.batch_size or cfg.drafter.batch_size, ctx)
+        out_dir = prepare_run_dir(cfg.out_dir, ctx, device)
+        with RunLock(out_dir) if ctx.main else nullcontext():
+            return _train(cfg, ctx=ctx, device=device, out_dir=out_dir)
+    finally:
+        close_distributed()
+
+
+def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -> dict[str, Any]:
     family = drafter_family(cfg.drafter.package)
-    out_dir, device = Path(cfg.out_dir), resolve_device(cfg.device)
     precision = resolve_precision(cfg.precision, device)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same initial drafter on every rank
     base, tokenizer, base_meta = load_lm(cfg.base_checkpoint, device=str(device))
     base.requires_grad_(False)
     seq_len = cfg.seq_len if cfg.seq_len is not None else base.max_seq_len
@@ -182,76 +219,62 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     if (base_meta.get("data") or {}).get("tokenizer_path"):  # a Hugging Face directory brings its own tokenizer
         data_cfg["tokenizer"] = base_meta["data"]["tokenizer_path"]
-    data = prepare_data(**data_cfg)
+    with main_first(ctx):  # rank 0 tokenizes and caches the corpus; the others read its cache
+        data = prepare_data(**data_cfg)
     if data.tokenizer.to_str() != tokenizer.to_str():
         raise ValueError(f"data config gives another tokenizer than base {cfg.base_checkpoint}'s: use the base's data config")
-    out_dir.mkdir(parents=True, exist_ok=True)
     vocab = frequent_tokens(token_counts(data, base.num_tokens), cfg.vocab)
     vocab = None if vocab is None else vocab.to(device)
     log.info("precision %s (%s); training vocabulary %s", precision["used"], precision["reason"],
              "full" if vocab is None else f"the {vocab.numel()} most frequent training tokens")
-    batches = Batches(cfg, base, base_meta, data, seq_len=seq_len, batch_size=cfg.batch_size or cfg.drafter.batch_size,
-                      device=device)
-    blocks = validation_blocks(data.val_ids, seq_len=seq_len, eval_blocks=cfg.eval_blocks)
-    val_batches = [teacher_batch(base, chunk.to(device), layers=batches.layers, top_k=cfg.features.top_k)
-                   for chunk in blocks.split(16)]  # computed once: the base is frozen
+    batch_size = cfg.batch_size or cfg.drafter.batch_size
+    batches = Batches(cfg, base, base_meta, data, seq_len=seq_len, batch_size=batch_size, device=device, ctx=ctx)
+    val_batches = []
+    if ctx.main:  # only rank 0 validates; computed once: the base is frozen
+        blocks = validation_blocks(data.val_ids, seq_len=seq_len, eval_blocks=cfg.eval_blocks)
+        val_batches = [teacher_batch(base, chunk.to(device), layers=batches.layers, top_k=cfg.features.top_k)
+                       for chunk in blocks.split(16)]
     optimizer = make_optimizer(module, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
                                weight_decay=cfg.optim.weight_decay)
-    logger = instantiate(cfg.logger, dir=str(out_dir), run_config=OmegaConf.to_container(cfg, resolve=True),
-                         _convert_="all", _recursive_=False)
-    metrics_file = MetricsFile(out_dir / "metrics.jsonl", resume_step=0)
+    expected_recipe = recipe(cfg, base_meta=base_meta, seq_len=seq_len, batch_size=batch_size)
+    state = LoopState()
+    if cfg.resume and checkpoint_exists(out_dir / "checkpoint"):
+        state = resume(out_dir / "checkpoint", cfg, module=module, optimizer=optimizer, expected_recipe=expected_recipe)
     loss_kwargs = OmegaConf.to_container(cfg.drafter.loss, resolve=True)
-    budget_s = cfg.max_minutes * 60 if cfg.max_minutes is not None else float("inf")
-    start, step, val, train_s, positions = time.perf_counter(), 0, {}, 0.0, 0
 
-    def row(kind: str, values: dict) -> dict:
-        metrics_file.write({"kind": kind, "step": step, "elapsed_s": round(time.perf_counter() - start, 3), **values})
-        logger.log({f"{kind}/{k}": v for k, v in values.items()}, step=step)
-        return values
+    def save_fn(state: LoopState, metrics: dict, *, finished: bool, elapsed_s: float) -> Path:
+        extra = {"metrics": metrics, "precision": precision, "train_vocab": None if vocab is None else vocab.numel(),
+                 **batches.describe(), "positions_seen": state.units, "elapsed_s": elapsed_s,
+                 "positions_per_s": loop.units_per_s(), "recipe": expected_recipe, "finished": finished,
+                 "world_size": ctx.world}
+        return save(out_dir, cfg, module, base_meta, step=state.step, extra=extra, optimizer=optimizer)
 
+    logger = make_logger(cfg, out_dir, ctx)
+    loop = TrainLoop(
+        model=module, loss_fn=lambda m, b: family.loss(m, base, b, vocab=vocab, **loss_kwargs), batch_fn=batches,
+        count_fn=lambda b, metrics: int(metrics.get("positions", b.hidden.shape[0] * b.hidden.shape[1])),
+        validate_fn=lambda: validate(family, module, base, val_batches, vocab=vocab), save_fn=save_fn,
+        optimizer=optimizer, settings=LoopSettings.from_config(cfg), precision=precision["used"], device=device,
+        ctx=ctx, out_dir=out_dir, logger=logger, state=state, unit="positions",
+        after_backward=lambda: check_base_frozen(base))
     try:
-        with _progress() as progress:
-            task = progress.add_task("train", total=cfg.max_steps, info="")
-            while step < cfg.max_steps and time.perf_counter() - start < budget_s:
-                began, o = time.perf_counter(), cfg.optim
-                lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, max_steps=cfg.max_steps,
-                           time_fraction=(time.perf_counter() - start) / budget_s)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                batch = batches(step)
-                with autocast(precision["used"], device):
-                    loss, metrics = family.loss(module, base, batch, vocab=vocab, **loss_kwargs)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                check_base_frozen(base)
-                if o.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(module.parameters(), o.grad_clip)
-                optimizer.step()
-                step += 1
-                train_s += time.perf_counter() - began
-                positions += int(metrics.get("positions", batch.hidden.shape[0] * batch.hidden.shape[1]))
-                progress.update(task, completed=step, info=f"loss {loss.item():.3f}")
-                if step % cfg.log_every == 0:
-                    row("train", {"lr": lr, **metrics, "positions_per_s": positions / train_s})
-                if step % cfg.eval_every == 0:
-                    val = row("val", validate(family, module, base, val_batches, vocab=vocab))
-        if not val or step % cfg.eval_every != 0:
-            val = row("val", validate(family, module, base, val_batches, vocab=vocab))
-        speed = {"positions": positions, "positions_per_s": positions / train_s if train_s else None}
-        extra = {"metrics": val, "precision": precision, "train_vocab": None if vocab is None else vocab.numel(),
-                 **batches.describe(), **speed}
-        ckpt = save(out_dir, cfg, module, base_meta, step=step, extra=extra)
+        result = loop.run()
     finally:
         logger.finish()
-    return {"step": step, "elapsed_s": time.perf_counter() - start, "parameters": count_parameters(module),
-            "checkpoint": str(ckpt), "out_dir": str(out_dir), "precision": precision["used"], **speed,
-            **batches.describe(), **val}
+    val = {k: v for k, v in result["last_val"].items() if k not in ("kind", "step", "positions", "elapsed_s")}
+    return {"step": loop.state.step, "start_step": result["start_step"], "stopped_by": result["stopped_by"],
+            "elapsed_s": loop.elapsed(), "parameters": count_parameters(module), "checkpoint": str(out_dir / "checkpoint"),
+            "out_dir": str(out_dir), "precision": precision["used"], "positions": loop.state.units,
+            "positions_per_s": loop.units_per_s(), **batches.describe(), "world_size": ctx.world, "rank": ctx.rank,
+            "replica_fingerprints": result["replica_fingerprints"], **val}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train_drafter")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:
-    print(json.dumps(train(cfg)), file=sys.stdout)  # one JSON object last, for scripts
+    result = train(cfg)
+    if result["rank"] == 0:
+        print(json.dumps(result), file=sys.stdout)  # one JSON object last, for scripts
 
 
 if __name__ == "__main__":

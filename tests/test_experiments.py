@@ -252,7 +252,8 @@ def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path
     result, out_dir = drafters[family]["result"], drafters[family]["out_dir"]
     assert result["step"] == 4 and result["parameters"] > 0 and Path(result["out_dir"]) == out_dir
     about_the_run = {"step", "elapsed_s", "parameters", "checkpoint", "out_dir", "precision", "positions", "positions_per_s",
-                     "features", "feature_key", "feature_windows", "feature_source", "feature_seconds"}
+                     "features", "feature_key", "feature_windows", "feature_source", "feature_seconds",
+                     "start_step", "stopped_by", "world_size", "rank", "replica_fingerprints"}
     assert about_the_run <= set(result), result
     metric_keys = set(result) - about_the_run
     assert metric_keys and all(isinstance(result[k], float) for k in metric_keys), result

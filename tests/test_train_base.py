@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from experiments import precision, train_base
+from experiments import precision, train_base, training
 from experiments.checkpoint import load_checkpoint, load_lm
 from experiments.train_base import MetricsFile, lr_at, train
 
@@ -77,14 +77,14 @@ def test_crash_and_resume_equals_uninterrupted(tmp_path: Path, cache_dir: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     common = ["max_steps=16", "checkpoint_every=8", "eval_every=8"]
     clean = train(make_cfg(tmp_path / "clean", cache_dir, *common))
-    real_step = train_base.Trainer.train_one_step
+    real_step = training.TrainLoop.step
 
-    def crashing_step(self):
+    def crashing_step(self, elapsed):
         if self.state.step == 12:
             raise RuntimeError("killed")
-        return real_step(self)
+        return real_step(self, elapsed)
 
-    monkeypatch.setattr(train_base.Trainer, "train_one_step", crashing_step)
+    monkeypatch.setattr(training.TrainLoop, "step", crashing_step)
     with pytest.raises(RuntimeError, match="killed"):
         train(make_cfg(tmp_path / "crashed", cache_dir, *common))
     monkeypatch.undo()

@@ -1,0 +1,392 @@
+"""The one training loop, shared by the base LM and every drafter; the caller supplies the loss.
+
+`TrainLoop.run` owns what every training needs: the learning-rate schedule, precision (autocast), gradient
+accumulation, clipping, the optimizer step, validation, metrics.jsonl and the logger, periodic checkpoints
+and exact resume, time budgets, and DistributedDataParallel under torchrun (experiments/distributed.py).
+The caller (train_base, train_drafter) supplies the model being trained, `loss_fn(model, batch) -> (loss,
+metrics)`, `batch_fn(step)` (this rank's rows of the step's batch), `validate_fn()` and `save_fn`.
+
+Exact resume needs no loader or RNG state: the batch of step s is drawn from a generator seeded with
+(seed, s), and torch's global RNG is reseeded the same way before every step, so a resumed run retraces the
+uninterrupted one bit for bit (same machine, same threads). Budgets (max_steps, max_minutes) may change
+on resume: that is how a run is extended; anything else that changes the weights (the recipe) may not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch import Tensor, nn
+
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from experiments.checkpoint import CheckpointError, fingerprint
+from experiments.data import sample_batch
+from experiments.distributed import Dist, all_mean, broadcast_float, broadcast_text, gather_text, take_rows, wrap
+from experiments.loggers import NullLogger
+from experiments.precision import autocast
+from experiments.rundir import check_checkpoint_dir, check_writable
+
+log = logging.getLogger(__name__)
+SEED_STRIDE = 1_000_003  # seed * stride + step: distinct streams for every (seed, step) in practice
+
+
+# ------------------------------------------------------------------------------------------- settings
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_positive_int(value: Any, name: str, *, allow_null: bool = False) -> None:
+    if allow_null and value is None:
+        return
+    require(is_int(value) and value > 0, f"{name} must be a positive integer{' or null' if allow_null else ''}, got {value!r}")
+
+
+def check_optim(optim: Any, max_steps: int) -> None:
+    """One-line errors for the optim group (conf/optim/adamw.yaml) before any model is built."""
+    for key in ("lr", "min_lr", "eps", "weight_decay", "grad_clip"):
+        require(is_number(optim[key]), f"optim.{key} must be a number, got {optim[key]!r}")
+    require(optim.lr > 0, f"optim.lr must be positive, got {optim.lr}")
+    require(0 <= optim.min_lr <= optim.lr, f"optim.min_lr must lie in [0, optim.lr={optim.lr}], got {optim.min_lr}")
+    require(is_int(optim.warmup_steps) and optim.warmup_steps >= 0,
+            f"optim.warmup_steps must be a non-negative integer, got {optim.warmup_steps!r}")
+    require(optim.warmup_steps <= max_steps,
+            f"optim.warmup_steps ({optim.warmup_steps}) must not exceed max_steps ({max_steps})")
+    betas = list(optim.betas)
+    require(len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas),
+            f"optim.betas must be two numbers in [0, 1), got {betas}")
+    require(optim.eps > 0, f"optim.eps must be positive, got {optim.eps}")
+    require(optim.weight_decay >= 0, f"optim.weight_decay must be non-negative, got {optim.weight_decay}")
+    require(optim.grad_clip >= 0, f"optim.grad_clip must be non-negative (0 disables), got {optim.grad_clip}")
+
+
+def check_loop_config(cfg: Any) -> None:
+    """The loop's own settings, shared by every training entry point."""
+    for key in ("max_steps", "log_every", "eval_every", "eval_blocks", "checkpoint_every", "grad_accum"):
+        check_positive_int(cfg[key], key)
+    require(is_int(cfg.seed), f"seed must be an integer, got {cfg.seed!r}")
+    require(cfg.max_minutes is None or (is_number(cfg.max_minutes) and cfg.max_minutes > 0),
+            f"max_minutes must be positive or null, got {cfg.max_minutes!r}")
+    require(isinstance(cfg.resume, bool), f"resume must be true or false, got {cfg.resume!r}")
+    check_positive_int(cfg.threads, "threads", allow_null=True)
+    check_optim(cfg.optim, cfg.max_steps)
+    require(isinstance(cfg.device, str), f"device must be auto, cpu or cuda[:N], got {cfg.device!r}")
+    resolve_device(cfg.device)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}") from None
+    require(device.type != "cuda" or torch.cuda.is_available(), f"device={name!r} but CUDA is not available")
+    return device
+
+
+def check_recipe(directory: Path, found: dict[str, Any] | None, expected: dict[str, Any]) -> None:
+    """Resume only a checkpoint trained with the same recipe (seed, data, batch, optimizer, ...)."""
+    if found is None:
+        raise CheckpointError(f"checkpoint {directory} records no training recipe (written by an older version): "
+                              "it cannot be resumed exactly; use resume=false or another out_dir")
+    found, expected = json.loads(json.dumps(found)), json.loads(json.dumps(expected))  # tuples vs lists
+    diffs = [f"{k}: checkpoint {found.get(k, '<absent>')!r} vs now {expected.get(k, '<absent>')!r}"
+             for k in sorted(set(found) | set(expected)) if found.get(k, "<absent>") != expected.get(k, "<absent>")]
+    if diffs:
+        raise CheckpointError(f"checkpoint {directory} was trained with another recipe ({'; '.join(diffs)}): "
+                              "resuming would mix two runs; use resume=false or another out_dir")
+
+
+# ------------------------------------------------------------------------------------ optimisation parts
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int,
+          time_fraction: float = 0.0) -> float:
+    """Linear warm-up over warmup_steps (step 0 already gets lr / warmup_steps) times a cosine to min_lr.
+
+    The cosine follows whichever budget is further spent: the steps after warm-up, or wall time
+    (`time_fraction` = elapsed / max_minutes, 0 without a time budget), so a time-limited run still
+    ends annealed, even one whose budget runs out during warm-up."""
+    warmup = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    step_fraction = max(0, step - warmup_steps) / max(1, max_steps - warmup_steps)
+    progress = min(1.0, max(step_fraction, time_fraction))  # 0 -> 1
+    return warmup * (min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
+                   weight_decay: float) -> torch.optim.AdamW:
+    # Decay matrices (linear and embedding weights) only: decaying norm gains and biases pulls them to 0,
+    # which only hurts.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    # fused: one kernel per step instead of a dozen elementwise passes over every parameter (Medusa's heads
+    # train 8M parameters: the foreach AdamW cost 60 of 600 ms per step on one CPU thread, fused 10)
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused)
+
+
+def batch_for_step(ids: Tensor, *, step: int, seed: int, batch_size: int, seq_len: int,
+                   device: torch.device) -> Tensor:
+    """(B, T+1) random windows, a pure function of (seed, step): resuming needs no state."""
+    generator = torch.Generator().manual_seed(seed * SEED_STRIDE + step)
+    return sample_batch(ids, batch_size=batch_size, seq_len=seq_len, generator=generator, device=device)
+
+
+def validation_blocks(val_ids: Tensor, *, seq_len: int, eval_blocks: int) -> Tensor:
+    """(n, T+1) windows spread evenly over the whole validation stream, always the same ones.
+
+    Evenly spread rather than the first n: the stream is files in order, so the first blocks would be
+    a handful of files only."""
+    n_windows = (val_ids.numel() - 1) // seq_len
+    require(n_windows > 0, f"the validation split has {val_ids.numel()} tokens, fewer than seq_len + 1")
+    starts = torch.linspace(0, n_windows - 1, min(eval_blocks, n_windows)).round().long() * seq_len  # (n,)
+    return val_ids[starts[:, None] + torch.arange(seq_len + 1)].long()  # (n, T+1)
+
+
+# ------------------------------------------------------------------------------------------ run state
+
+
+@dataclass
+class LoopState:
+    step: int = 0
+    units: int = 0  # tokens (base) or positions (drafters) trained on, over every rank
+    elapsed_s: float = 0.0  # wall time of earlier sessions (resumes add up): max_minutes budgets it all
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], unit: str) -> "LoopState":
+        return cls(step=meta["step"], units=meta[f"{unit}_seen"], elapsed_s=meta["elapsed_s"])
+
+
+class MetricsFile:
+    """metrics.jsonl: one row per log ("train") and per validation ("val"); kept in step with resumes."""
+
+    def __init__(self, path: Path, *, resume_step: int) -> None:
+        self.path = path
+        rows = self.read(path) if path.exists() and resume_step > 0 else []
+        # rows written after the checkpoint we resume from would be repeated: drop them
+        kept = [r for r in rows if r["step"] <= resume_step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def write(self, row: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    @staticmethod
+    def read(path: Path) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def progress_bar(*, enabled: bool = True) -> Progress:
+    console = Console(stderr=True)  # stdout is kept for the final JSON line
+    return Progress(
+        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"), console=console, disable=not (enabled and console.is_terminal),
+    )
+
+
+# ------------------------------------------------------------------------------------ run directory
+
+
+def make_logger(cfg: Any, out_dir: Path, ctx: Dist) -> Any:
+    """The configured logger on rank 0; the others log nothing (their metrics reach rank 0 by all-reduce)."""
+    if not ctx.main:
+        return NullLogger()
+    # _recursive_=False: the run config holds `_target_` nodes (base, logger) that must stay plain data
+    return instantiate(cfg.logger, dir=str(out_dir), run_config=OmegaConf.to_container(cfg, resolve=True),
+                       _convert_="all", _recursive_=False)
+
+
+def prepare_run_dir(out_dir: str | Path, ctx: Dist, device: torch.device) -> Path:
+    """Rank 0's out_dir on every rank (Hydra names a run directory per process, by its own start time),
+    checked writable and free of a half checkpoint before any work."""
+    out_dir = Path(broadcast_text(str(out_dir), ctx, device))
+    if ctx.main:
+        check_writable(out_dir)
+        check_checkpoint_dir(out_dir / "checkpoint")
+    return out_dir
+
+
+
+# ------------------------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class LoopSettings:
+    max_steps: int
+    max_minutes: float | None
+    log_every: int
+    eval_every: int
+    checkpoint_every: int
+    seed: int
+    grad_accum: int
+    optim: Any  # the optim group: lr, min_lr, warmup_steps, grad_clip, ...
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "LoopSettings":
+        return cls(max_steps=cfg.max_steps, max_minutes=cfg.max_minutes, log_every=cfg.log_every,
+                   eval_every=cfg.eval_every, checkpoint_every=cfg.checkpoint_every, seed=cfg.seed,
+                   grad_accum=cfg.grad_accum, optim=cfg.optim)
+
+
+LossFn = Callable[[nn.Module, Any], "tuple[Tensor, dict[str, float]]"]
+
+
+class TrainLoop:
+    """One optimizer step per `step()`; `run()` is the loop with its logging, validation and checkpoints."""
+
+    def __init__(self, *, model: nn.Module, loss_fn: LossFn, batch_fn: Callable[[int], Any],
+                 count_fn: Callable[[Any, dict[str, float]], int], validate_fn: Callable[[], dict[str, float]],
+                 save_fn: Callable[..., Path], optimizer: torch.optim.Optimizer, settings: LoopSettings,
+                 precision: str, device: torch.device, ctx: Dist, out_dir: Path, logger: Any,
+                 state: LoopState, unit: str = "tokens", after_backward: Callable[[], None] | None = None) -> None:
+        self.model, self.optimizer, self.s = model, optimizer, settings
+        self.wrapped = wrap(model, loss_fn, ctx, device)  # DDP when distributed: the loss is its forward
+        self.batch_fn, self.count_fn, self.validate_fn, self.save_fn = batch_fn, count_fn, validate_fn, save_fn
+        self.precision, self.device, self.ctx, self.out_dir = precision, device, ctx, out_dir
+        self.logger, self.state, self.unit, self.after_backward = logger, state, unit, after_backward
+        self.budget_s = settings.max_minutes * 60 if settings.max_minutes is not None else math.inf
+        self.log_values: list[dict[str, float]] = []  # loss and metrics of each step since the last "train" row
+        self.val_losses: list[float] = []  # ... since the last "val" row
+        self.train_time, self.session_units = 0.0, 0
+        self.session_start = time.perf_counter()
+
+    # -- measuring
+
+    def elapsed(self) -> float:
+        return self.state.elapsed_s + time.perf_counter() - self.session_start
+
+    def shared_elapsed(self) -> float:
+        """Rank 0's clock on every rank: the schedule and the stop decision must agree across replicas."""
+        return broadcast_float(self.elapsed(), self.ctx, self.device) if self.budget_s < math.inf else self.elapsed()
+
+    def units_per_s(self) -> float | None:
+        return self.session_units / self.train_time if self.train_time > 0 else None
+
+    def row(self, kind: str, values: dict[str, Any]) -> dict[str, Any]:
+        r = {"kind": kind, "step": self.state.step, self.unit: self.state.units,
+             "elapsed_s": round(self.elapsed(), 3), **values}
+        if self.ctx.main:
+            self.metrics_file.write(r)
+            self.logger.log({f"{kind}/{k}": v for k, v in values.items() if v is not None}, step=self.state.step)
+        return r
+
+    # -- one step
+
+    def step(self, elapsed: float) -> float:
+        s, o = self.s, self.s.optim
+        began = time.perf_counter()
+        lr = lr_at(self.state.step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
+                   max_steps=s.max_steps, time_fraction=elapsed / self.budget_s)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        torch.manual_seed(s.seed * SEED_STRIDE + self.state.step)  # any randomness in a loss: a function of the step
+        batch = self.batch_fn(self.state.step)  # this rank's rows
+        rows = (batch if torch.is_tensor(batch) else batch.tokens).shape[0]
+        micro = -(-rows // s.grad_accum)  # ceil: the last micro-batch may be smaller
+        chunks = [take_rows(batch, slice(i, i + micro)) for i in range(0, rows, micro)]
+        self.optimizer.zero_grad(set_to_none=True)
+        values: dict[str, float] = {}
+        units = 0
+        for i, chunk in enumerate(chunks):
+            # gradients are averaged across ranks once per step, on the last micro-batch
+            sync = self.wrapped.no_sync() if self.ctx.active and i < len(chunks) - 1 else nullcontext()
+            with sync, autocast(self.precision, self.device):
+                loss, metrics = self.wrapped(chunk)
+            weight = (chunk if torch.is_tensor(chunk) else chunk.tokens).shape[0] / rows
+            (loss * weight).backward()
+            for k, v in {"train_loss": loss.item(), **metrics}.items():
+                values[k] = values.get(k, 0.0) + float(v) * weight
+            units += self.count_fn(chunk, metrics) * self.ctx.world  # equal shards: every rank counts alike
+        if self.after_backward is not None:
+            self.after_backward()
+        if o.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
+        self.optimizer.step()
+        self.train_time += time.perf_counter() - began
+        self.state.step += 1
+        self.state.units += units
+        self.session_units += units
+        self.log_values.append({"lr": lr, **values})
+        self.val_losses.append(values["train_loss"])
+        return values["train_loss"]
+
+    # -- the loop
+
+    def validate(self) -> dict[str, Any]:
+        train_loss = all_mean({"train_loss": sum(self.val_losses) / len(self.val_losses)}, self.ctx, self.device) \
+            if self.val_losses else {"train_loss": None}
+        self.val_losses.clear()
+        values = self.validate_fn() if self.ctx.main else {}  # the other ranks go on to the next all-reduce
+        if self.ctx.main:
+            log.info("step %d | %s", self.state.step, " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
+        return self.row("val", {**train_loss, **values})
+
+    def log_train(self) -> None:
+        mean = {k: sum(v[k] for v in self.log_values) / len(self.log_values) for k in self.log_values[-1]}
+        mean = all_mean(mean, self.ctx, self.device)
+        self.log_values.clear()
+        self.row("train", {**mean, f"{self.unit}_per_s": self.units_per_s()})
+
+    def run(self) -> dict[str, Any]:
+        s, state = self.s, self.state
+        start_step, last_val, stopped_by = state.step, None, "max_steps"
+        self.session_start = time.perf_counter()
+        if self.ctx.main:
+            self.metrics_file = MetricsFile(self.out_dir / "metrics.jsonl", resume_step=start_step)
+        with progress_bar(enabled=self.ctx.main) as progress:
+            task = progress.add_task("train", total=s.max_steps, completed=state.step, info="")
+            while state.step < s.max_steps:
+                elapsed = self.shared_elapsed()
+                if elapsed >= self.budget_s:
+                    stopped_by = "max_minutes"
+                    break
+                loss = self.step(elapsed)
+                progress.update(task, completed=state.step, info=f"loss {loss:.3f}")
+                if state.step % s.log_every == 0:
+                    self.log_train()
+                if state.step % s.eval_every == 0 and state.step < s.max_steps:
+                    last_val = self.validate()
+                if state.step % s.checkpoint_every == 0 and state.step < s.max_steps and self.ctx.main:
+                    self.save_fn(self.state, last_val or {}, finished=False, elapsed_s=self.elapsed())
+        if last_val is None or last_val["step"] != state.step:
+            last_val = self.validate()
+        if self.ctx.main and (state.step > start_step or not self.checkpoint_complete()):
+            self.save_fn(self.state, last_val, finished=True, elapsed_s=self.elapsed())
+        return {"start_step": start_step, "stopped_by": stopped_by, "last_val": last_val,
+                "replica_fingerprints": self.replica_fingerprints()}
+
+    def checkpoint_complete(self) -> bool:
+        meta = self.out_dir / "checkpoint" / "meta.json"
+        return meta.is_file() and json.loads(meta.read_text()).get("finished", False)
+
+    def replica_fingerprints(self) -> list[str] | None:
+        """Each rank's weight fingerprint: DDP keeps the replicas bit-identical, and this shows it."""
+        if not self.ctx.active:
+            return None
+        return gather_text(fingerprint(self.model.state_dict()), self.ctx, self.device)
