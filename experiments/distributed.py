@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["Dist", "init_distributed", "close_distributed", "shard", "take_rows", "check_batch_divides", "main_first", "broadcast_float",
+__all__ = ["Dist", "init_distributed", "close_distributed", "shard", "take_rows", "main_first", "broadcast_float",
            "broadcast_text", "all_mean", "gather_text", "wrap"]
 
 
@@ -70,12 +70,6 @@ def init_distributed(device: torch.device) -> tuple[Dist, torch.device]:
 def close_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def check_batch_divides(batch_size: int, ctx: Dist, *, name: str = "batch_size") -> None:
-    if batch_size % ctx.world:
-        raise ValueError(f"{name}={batch_size} must be divisible by the number of processes ({ctx.world}): "
-                         "it is the global batch, split evenly across ranks")
 
 
 def take_rows(batch: Any, rows: slice) -> Any:
@@ -162,12 +156,12 @@ class LossModule(nn.Module):
         return self.loss_fn(self.model, batch)
 
 
-def wrap(model: nn.Module, loss_fn, ctx: Dist, device: torch.device) -> nn.Module:
+def wrap(model: nn.Module, loss_fn, ctx: Dist, device: torch.device, *, find_unused: bool = False) -> nn.Module:
     """The module the loop calls for a loss: DDP around LossModule when distributed, LossModule otherwise."""
     module = LossModule(model, loss_fn)
     if not ctx.active:
         return module
     ids = [device.index] if device.type == "cuda" else None
-    # find_unused_parameters: a drafter may leave some parameters out of a given loss (its trimmed
-    # vocabulary, a head whose targets fall outside the window); DDP must not wait for their gradients
-    return nn.parallel.DistributedDataParallel(module, device_ids=ids, find_unused_parameters=True)
+    # find_unused: a model may leave some parameters out of a given loss (a drafter's head whose targets
+    # fall outside the window); DDP must then not wait for their gradients, at the cost of a graph traversal
+    return nn.parallel.DistributedDataParallel(module, device_ids=ids, find_unused_parameters=find_unused)

@@ -31,12 +31,12 @@ from omegaconf.errors import OmegaConfBaseException
 from experiments.checkpoint import checkpoint_exists, load_checkpoint, save_checkpoint
 from experiments.cli import exit_on_user_error, one_line
 from experiments.data import PreparedData, prepare_data
-from experiments.distributed import Dist, check_batch_divides, close_distributed, init_distributed, main_first, shard
+from experiments.distributed import Dist, close_distributed, init_distributed, main_first, shard
 from experiments.lm import check_lm_sizes, count_parameters
 from experiments.precision import check_precision, resolve_precision
 from experiments.rundir import RunLock
 from experiments.training import (  # noqa: F401  (lr_at, resolve_device: imported from here by older callers)
-    LoopSettings, LoopState, MetricsFile, TrainLoop, batch_for_step, check_loop_config, check_recipe, is_int,
+    LoopSettings, LoopState, check_batch_split, MetricsFile, TrainLoop, batch_for_step, check_loop_config, check_recipe, is_int,
     lr_at, make_logger, make_optimizer, prepare_run_dir, require, resolve_device, validation_blocks,
 )
 
@@ -152,7 +152,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     validate_config(cfg)
     ctx, device = init_distributed(resolve_device(cfg.device))
     try:
-        check_batch_divides(cfg.batch_size, ctx)
+        check_batch_split(cfg.batch_size, cfg.grad_accum, ctx)
         out_dir = prepare_run_dir(cfg.out_dir, ctx, device)
         with RunLock(out_dir) if ctx.main else nullcontext():
             return _train(cfg, ctx=ctx, device=device, out_dir=out_dir)

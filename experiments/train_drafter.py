@@ -38,13 +38,13 @@ from experiments import draft_family, exit_family
 from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, load_lm, save_checkpoint
 from experiments.cli import exit_on_user_error
 from experiments.data import prepare_data, token_counts
-from experiments.distributed import Dist, check_batch_divides, close_distributed, init_distributed, main_first, shard
+from experiments.distributed import Dist, close_distributed, init_distributed, main_first, shard
 from experiments.features import FeatureBatch, check_features_config, feature_spec, open_features, teacher_batch
 from experiments.lm import count_parameters
 from experiments.precision import check_precision, resolve_precision
 from experiments.rundir import RunLock
 from experiments.training import (
-    LoopSettings, LoopState, TrainLoop, batch_for_step, check_loop_config, check_positive_int, check_recipe,
+    LoopSettings, LoopState, check_batch_split, TrainLoop, batch_for_step, check_loop_config, check_positive_int, check_recipe,
     make_logger, make_optimizer, prepare_run_dir, require, resolve_device, validation_blocks,
 )
 from medusa import sequential_train as sequential_family, train as medusa_family
@@ -196,7 +196,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     validate_config(cfg)
     ctx, device = init_distributed(resolve_device(cfg.device))
     try:
-        check_batch_divides(cfg.batch_size or cfg.drafter.batch_size, ctx)
+        check_batch_split(cfg.batch_size or cfg.drafter.batch_size, cfg.grad_accum, ctx)
         out_dir = prepare_run_dir(cfg.out_dir, ctx, device)
         with RunLock(out_dir) if ctx.main else nullcontext():
             return _train(cfg, ctx=ctx, device=device, out_dir=out_dir)
@@ -256,7 +256,7 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
         validate_fn=lambda: validate(family, module, base, val_batches, vocab=vocab), save_fn=save_fn,
         optimizer=optimizer, settings=LoopSettings.from_config(cfg), precision=precision["used"], device=device,
         ctx=ctx, out_dir=out_dir, logger=logger, state=state, unit="positions",
-        after_backward=lambda: check_base_frozen(base))
+        after_backward=lambda: check_base_frozen(base), find_unused=True)
     try:
         result = loop.run()
     finally:

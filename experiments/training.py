@@ -96,6 +96,14 @@ def check_loop_config(cfg: Any) -> None:
     resolve_device(cfg.device)
 
 
+def check_batch_split(batch_size: int, grad_accum: int, ctx: Dist) -> None:
+    """batch_size is the global batch: split evenly across ranks, then into grad_accum micro-batches."""
+    require(batch_size % ctx.world == 0, f"batch_size={batch_size} must be divisible by the number of processes "
+                                         f"({ctx.world}): it is the global batch, split evenly across ranks")
+    rows = batch_size // ctx.world
+    require(grad_accum <= rows, f"grad_accum={grad_accum} must not exceed the rows per step and process ({rows})")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -264,9 +272,10 @@ class TrainLoop:
                  count_fn: Callable[[Any, dict[str, float]], int], validate_fn: Callable[[], dict[str, float]],
                  save_fn: Callable[..., Path], optimizer: torch.optim.Optimizer, settings: LoopSettings,
                  precision: str, device: torch.device, ctx: Dist, out_dir: Path, logger: Any,
-                 state: LoopState, unit: str = "tokens", after_backward: Callable[[], None] | None = None) -> None:
+                 state: LoopState, unit: str = "tokens", after_backward: Callable[[], None] | None = None,
+                 find_unused: bool = False) -> None:
         self.model, self.optimizer, self.s = model, optimizer, settings
-        self.wrapped = wrap(model, loss_fn, ctx, device)  # DDP when distributed: the loss is its forward
+        self.wrapped = wrap(model, loss_fn, ctx, device, find_unused=find_unused)  # DDP when distributed
         self.batch_fn, self.count_fn, self.validate_fn, self.save_fn = batch_fn, count_fn, validate_fn, save_fn
         self.precision, self.device, self.ctx, self.out_dir = precision, device, ctx, out_dir
         self.logger, self.state, self.unit, self.after_backward = logger, state, unit, after_backward

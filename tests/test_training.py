@@ -1,0 +1,284 @@
+"""The one training loop: exact resume of every drafter after a crash or kill -9, the run-directory lock,
+recipe checks on resume, gradient accumulation, and torchrun with two ranks on CPU (identical replicas)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments import train_base, train_drafter, training
+from experiments.checkpoint import CheckpointError, load_checkpoint
+from experiments.rundir import RunDirectoryInUse, RunLock
+from experiments.training import MetricsFile
+from tests.test_experiments import BASE, FAMILIES, drafter_cfg, make_cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+FP32 = ["precision=fp32", "threads=1", "max_minutes=null"]  # bit-exact: no autocast, one thread, no wall-clock schedule
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("data_cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: str) -> Path:
+    out_dir = tmp_path_factory.mktemp("base")
+    cfg = make_cfg("train_base", *BASE, *FP32, f"data.cache_dir={cache_dir}", f"out_dir={out_dir}")
+    return Path(train_base.train(cfg)["checkpoint"])
+
+
+def base_cfg(out_dir: Path, cache_dir: str, *overrides: str):
+    return make_cfg("train_base", *BASE, *FP32, f"data.cache_dir={cache_dir}", f"out_dir={out_dir}", *overrides)
+
+
+def fingerprint_of(result: dict) -> str:
+    return load_checkpoint(Path(result["checkpoint"])).meta["fingerprint"]
+
+
+def crash_at(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    real_step = training.TrainLoop.step
+
+    def crashing_step(self, elapsed):
+        if self.state.step == step:
+            raise RuntimeError("killed")
+        return real_step(self, elapsed)
+
+    monkeypatch.setattr(training.TrainLoop, "step", crashing_step)
+
+
+# ------------------------------------------------------------------------------- drafters: crash, resume
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafter_crash_and_resume_equals_uninterrupted(family: str, tiny_base: Path, cache_dir: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    common = ["max_steps=6", "checkpoint_every=2", "eval_every=2", *FP32]
+    clean = train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "clean", *common))
+    crash_at(monkeypatch, 5)
+    with pytest.raises(RuntimeError, match="killed"):
+        train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "crashed", *common))
+    monkeypatch.undo()
+    meta = load_checkpoint(tmp_path / "crashed" / "checkpoint").meta
+    assert meta["step"] == 4 and meta["finished"] is False and meta["has_optimizer"]
+    resumed = train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "crashed", *common))
+    assert resumed["start_step"] == 4 and resumed["step"] == 6
+    # the batch and the RNG of step s are functions of (seed, s): the resumed run retraces the clean one
+    assert fingerprint_of(resumed) == fingerprint_of(clean)
+    assert resumed["positions"] == clean["positions"]
+    metric = {"medusa": "head1_agree", "prophet": "step1_agree", "draft": "agree", "sequential": "head1_agree",
+              "early_exit": "agree"}[family]
+    assert resumed[metric] == clean[metric]
+    steps = [r["step"] for r in MetricsFile.read(tmp_path / "crashed" / "metrics.jsonl") if r["kind"] == "train"]
+    assert steps == list(range(1, 7))  # no repeats, no gaps
+    assert load_checkpoint(tmp_path / "crashed" / "checkpoint").meta["finished"] is True
+
+
+def _wait_for_checkpoint(out_dir: Path, proc: subprocess.Popen, *, step: int, timeout: float) -> int:
+    meta = out_dir / "checkpoint" / "meta.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if meta.is_file():
+            found = json.loads(meta.read_text())["step"]
+            if found >= step:
+                return found
+        time.sleep(0.02)
+    raise AssertionError(f"no checkpoint at step >= {step} before the process ended: {proc.poll()}")
+
+
+@pytest.mark.slow
+def test_drafter_survives_kill_9(tiny_base: Path, cache_dir: str, tmp_path: Path) -> None:
+    """A real SIGKILL mid-run: the periodic checkpoint is intact and resuming ends on the clean run's weights."""
+    args = ["max_steps=150", "checkpoint_every=1", "eval_every=1000", "log_every=1000", *FP32]
+    cfg = drafter_cfg("medusa", tiny_base, cache_dir, tmp_path / "killed", *args)
+    overrides = [f"{k}={v}" for k, v in [("drafter", "medusa"), ("base_checkpoint", tiny_base)]]
+    command = [sys.executable, "-m", "experiments.train_drafter", *overrides, *_cli_overrides(cfg, args),
+               f"hydra.run.dir={tmp_path / 'killed'}"]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_for_checkpoint(tmp_path / "killed", proc, step=3, timeout=240)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    meta = load_checkpoint(tmp_path / "killed" / "checkpoint").meta  # complete and verified (fingerprint)
+    assert 3 <= meta["step"] < 150 and meta["finished"] is False
+    resumed = train_drafter.train(cfg)
+    clean = train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path / "clean", *args))
+    assert resumed["start_step"] == meta["step"] and resumed["step"] == 150
+    assert fingerprint_of(resumed) == fingerprint_of(clean)
+
+
+def _cli_overrides(cfg, extra: list[str]) -> list[str]:
+    """The drafter_cfg overrides as command-line arguments (the same run, launched as a process)."""
+    from tests.test_experiments import DATA, DRAFTER, SMALL
+
+    return [*DRAFTER, *SMALL["medusa"], *DATA, f"data.cache_dir={cfg.data.cache_dir}",
+            f"features.root={cfg.features.root}", *extra]
+
+
+# --------------------------------------------------------------------------------- the run directory
+
+
+def test_second_training_in_the_same_directory_fails_at_once(tmp_path: Path, cache_dir: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_work(**kwargs):
+        raise AssertionError("prepare_data ran although the run directory is in use")
+
+    monkeypatch.setattr(train_base, "prepare_data", no_work)
+    with RunLock(tmp_path):  # held as another training would hold it
+        with pytest.raises(RunDirectoryInUse, match=rf"run directory {tmp_path} is in use by another training \(pid {os.getpid()}\)"):
+            train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
+
+
+def test_lock_is_released_when_the_holder_dies(tmp_path: Path) -> None:
+    code = f"from experiments.rundir import RunLock; l = RunLock({str(tmp_path)!r}).__enter__(); import os; os.kill(os.getpid(), 9)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT)
+    assert proc.returncode == -signal.SIGKILL and (tmp_path / ".lock").exists()
+    with RunLock(tmp_path):  # the kernel dropped the dead process's lock: no stale lock to clean up
+        pass
+
+
+@pytest.mark.slow
+def test_second_process_in_the_same_directory_gets_one_line(tmp_path: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from experiments.rundir import RunLock; "
+                               f"l = RunLock({str(tmp_path)!r}).__enter__(); print('locked', flush=True); time.sleep(60)"],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        proc = subprocess.run([sys.executable, "-m", "experiments.train_base", *BASE, f"hydra.run.dir={tmp_path}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"error: run directory {tmp_path} is in use by another training (pid {holder.pid}); "
+                                   "wait for it to finish or choose another out_dir / hydra.run.dir")
+
+
+def test_checkpoint_without_meta_is_refused_before_training(tmp_path: Path, cache_dir: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "model.safetensors").write_bytes(b"weights copied without their meta.json")
+    monkeypatch.setattr(train_base, "prepare_data", lambda **kw: pytest.fail("trained before refusing"))
+    with pytest.raises(ValueError, match="holds files but no meta.json: it is not a complete checkpoint"):
+        train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
+    assert (tmp_path / "checkpoint" / "model.safetensors").read_bytes().startswith(b"weights")  # nothing lost
+
+
+def test_out_dir_that_cannot_be_written_is_one_line(tmp_path: Path, cache_dir: str) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"out_dir='.*file/run' is not writable: Not a directory"):
+        train_base.train(base_cfg(tmp_path / "file" / "run", cache_dir, "max_steps=2"))
+
+
+# ------------------------------------------------------------------------------------ recipe on resume
+
+
+@pytest.mark.parametrize("override, diff", [
+    ("seed=1", "seed: checkpoint 0 vs now 1"),
+    ("optim.lr=0.01", "'lr': 0.003"),
+    ("batch_size=2", "batch_size: checkpoint 4 vs now 2"),
+])
+def test_base_resume_refuses_another_recipe(override: str, diff: str, tmp_path: Path, cache_dir: str) -> None:
+    train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
+    with pytest.raises(CheckpointError, match="was trained with another recipe") as excinfo:
+        train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=4", override))
+    assert diff in str(excinfo.value) and "\n" not in str(excinfo.value)
+    assert train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=4", override, "resume=false"))["start_step"] == 0
+
+
+@pytest.mark.parametrize("override, diff", [("seed=1", "seed: checkpoint 0 vs now 1"),
+                                            ("drafter.loss.target=argmax", "'target': 'kl'")])
+def test_drafter_resume_refuses_another_recipe(override: str, diff: str, tiny_base: Path, cache_dir: str,
+                                               tmp_path: Path) -> None:
+    train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
+    with pytest.raises(CheckpointError, match="was trained with another recipe") as excinfo:
+        train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=4", override))
+    assert diff in str(excinfo.value)
+
+
+def test_drafter_resume_refuses_a_base_checkpoint_in_its_directory(tiny_base: Path, cache_dir: str, tmp_path: Path) -> None:
+    train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))  # a base's run directory, given as a drafter's
+    with pytest.raises(CheckpointError, match="different model config"):
+        train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
+
+
+# ------------------------------------------------------------------------------- gradient accumulation
+
+
+def test_gradient_accumulation_matches_the_whole_batch(tmp_path: Path, cache_dir: str) -> None:
+    whole = train_base.train(base_cfg(tmp_path / "whole", cache_dir, "max_steps=3"))
+    accumulated = train_base.train(base_cfg(tmp_path / "accum", cache_dir, "max_steps=3", "grad_accum=2"))
+    a = load_checkpoint(Path(whole["checkpoint"])).state_dict
+    b = load_checkpoint(Path(accumulated["checkpoint"])).state_dict
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    assert accumulated["train_tokens"] == whole["train_tokens"]
+
+
+def test_grad_accum_larger_than_the_batch_is_one_line(tmp_path: Path, cache_dir: str) -> None:
+    with pytest.raises(ValueError, match="grad_accum=8 must not exceed the rows per step and process \\(4\\)"):
+        train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2", "grad_accum=8"))
+
+
+# ------------------------------------------------------------------------------------------ torchrun
+
+
+def _torchrun(module: str, *overrides: str, timeout: int = 600) -> dict:
+    proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", module, *overrides],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout  # only rank 0 prints its result
+    return json.loads(lines[0])
+
+
+def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    # the same global batch in two halves: equal up to float summation order
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=2e-4, rtol=1e-3) for k in a)
+
+
+def test_torchrun_two_ranks_train_identical_replicas(tmp_path: Path, cache_dir: str) -> None:
+    common = [*BASE, *FP32, f"data.cache_dir={cache_dir}", "max_steps=4", "eval_every=2", "checkpoint_every=2"]
+    result = _torchrun("experiments.train_base", *common, f"hydra.run.dir={tmp_path / 'ddp'}")
+    assert result["world_size"] == 2 and result["step"] == 4
+    meta = load_checkpoint(Path(result["checkpoint"])).meta
+    assert result["replica_fingerprints"] == [meta["fingerprint"]] * 2  # both ranks end on the saved weights
+    assert meta["world_size"] == 2 and result["train_tokens"] == 4 * 4 * 64  # the global batch, counted once
+    single = train_base.train(base_cfg(tmp_path / "single", cache_dir, "max_steps=4", "eval_every=2",
+                                       "checkpoint_every=2"))
+    # data sharded by rank and gradients averaged: the same training as one process on the whole batch
+    assert _close(load_checkpoint(Path(result["checkpoint"])).state_dict,
+                  load_checkpoint(Path(single["checkpoint"])).state_dict)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["medusa", "prophet"])
+def test_torchrun_two_ranks_train_a_drafter(family: str, tiny_base: Path, cache_dir: str, tmp_path: Path) -> None:
+    from tests.test_experiments import DATA, DRAFTER, SMALL
+
+    common = [f"drafter={family}", f"base_checkpoint={tiny_base}", *DRAFTER, *SMALL[family], *DATA, *FP32,
+              f"data.cache_dir={cache_dir}", f"features.root={cache_dir}/features"]
+    result = _torchrun("experiments.train_drafter", *common, f"hydra.run.dir={tmp_path / 'ddp'}")
+    meta = load_checkpoint(Path(result["checkpoint"])).meta
+    assert result["world_size"] == 2 and result["replica_fingerprints"] == [meta["fingerprint"]] * 2
+    single = train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "single", *FP32))
+    assert _close(load_checkpoint(Path(result["checkpoint"])).state_dict,
+                  load_checkpoint(Path(single["checkpoint"])).state_dict)
