@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["Dist", "init_distributed", "close_distributed", "shard", "take_rows", "main_first", "broadcast_float",
+__all__ = ["Dist", "init_distributed", "close_distributed", "shard", "take_rows", "batch_rows", "main_first", "broadcast_float",
            "broadcast_text", "all_mean", "gather_text", "wrap"]
 
 
@@ -80,6 +80,13 @@ def take_rows(batch: Any, rows: slice) -> Any:
         return replace(batch, **{f.name: take_rows(getattr(batch, f.name), rows) for f in fields(batch)
                                  if getattr(batch, f.name) is not None})
     raise TypeError(f"cannot take rows of a batch of type {type(batch).__name__}")
+
+
+def batch_rows(batch: Any) -> int:
+    """B of a batch: a tensor (B, ...) or a dataclass whose tensor fields all lead with B."""
+    if torch.is_tensor(batch):
+        return batch.shape[0]
+    return next(getattr(batch, f.name).shape[0] for f in fields(batch) if torch.is_tensor(getattr(batch, f.name)))
 
 
 def shard(batch: Any, ctx: Dist) -> Any:

@@ -7,8 +7,10 @@ draft-model and prompt-lookup speculative decoding on held-out pairs (experiment
     python -m experiments.train_seq2seq mode=bench checkpoints=outputs/seq2seq/<run>
 
 `run(cfg)` is a plain function (tests call it through Hydra's compose API); `main` only wraps it. The
-run directory gets target/ and draft/ checkpoints (safetensors + meta.json), metrics.jsonl, and the
-benchmark's results.md / results.json.
+run directory gets target/ and draft/, each a training run of the shared loop (experiments/training.py:
+checkpoint/ written every train.checkpoint_every steps, metrics.jsonl), and the benchmark's results.md /
+results.json. Rerun with the same run directory after a crash: a finished model is reused, an unfinished
+one resumes exactly where its last checkpoint left it.
 """
 
 from __future__ import annotations
@@ -16,23 +18,28 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hydra
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from x_transformers import XTransformer
 
-from experiments.checkpoint import load_model, save_checkpoint
+from experiments.checkpoint import checkpoint_exists, load_checkpoint, load_model, save_checkpoint
 from experiments.cli import exit_on_user_error
 from experiments.data import prepare_data
+from experiments.distributed import Dist
+from experiments.rundir import RunLock
 from experiments.seq2seq_data import Pairs, pad_batch, seq2seq_pairs
-from experiments.train_base import lr_at, make_optimizer, resolve_device
+from experiments.training import (
+    SEED_STRIDE, LoopSettings, LoopState, TrainLoop, check_recipe, make_logger, make_optimizer, prepare_run_dir,
+    resolve_device,
+)
 
 log = logging.getLogger(__name__)
 MODES = ("train", "bench", "all")
@@ -76,7 +83,8 @@ def validate_config(cfg: DictConfig) -> None:
     for key, low in (("max_source_tokens", 1), ("max_target_tokens", 2)):
         need(is_int(cfg.pairs[key]) and cfg.pairs[key] >= low, f"pairs.{key}={cfg.pairs[key]!r}: must be an integer >= {low}")
     t = cfg.train
-    for key in ("batch_size", "target_steps", "draft_steps", "log_every", "eval_pairs"):
+    need(isinstance(cfg.resume, bool), f"resume={cfg.resume!r}: must be true or false")
+    for key in ("batch_size", "target_steps", "draft_steps", "log_every", "eval_pairs", "checkpoint_every"):
         need(is_int(t[key]) and t[key] >= 1, f"train.{key}={t[key]!r}: must be an integer >= 1")
     need(is_int(t.warmup_steps) and t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps!r}: must be an integer >= 0")
     need(isinstance(t.lr, (int, float)) and t.lr > 0, f"train.lr={t.lr!r}: must be a number > 0")
@@ -94,17 +102,30 @@ def validate_config(cfg: DictConfig) -> None:
     resolve_device(cfg.device)
 
 
-def seq2seq_loss(model: XTransformer, sources: list[list[int]], targets: list[list[int]], *, bos_id: int,
-                 device: torch.device) -> torch.Tensor:
+@dataclass
+class PairBatch:
+    """B (source, target) pairs, right-padded; the masks mark real tokens."""
+
+    source: torch.Tensor  # (B, S) long
+    source_mask: torch.Tensor  # (B, S) bool
+    target: torch.Tensor  # (B, T) long, EOS last
+    target_mask: torch.Tensor  # (B, T) bool
+
+    @classmethod
+    def of(cls, sources: list[list[int]], targets: list[list[int]]) -> "PairBatch":
+        return cls(*pad_batch(sources, 0), *pad_batch(targets, 0))
+
+
+def seq2seq_loss(model: XTransformer, batch: PairBatch, *, bos_id: int, device: torch.device) -> torch.Tensor:
     """Mean next-token cross-entropy (nats) of the targets given the sources; the decoder reads
     [bos, target[:-1]] and predicts target (EOS last), padding ignored."""
-    source, source_mask = pad_batch(sources, 0)
-    target, target_mask = pad_batch(targets, 0)
+    source, source_mask = batch.source.to(device), batch.source_mask.to(device)
+    target = batch.target.to(device)
     inputs = torch.cat((torch.full_like(target[:, :1], bos_id), target[:, :-1]), dim=1)
-    labels = target.masked_fill(~target_mask, -100)
-    encoded = model.encoder(source.to(device), mask=source_mask.to(device), return_embeddings=True)
-    logits = model.decoder.net(inputs.to(device), context=encoded, context_mask=source_mask.to(device))  # (B, T, V)
-    return F.cross_entropy(logits.transpose(1, 2), labels.to(device), ignore_index=-100)
+    labels = target.masked_fill(~batch.target_mask.to(device), -100)
+    encoded = model.encoder(source, mask=source_mask, return_embeddings=True)
+    logits = model.decoder.net(inputs, context=encoded, context_mask=source_mask)  # (B, T, V)
+    return F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100)
 
 
 @torch.no_grad()
@@ -115,53 +136,84 @@ def evaluate(model: XTransformer, pairs: Pairs, *, count: int, batch_size: int, 
     for i in range(0, min(count, len(pairs.sources)), batch_size):
         src, tgt = pairs.sources[i : i + batch_size], pairs.targets[i : i + batch_size]
         n = sum(len(t) for t in tgt)
-        total += float(seq2seq_loss(model, src, tgt, bos_id=bos_id, device=device)) * n
+        total += float(seq2seq_loss(model, PairBatch.of(src, tgt), bos_id=bos_id, device=device)) * n
         tokens += n
     model.train()
     return total / tokens
 
 
+def recipe(cfg: DictConfig, config: dict[str, Any]) -> dict[str, Any]:
+    """What decides a model's weights (checked on resume); not the budgets, not where the data cache lives."""
+    data = OmegaConf.to_container(cfg.data, resolve=True)
+    data.pop("cache_dir", None)
+    t = cfg.train
+    return {"seed": cfg.seed, "model_config": config, "pairs": OmegaConf.to_container(cfg.pairs, resolve=True),
+            "data": data, "batch_size": t.batch_size, "lr": t.lr, "warmup_steps": t.warmup_steps}
+
+
 def train_model(name: str, cfg: DictConfig, config: dict[str, Any], train: Pairs, val: Pairs, *, bos_id: int,
-                device: torch.device, logger: Any, metrics) -> tuple[XTransformer, dict[str, Any]]:
-    """AdamW with warm-up and cosine decay for the step or time budget, whichever ends first."""
+                device: torch.device, tokenizer_json: str, out_dir: Path) -> tuple[XTransformer, dict[str, Any]]:
+    """Train (or resume, or reuse when finished) one model in out_dir/<name>/ with the shared loop: AdamW,
+    warm-up and cosine decay for the step or time budget, whichever ends first."""
+    run_dir, t = out_dir / name, cfg.train
+    ckpt_dir, expected = run_dir / "checkpoint", recipe(cfg, config)
+    run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     model = build_seq2seq(**config).to(device)
-    t = cfg.train
-    steps = int(t[f"{name}_steps"])
     optimizer = make_optimizer(model, lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    generator = torch.Generator().manual_seed(cfg.seed)
+    state = LoopState()
+    if cfg.resume and checkpoint_exists(ckpt_dir):
+        ckpt = load_checkpoint(ckpt_dir, expected_config=config)
+        check_recipe(ckpt_dir, ckpt.meta.get("recipe"), expected)
+        model.load_state_dict(ckpt.state_dict, strict=True)
+        if ckpt.meta["finished"]:
+            log.info("%s: reusing the finished checkpoint %s", name, ckpt_dir)
+            return model.eval(), ckpt.meta["result"]
+        optimizer.load_state_dict(ckpt.optimizer_state)
+        state = LoopState.from_meta(ckpt.meta, "pairs")
+    steps = int(t[f"{name}_steps"])
     minutes = t[f"{name}_minutes"]
-    start, budget = time.monotonic(), None if minutes is None else 60.0 * minutes
-    step = 0
-    while step < steps:
-        fraction = 0.0 if budget is None else (time.monotonic() - start) / budget
-        if fraction >= 1.0:
-            break
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, lr=t.lr, min_lr=t.lr / 10, warmup_steps=t.warmup_steps, max_steps=steps, time_fraction=fraction)
+    settings = LoopSettings(max_steps=steps, max_minutes=minutes, log_every=t.log_every, eval_every=steps,
+                            checkpoint_every=t.checkpoint_every, seed=cfg.seed, grad_accum=1,
+                            optim=OmegaConf.create({"lr": t.lr, "min_lr": t.lr / 10, "warmup_steps": t.warmup_steps,
+                                                    "grad_clip": 1.0}))
+
+    def batch(step: int) -> PairBatch:  # a pure function of (seed, step): resuming needs no sampler state
+        generator = torch.Generator().manual_seed(cfg.seed * SEED_STRIDE + step)
         rows = torch.randint(0, len(train.sources), (t.batch_size,), generator=generator).tolist()
-        loss = seq2seq_loss(model, [train.sources[i] for i in rows], [train.targets[i] for i in rows], bos_id=bos_id, device=device)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        if step % t.log_every == 0:
-            row = {"model": name, "step": step, "train/loss": loss.detach().item(), "minutes": (time.monotonic() - start) / 60}
-            metrics(row)
-            logger.log({f"{name}/train_loss": row["train/loss"]}, step=step)
-    val_loss = evaluate(model, val, count=t.eval_pairs, batch_size=t.batch_size, bos_id=bos_id, device=device)
-    result = {"model": name, "steps": step, "minutes": (time.monotonic() - start) / 60, "val_loss": val_loss,
-              "val_ppl": math.exp(val_loss), "parameters": sum(p.numel() for p in model.parameters())}
-    metrics(result)
-    logger.log({f"{name}/val_loss": val_loss}, step=step)
+        return PairBatch.of([train.sources[i] for i in rows], [train.targets[i] for i in rows])
+
+    def validate() -> dict[str, float]:
+        val_loss = evaluate(model, val, count=t.eval_pairs, batch_size=t.batch_size, bos_id=bos_id, device=device)
+        return {"val_loss": val_loss, "val_ppl": math.exp(val_loss)}
+
+    def save(state: LoopState, metrics: dict, *, finished: bool, elapsed_s: float) -> Path:
+        result = {"model": name, "steps": state.step, "minutes": elapsed_s / 60, "val_loss": metrics.get("val_loss"),
+                  "val_ppl": metrics.get("val_ppl"), "parameters": sum(p.numel() for p in model.parameters())}
+        extra = {"task": "function -> docstring summary", **result, "result": result, "recipe": expected,
+                 "finished": finished, "pairs_seen": state.units, "elapsed_s": elapsed_s}
+        return save_checkpoint(ckpt_dir, model=model, model_config=config, tokenizer_json=tokenizer_json,
+                               step=state.step, extra=extra, optimizer=optimizer)
+
+    logger = make_logger(cfg, run_dir, Dist())
+    loop = TrainLoop(model=model, loss_fn=lambda m, b: (seq2seq_loss(m, b, bos_id=bos_id, device=device), {}),
+                     batch_fn=batch, count_fn=lambda b, _: b.target.shape[0], validate_fn=validate, save_fn=save,
+                     optimizer=optimizer, settings=settings, precision="fp32", device=device, ctx=Dist(),
+                     out_dir=run_dir, logger=logger, state=state, unit="pairs")
+    try:
+        loop.run()
+    finally:
+        logger.finish()
+    result = load_checkpoint(ckpt_dir).meta["result"]
     log.info("%s: %s", name, result)
     return model.eval(), result
 
 
 def load_seq2seq(directory: Path, device: torch.device) -> tuple[XTransformer, dict[str, Any]]:
-    """Rebuild a model saved by this entry point: (model in eval mode, meta)."""
-    return load_model(directory, build_seq2seq, device=device)
+    """Rebuild a model saved by this entry point: (model in eval mode, meta). `directory` is a model's run
+    directory (<run>/target, holding checkpoint/) or, as runs before the shared loop wrote it, the checkpoint."""
+    nested = Path(directory) / "checkpoint"
+    return load_model(nested if checkpoint_exists(nested) else directory, build_seq2seq, device=device)
 
 
 def run(cfg: DictConfig) -> dict[str, Any]:
@@ -169,9 +221,15 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     from experiments.seq2seq_bench import benchmark  # the benchmark imports this module's loaders
 
     validate_config(cfg)
-    out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("train_seq2seq runs in one process: start it with python -m, not torchrun")
     device = resolve_device(cfg.device)
+    out_dir = prepare_run_dir(cfg.out_dir, Dist(), device)
+    with RunLock(out_dir):
+        return _run(cfg, out_dir=out_dir, device=device, benchmark=benchmark)
+
+
+def _run(cfg: DictConfig, *, out_dir: Path, device: torch.device, benchmark) -> dict[str, Any]:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     data = prepare_data(**OmegaConf.to_container(cfg.data, resolve=True))
@@ -182,19 +240,10 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     log.info("pairs: %d train, %d held out", len(train.sources), len(val.sources))
     results: dict[str, Any] = {"pairs": {"train": len(train.sources), "val": len(val.sources)}}
     if cfg.mode in ("train", "all"):
-        logger = instantiate(cfg.logger, dir=str(out_dir), run_config=OmegaConf.to_container(cfg, resolve=True),
-                             _convert_="all", _recursive_=False)
-        with open(out_dir / "metrics.jsonl", "a") as f:
-            write = lambda row: (f.write(json.dumps(row) + "\n"), f.flush())  # noqa: E731
-            try:
-                for name in ("target", "draft"):
-                    config = model_config(cfg, cfg[name], data.vocab_size)
-                    model, results[name] = train_model(name, cfg, config, train, val, bos_id=data.eos_id,
-                                                       device=device, logger=logger, metrics=write)
-                    save_checkpoint(out_dir / name, model=model, model_config=config, tokenizer_json=data.tokenizer.to_str(),
-                                    step=results[name]["steps"], extra={"task": "function -> docstring summary", **results[name]})
-            finally:
-                logger.finish()
+        for name in ("target", "draft"):
+            config = model_config(cfg, cfg[name], data.vocab_size)
+            _, results[name] = train_model(name, cfg, config, train, val, bos_id=data.eos_id, device=device,
+                                           tokenizer_json=data.tokenizer.to_str(), out_dir=out_dir)
     if cfg.mode in ("bench", "all"):
         where = out_dir if cfg.checkpoints is None else Path(cfg.checkpoints)
         target, _ = load_seq2seq(where / "target", device)

@@ -33,7 +33,9 @@ from omegaconf import OmegaConf
 
 from experiments.checkpoint import CheckpointError, fingerprint
 from experiments.data import sample_batch
-from experiments.distributed import Dist, all_mean, broadcast_float, broadcast_text, gather_text, take_rows, wrap
+from experiments.distributed import (
+    Dist, all_mean, batch_rows, broadcast_float, broadcast_text, gather_text, take_rows, wrap,
+)
 from experiments.loggers import NullLogger
 from experiments.precision import autocast
 from experiments.rundir import check_checkpoint_dir, check_writable
@@ -316,7 +318,7 @@ class TrainLoop:
             group["lr"] = lr
         torch.manual_seed(s.seed * SEED_STRIDE + self.state.step)  # any randomness in a loss: a function of the step
         batch = self.batch_fn(self.state.step)  # this rank's rows
-        rows = (batch if torch.is_tensor(batch) else batch.tokens).shape[0]
+        rows = batch_rows(batch)
         micro = -(-rows // s.grad_accum)  # ceil: the last micro-batch may be smaller
         chunks = [take_rows(batch, slice(i, i + micro)) for i in range(0, rows, micro)]
         self.optimizer.zero_grad(set_to_none=True)
@@ -327,7 +329,7 @@ class TrainLoop:
             sync = self.wrapped.no_sync() if self.ctx.active and i < len(chunks) - 1 else nullcontext()
             with sync, autocast(self.precision, self.device):
                 loss, metrics = self.wrapped(chunk)
-            weight = (chunk if torch.is_tensor(chunk) else chunk.tokens).shape[0] / rows
+            weight = batch_rows(chunk) / rows
             (loss * weight).backward()
             for k, v in {"train_loss": loss.item(), **metrics}.items():
                 values[k] = values.get(k, 0.0) + float(v) * weight

@@ -350,9 +350,47 @@ def test_train_and_benchmark_end_to_end(tmp_path):
     cfg.out_dir = str(tmp_path / "run")
     result = run(cfg)
     assert {"target", "draft", "bench"} <= result.keys()
-    meta = load_checkpoint(tmp_path / "run" / "target").meta
+    meta = load_checkpoint(tmp_path / "run" / "target" / "checkpoint").meta
     assert meta["model_config"]["dim"] == 32 and meta["task"] == "function -> docstring summary"
     rows = json.loads((tmp_path / "run" / "results.json").read_text())["rows"]
     assert {(r["method"], r["temperature"]) for r in rows} == {(m, t) for m in ("plain", "draft", "lookup") for t in (0.0, 1.0)}
     assert all(r["identical_to_plain"] for r in rows if r["temperature"] == 0)
     assert "| 0 | lookup |" in (tmp_path / "run" / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_crash_during_the_draft_keeps_the_target_and_resumes_the_draft(tmp_path, monkeypatch):
+    from experiments import training
+    from experiments.checkpoint import load_checkpoint
+    from experiments.train_seq2seq import run
+
+    def cfg(*more):
+        c = seq2seq_cfg(*TINY, "mode=train", "train.checkpoint_every=2", "train.target_minutes=null",
+                        "train.draft_minutes=null", "threads=1", f"data.cache_dir={tmp_path / 'data'}", *more)
+        return c
+
+    clean = cfg()
+    clean.out_dir = str(tmp_path / "clean")
+    run(clean)
+    real_step = training.TrainLoop.step
+
+    def crash_in_the_draft(self, elapsed):
+        if self.unit == "pairs" and self.out_dir.name == "draft" and self.state.step == 3:
+            raise RuntimeError("killed")
+        return real_step(self, elapsed)
+
+    crashed = cfg()
+    crashed.out_dir = str(tmp_path / "crashed")
+    monkeypatch.setattr(training.TrainLoop, "step", crash_in_the_draft)
+    with pytest.raises(RuntimeError, match="killed"):
+        run(crashed)
+    monkeypatch.undo()
+    target_before = load_checkpoint(tmp_path / "crashed" / "target" / "checkpoint").meta
+    assert target_before["finished"] and load_checkpoint(tmp_path / "crashed" / "draft" / "checkpoint").meta["step"] == 2
+    run(crashed)
+    target_after = load_checkpoint(tmp_path / "crashed" / "target" / "checkpoint").meta
+    assert target_after["provenance"]["time"] == target_before["provenance"]["time"]  # reused, not retrained
+    for name in ("target", "draft"):  # and both equal the uninterrupted run's, bit for bit
+        fingerprints = {load_checkpoint(tmp_path / run_dir / name / "checkpoint").meta["fingerprint"]
+                        for run_dir in ("clean", "crashed")}
+        assert len(fingerprints) == 1, name
