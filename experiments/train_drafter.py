@@ -108,6 +108,26 @@ def load_drafter(directory: str | Path, base: nn.Module, base_meta: dict) -> tup
     return module.to(next(base.parameters()).device).eval(), family, meta
 
 
+def call_with_settings(fn, group: str, *args, **settings):
+    """fn(*args, **settings) with an unknown setting reported as one line naming the config group."""
+    try:
+        return fn(*args, **settings)
+    except TypeError as e:
+        if "unexpected keyword argument" not in str(e):
+            raise
+        name = str(e).split("argument")[-1].strip(" '")
+        raise ValueError(f"{group}.{name}: not a setting of {fn.__module__}.{fn.__name__}") from None
+
+
+@torch.no_grad()
+def probe_loss(family: ModuleType, module: nn.Module, base: nn.Module, ids: Tensor, *, seq_len: int,
+               layers: tuple[int, ...], top_k: int, vocab: Tensor | None, loss_kwargs: dict, device: torch.device) -> None:
+    """The loss on one window, so a bad drafter.loss setting fails now, not after the feature cache is written."""
+    window = ids[: seq_len + 1].long()[None].to(device)  # (1, T + 1)
+    probe = teacher_batch(base, window, layers=layers, top_k=top_k)
+    call_with_settings(family.loss, "drafter.loss", module, base, probe, vocab=vocab, **loss_kwargs)
+
+
 def check_base_frozen(base: nn.Module) -> None:
     # The drafter's loss must never reach the base: a gradient here means the base is being trained.
     if any(p.grad is not None for p in base.parameters()):
@@ -215,7 +235,7 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     seq_len = cfg.seq_len if cfg.seq_len is not None else base.max_seq_len
     if seq_len > base.max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds the base's context max_seq_len={base.max_seq_len}")
-    module = family.build(base, **OmegaConf.to_container(cfg.drafter.module, resolve=True)).to(device)
+    module = call_with_settings(family.build, "drafter.module", base, **OmegaConf.to_container(cfg.drafter.module, resolve=True)).to(device)
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     if (base_meta.get("data") or {}).get("tokenizer_path"):  # a Hugging Face directory brings its own tokenizer
         data_cfg["tokenizer"] = base_meta["data"]["tokenizer_path"]
@@ -227,6 +247,9 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     vocab = None if vocab is None else vocab.to(device)
     log.info("precision %s (%s); training vocabulary %s", precision["used"], precision["reason"],
              "full" if vocab is None else f"the {vocab.numel()} most frequent training tokens")
+    loss_kwargs = OmegaConf.to_container(cfg.drafter.loss, resolve=True)
+    probe_loss(family, module, base, data.val_ids, seq_len=seq_len, layers=layers_needed(cfg), top_k=cfg.features.top_k,
+               vocab=vocab, loss_kwargs=loss_kwargs, device=device)  # before the feature cache takes minutes
     batch_size = cfg.batch_size or cfg.drafter.batch_size
     batches = Batches(cfg, base, base_meta, data, seq_len=seq_len, batch_size=batch_size, device=device, ctx=ctx)
     val_batches = []
@@ -240,7 +263,6 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     state = LoopState()
     if cfg.resume and checkpoint_exists(out_dir / "checkpoint"):
         state = resume(out_dir / "checkpoint", cfg, module=module, optimizer=optimizer, expected_recipe=expected_recipe)
-    loss_kwargs = OmegaConf.to_container(cfg.drafter.loss, resolve=True)
 
     def save_fn(state: LoopState, metrics: dict, *, finished: bool, elapsed_s: float) -> Path:
         extra = {"metrics": metrics, "precision": precision, "train_vocab": None if vocab is None else vocab.numel(),

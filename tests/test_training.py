@@ -282,3 +282,22 @@ def test_torchrun_two_ranks_train_a_drafter(family: str, tiny_base: Path, cache_
     single = train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "single", *FP32))
     assert _close(load_checkpoint(Path(result["checkpoint"])).state_dict,
                   load_checkpoint(Path(single["checkpoint"])).state_dict)
+
+
+# ------------------------------------------------------------------------- settings checked before work
+
+
+@pytest.mark.parametrize("family, override, message", [
+    ("medusa", "drafter.loss.target=bogus", "target='bogus': must be one of kl, argmax, true"),
+    ("medusa", "+drafter.loss.foo=1", "drafter.loss.foo: not a setting of medusa.train.loss"),
+    ("medusa", "+drafter.module.foo=1", "drafter.module.foo: not a setting of medusa.train.build"),
+    ("prophet", "drafter.loss.unroll=0", "unroll=0: must be an integer >= 1"),
+    ("medusa", "drafter.module.num_heads=0", "num_heads=0: must be an integer >= 1"),
+])
+def test_drafter_settings_fail_before_the_feature_cache(family: str, override: str, message: str, tiny_base: Path,
+                                                        cache_dir: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(train_drafter, "open_features", lambda *a, **k: pytest.fail("the feature cache ran first"))
+    with pytest.raises(ValueError) as excinfo:
+        train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path, override))
+    assert message in str(excinfo.value) and "\n" not in str(excinfo.value)
