@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -201,7 +202,9 @@ class MetricsFile:
         rows = self.read(path) if path.exists() and resume_step > 0 else []
         # rows written after the checkpoint we resume from would be repeated: drop them
         kept = [r for r in rows if r["step"] <= resume_step]
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp = path.with_name(f".{path.name}.tmp")  # rewritten beside, then renamed: a crash here loses no rows
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
 
     def write(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:
@@ -209,7 +212,17 @@ class MetricsFile:
 
     @staticmethod
     def read(path: Path) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        """The rows; a last line cut short (the process was killed while appending it) is dropped."""
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        rows = []
+        for i, line in enumerate(lines):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if i < len(lines) - 1:
+                    raise ValueError(f"{path}: line {i + 1} is not JSON (only a last line cut short by a kill is "
+                                     "expected); repair or remove the file") from None
+        return rows
 
 
 def progress_bar(*, enabled: bool = True) -> Progress:

@@ -301,3 +301,12 @@ def test_drafter_settings_fail_before_the_feature_cache(family: str, override: s
     with pytest.raises(ValueError) as excinfo:
         train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path, override))
     assert message in str(excinfo.value) and "\n" not in str(excinfo.value)
+
+
+def test_metrics_file_drops_a_line_cut_short_by_a_kill(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1}\n{"kind": "train", "step": 2}\n{"kind": "tr')
+    assert [r["step"] for r in MetricsFile(path, resume_step=2).read(path)] == [1, 2]
+    path.write_text('{"kind": "train", "step": 1}\nnot json\n{"kind": "train", "step": 2}\n')
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        MetricsFile.read(path)
