@@ -48,6 +48,10 @@ SEED_STRIDE = 1_000_003  # seed * stride + step: distinct streams for every (see
 # ------------------------------------------------------------------------------------------- settings
 
 
+class NonFiniteLoss(ValueError):
+    """The loss turned NaN or infinite: training stops rather than save NaN weights over good ones."""
+
+
 def require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -343,6 +347,9 @@ class TrainLoop:
             with sync, autocast(self.precision, self.device):
                 loss, metrics = self.wrapped(chunk)
             weight = batch_rows(chunk) / rows
+            if not math.isfinite(loss.item()):  # .item() syncs anyway (logged below); stop before the weights turn NaN
+                raise NonFiniteLoss(f"training loss is {loss.item()} at step {self.state.step}: lower optim.lr, "
+                                         "or check the data; the last checkpoint (if any) is left as it was")
             (loss * weight).backward()
             for k, v in {"train_loss": loss.item(), **metrics}.items():
                 values[k] = values.get(k, 0.0) + float(v) * weight

@@ -310,3 +310,14 @@ def test_metrics_file_drops_a_line_cut_short_by_a_kill(tmp_path: Path) -> None:
     path.write_text('{"kind": "train", "step": 1}\nnot json\n{"kind": "train", "step": 2}\n')
     with pytest.raises(ValueError, match="line 2 is not JSON"):
         MetricsFile.read(path)
+
+
+def test_a_nan_loss_stops_training_and_keeps_the_last_checkpoint(tmp_path: Path, cache_dir: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
+    before = load_checkpoint(tmp_path / "checkpoint").meta["fingerprint"]
+    real_loss = train_base.lm_loss
+    monkeypatch.setattr(train_base, "lm_loss", lambda model, batch: real_loss(model, batch) * float("nan"))
+    with pytest.raises(training.NonFiniteLoss, match="training loss is nan at step 2: lower optim.lr"):
+        train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=4"))
+    assert load_checkpoint(tmp_path / "checkpoint").meta["fingerprint"] == before
