@@ -318,8 +318,10 @@ def test_drafter_training_reads_the_cache_instead_of_running_the_base(use_cache:
     train_drafter.train(cfg(tmp_path / "a"))  # writes the cache (when used) on first use
     calls.clear()
     train_drafter.train(cfg(tmp_path / "b"))
-    # with the cache the base runs once, on the validation blocks; without it, also once per training step
-    assert len(calls) == (1 if use_cache else 1 + 4), calls
+    # with the cache the base runs twice: on one window to check the loss settings before any work, and on the
+    # validation blocks; without the cache, also once per training step
+    assert len(calls) == (2 if use_cache else 2 + 4), calls
+    assert calls[0][0] == 1  # the probe: one window
 
 
 def test_load_drafter_refuses_a_base_checkpoint(tiny_base: Path) -> None:
