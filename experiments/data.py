@@ -343,11 +343,12 @@ def _positions(corpus: Corpus, doc_ids: list[str]) -> Iterator[tuple[int, str]]:
     n = 0
     for j, (doc_id, text) in enumerate(corpus.documents()):
         if j >= len(doc_ids) or doc_id != doc_ids[j]:
-            raise ValueError(f"the corpus changed while it was read (document {j}: {doc_id!r}); run again")
+            was = doc_ids[j] if j < len(doc_ids) else None
+            raise ValueError(f"the corpus changed while it was read (document {j} is {doc_id!r}, was {was!r}); run again")
         n += 1
         yield j, text
     if n != len(doc_ids):
-        raise ValueError(f"the corpus changed while it was read ({n} documents, then {len(doc_ids)}); run again")
+        raise ValueError(f"the corpus changed while it was read ({n} documents, was {len(doc_ids)}); run again")
 
 
 def ids_dtype(vocab_size: int) -> np.dtype:

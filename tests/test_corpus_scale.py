@@ -24,7 +24,7 @@ from experiments.cli import one_line
 from experiments.data import heldout_prompts, iter_blocks, prepare_data, sample_batch, token_counts
 from experiments.features import corpus_windows
 from experiments.prompts import document_regions
-from experiments.train_base import batch_for_step, validation_blocks
+from experiments.training import batch_for_step, validation_blocks
 
 WORDS = ["def", "return", "self", "value", "items", "index", "parse", "line", "token", "count", "None", "True"]
 needs_proc_maps = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
@@ -139,7 +139,7 @@ def test_every_consumer_sees_what_an_in_memory_copy_gives(built):
         assert x.dtype == torch.int64 and torch.equal(x, sample_batch(copy.train_ids, batch_size=8, seq_len=32, generator=g2))
     for a, b in zip(iter_blocks(mapped.val_ids, batch_size=4, seq_len=16), iter_blocks(copy.val_ids, batch_size=4, seq_len=16)):
         assert a.dtype == torch.int64 and torch.equal(a, b)
-    # train_base, train_drafter, features, prompts, benchmark: what they do with the streams
+    # training (base and drafters), features, prompts, benchmark: what they do with the streams
     assert torch.equal(validation_blocks(mapped.val_ids, seq_len=16, eval_blocks=7), validation_blocks(copy.val_ids, seq_len=16, eval_blocks=7))
     step = dict(step=3, seed=1, batch_size=4, seq_len=16, device=torch.device("cpu"))
     assert torch.equal(batch_for_step(mapped.train_ids, **step), batch_for_step(copy.train_ids, **step))
@@ -211,12 +211,20 @@ def test_an_interrupted_build_leaves_nothing_to_load(tmp_path, monkeypatch):
 
 
 def test_a_corpus_edited_between_passes_is_refused(tmp_path):
-    write_corpus(tmp_path / "corpus", 3, lines=5)
+    write_corpus(tmp_path / "corpus", 4, lines=5)
+    (tmp_path / "corpus" / "m0001.py").write_text("")  # empty: not a document
     corpus = D.open_corpus("files", [str(tmp_path / "corpus")], None, "train", "text", None)
     scan = D.scan_corpus(corpus, None)
+    assert scan.doc_ids == ["m0000.py", "m0002.py", "m0003.py"]
     assert [j for j, _ in D._positions(corpus, scan.doc_ids)] == [0, 1, 2]
-    (tmp_path / "corpus" / "m0001.py").write_text("")  # now empty: dropped, so the documents shift
-    with pytest.raises(ValueError, match="the corpus changed while it was read"):
+    (tmp_path / "corpus" / "m0001.py").write_text("x = 1\n")  # as many documents, other ones
+    (tmp_path / "corpus" / "m0002.py").write_text("")
+    with pytest.raises(ValueError, match="the corpus changed while it was read \\(document 1 is 'm0001.py', was 'm0002.py'\\)"):
+        list(D._positions(corpus, scan.doc_ids))
+    (tmp_path / "corpus" / "m0001.py").write_text("")
+    (tmp_path / "corpus" / "m0002.py").write_text("y = 2\n")
+    (tmp_path / "corpus" / "m0003.py").write_text("")  # the same documents but the last
+    with pytest.raises(ValueError, match="the corpus changed while it was read \\(2 documents, was 3\\)"):
         list(D._positions(corpus, scan.doc_ids))
 
 
