@@ -62,6 +62,12 @@ def mapped_file(t: torch.Tensor) -> str | None:
     return None
 
 
+@pytest.fixture(autouse=True)
+def hf_cache_in_tmp(tmp_path, monkeypatch):
+    """datasets writes its Arrow copies (and lock files, even when streaming) here, not in ~/.cache."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> tuple[D.PreparedData, Path]:
     root = tmp_path_factory.mktemp("scale")
@@ -262,7 +268,6 @@ def write_jsonl_dataset(root: Path, texts: list[str], field: str = "text") -> Pa
 
 
 def test_hub_streaming_gives_the_same_data(tmp_path, monkeypatch):
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))  # the Arrow copy of streaming=false
     texts = [f"def f{i}(x):\n    return x + {i}\n" * (1 + i % 5) if i % 7 else "" for i in range(60)]
     name = str(write_jsonl_dataset(tmp_path / "ds", texts))
     opened = []
