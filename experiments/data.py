@@ -5,10 +5,15 @@ token streams (documents joined with EOS). Batching for training (`sample_batch`
 for validation (`iter_blocks`, every target once, in order) lives here too; prompts live in prompts.py.
 
 The default corpus is the Python standard library's own source: real code nobody
-here wrote, on every machine, no download. Other corpora (local text files, a hub dataset) flow through
-the same `datasets.Dataset` with two columns, "path" (a document id) and "text".
+here wrote, on every machine, no download. Other corpora are local text files or a hub dataset.
 
-Cache layout: cache_dir/<cache_key>/{tokenizer.json, train.npy, val.npy, meta.json}. An entry is built in
+A corpus may be larger than memory. It is never held whole: a `Corpus` yields one document at a time
+and every step is a pass over it (the cache key, the split, the tokenizer's training, the tokenization,
+which appends each chunk of ids to its file on disk). The cached ids are memory-mapped when loaded, so
+training reads only the pages its windows touch.
+
+Cache layout: cache_dir/<cache_key>/{tokenizer.json, train.npy, val.npy, meta.json}. train.npy and
+val.npy hold uint16 ids when the vocabulary has at most 65535 tokens, else int32. An entry is built in
 a temporary sibling directory and renamed into place, so an entry that exists is always complete.
 """
 
@@ -17,20 +22,23 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import math
 import os
 import shutil
 import sysconfig
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 import datasets
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-FORMAT_VERSION = 1  # bump whenever what goes into a cache entry changes
+# Bump whenever what goes into a cache entry changes. Still 1: the streamed build writes byte for byte
+# the files the in-memory build wrote, and the loader maps those same .npy files.
+FORMAT_VERSION = 1
 EOS = "<|endoftext|>"
 SOURCES = ("stdlib", "files", "hub")
 SPLIT_RULE = "val iff int(sha1(doc_id).hexdigest(), 16) % 10000 < val_fraction * 10000"
@@ -39,16 +47,25 @@ SPLIT_RULE = "val iff int(sha1(doc_id).hexdigest(), 16) % 10000 < val_fraction *
 # written to exercise the parser; they would teach the model garbage. idlelib is IDLE's GUI application
 # with its own idle_test suite, not library code.
 STDLIB_EXCLUDE = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib"})
-ENCODE_CHUNK = 256  # documents per encode_batch call: bounds the memory held in Encoding objects
+# One tokenization chunk: at most ENCODE_CHUNK documents and about ENCODE_BYTES of text (a chunk closes
+# once it reaches it). The chunk's text and ids are all the build holds, whatever the corpus's size.
+ENCODE_CHUNK = 256
+ENCODE_BYTES = 8 << 20
+HUB_BATCH = 64  # rows per read of a hub dataset (a row may be a whole book)
+COUNT_CHUNK = 1 << 24  # ids per bincount in token_counts: 128 MiB as int64
 
 
 @dataclass
 class PreparedData:
-    """What training, evaluation and generation need: the tokenizer and both token streams."""
+    """What training, evaluation and generation need: the tokenizer and both token streams.
+
+    The streams are memory-mapped from the cache (read-only in effect: copy-on-write, a write never
+    reaches the file). torch implements indexing, slicing, ==, nonzero and .long() for uint16 but not
+    reductions (max, bincount, <): gather the windows you need, then .long() them (sample_batch does)."""
 
     tokenizer: Tokenizer
-    train_ids: torch.Tensor  # (N_train,) int64, every document followed by one EOS
-    val_ids: torch.Tensor  # (N_val,) int64, same layout
+    train_ids: torch.Tensor  # (N_train,) uint16 (vocab <= 65535) or int32, every document followed by one EOS
+    val_ids: torch.Tensor  # (N_val,) same dtype and layout
     train_bytes: int  # UTF-8 bytes of the training text (EOS counts 0): for bits per byte
     val_bytes: int
     eos_id: int
@@ -104,42 +121,109 @@ def _read_text(path: Path) -> str:
     return path.read_bytes().decode("utf-8", errors="replace")
 
 
-def _files_dataset(files: list[Path], root: Path, max_files: int | None) -> datasets.Dataset:
-    """Documents named by their path relative to root (posix), sorted by it: the order is machine-independent."""
-    named = sorted((f.relative_to(root).as_posix(), f) for f in files)[:max_files]
-    return datasets.Dataset.from_dict({"path": [n for n, _ in named], "text": [_read_text(f) for _, f in named]})
+def _named_files(files: list[Path], root: Path, max_files: int | None) -> list[tuple[str, str]]:
+    """(doc id, path): ids are paths relative to root (posix), sorted, so the order is machine-independent.
+    Paths as str: a corpus of a million files keeps this list for the whole build (a Path is ~3x larger)."""
+    return sorted((f.relative_to(root).as_posix(), str(f)) for f in files)[:max_files]
 
 
-def _hub_dataset(name: str, split: str, text_field: str, max_files: int | None) -> datasets.Dataset:
-    ds = datasets.load_dataset(name, split=split)  # needs network (or the user's local HF cache)
-    if text_field not in ds.column_names:
-        raise ValueError(f"text_field={text_field!r} is not a column of {name!r}; columns: {ds.column_names}")
-    if max_files is not None:
-        ds = ds.select(range(min(max_files, len(ds))))
-    # Hub rows have no paths: synthetic ids keep the dataset's own order and feed the same split rule.
-    return datasets.Dataset.from_dict({"path": [f"hub:{i}" for i in range(len(ds))], "text": list(ds[text_field])})
+@dataclass(frozen=True)
+class Corpus:
+    """The corpus's documents, read again on every pass and one at a time: never all in memory.
+
+    stdlib and files: `files` lists (doc id, path). hub: rows of a datasets dataset, memory-mapped from
+    the local Hugging Face cache, or with `streaming` read over the network without a local copy."""
+
+    source: str
+    files: tuple[tuple[str, str], ...] = ()
+    hub_name: str = ""
+    hub_split: str = "train"
+    text_field: str = "text"
+    max_files: int | None = None
+    streaming: bool = False
+
+    def documents(self) -> Iterator[tuple[str, str]]:
+        """(doc id, text) of every non-empty document, in the corpus's fixed order."""
+        rows = self._hub_rows() if self.source == "hub" else ((name, _read_text(Path(path))) for name, path in self.files)
+        for doc_id, text in rows:
+            if text:  # an empty document would only add a lone EOS (a few stdlib __init__.py files are empty)
+                yield doc_id, text
+
+    def _hub_rows(self) -> Iterator[tuple[str, str]]:
+        # needs network, or the user's local Hugging Face cache, or a local dataset directory
+        ds = datasets.load_dataset(self.hub_name, split=self.hub_split, streaming=self.streaming)
+        columns = ds.column_names  # None for a streamed dataset that does not declare its features
+        if columns is not None and self.text_field not in columns:
+            raise ValueError(f"text_field={self.text_field!r} is not a column of {self.hub_name!r}; columns: {columns}")
+        if self.max_files is not None:
+            ds = ds.take(self.max_files) if self.streaming else ds.select(range(min(self.max_files, len(ds))))
+        if columns is not None:  # read only the text column
+            ds = ds.select_columns([self.text_field])
+        # Hub rows have no paths: synthetic ids keep the dataset's own order and feed the same split rule.
+        i = 0
+        for batch in ds.iter(batch_size=HUB_BATCH):
+            if self.text_field not in batch:
+                raise ValueError(f"text_field={self.text_field!r} is not a column of {self.hub_name!r}; columns: {sorted(batch)}")
+            for text in batch[self.text_field]:
+                if text is not None and not isinstance(text, str):
+                    raise ValueError(f"{self.hub_name!r} row {i}: text_field={self.text_field!r} holds {type(text).__name__}, not text")
+                yield f"hub:{i}", text or ""
+                i += 1
 
 
-def load_documents(
-    source: str, paths: list[str] | None, hub_name: str | None, hub_split: str, text_field: str, max_files: int | None
-) -> datasets.Dataset:
-    """Columns "path" (document id) and "text", in the corpus's fixed order, empty documents dropped."""
+def open_corpus(source: str, paths: list[str] | None, hub_name: str | None, hub_split: str, text_field: str,
+                max_files: int | None, streaming: bool = False) -> Corpus:
+    """The corpus, its file list resolved now (a bad path fails here, before anything is read)."""
     if source == "stdlib":
-        ds = _files_dataset(stdlib_files(), Path(sysconfig.get_paths()["stdlib"]), max_files)
-    elif source == "files":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return Corpus(source, files=tuple(_named_files(stdlib_files(), root, max_files)), max_files=max_files)
+    if source == "files":
         files = _expand_paths(paths or [])
         if not files:
             raise ValueError(f"paths={paths!r} match no files")
         # Ids relative to the deepest common directory: the split then depends on the corpus's own
         # tree, not on where it sits on disk.
-        ds = _files_dataset(files, Path(os.path.commonpath([f.parent for f in files])), max_files)
-    else:
-        ds = _hub_dataset(hub_name or "", hub_split, text_field, max_files)
-    # An empty document would only add a lone EOS (a few stdlib __init__.py files are empty).
-    ds = ds.select([i for i, text in enumerate(list(ds["text"])) if text])
-    if len(ds) == 0:
-        raise ValueError(f"source={source!r} gave an empty corpus: every document is empty")
-    return ds
+        root = Path(os.path.commonpath([f.parent for f in files]))
+        return Corpus(source, files=tuple(_named_files(files, root, max_files)), max_files=max_files)
+    return Corpus(source, hub_name=hub_name or "", hub_split=hub_split, text_field=text_field, max_files=max_files,
+                  streaming=streaming)
+
+
+@dataclass
+class CorpusScan:
+    """One pass over a corpus: what the split, the tokenizer's sample and the byte counts need."""
+
+    doc_ids: list[str]  # every non-empty document, in the corpus's order
+    sizes: list[int]  # their UTF-8 bytes
+    key: str | None  # the cache key, when the pass hashed the text
+
+
+def scan_corpus(corpus: Corpus, head: dict | None) -> CorpusScan:
+    """Ids and sizes of the documents; with `head` (what else the entry depends on), also the cache key:
+    sha256 over head then, per document, its id, UTF-8 size and text (a same-size edit must not hit a
+    stale entry), 16 hex digits."""
+    h = None if head is None else hashlib.sha256(json.dumps(head, sort_keys=True).encode())
+    doc_ids, sizes = [], []
+    for doc_id, text in corpus.documents():
+        data = text.encode("utf-8")
+        if h is not None:
+            h.update(f"\0{doc_id}\0{len(data)}\0".encode())
+            h.update(data)
+        doc_ids.append(doc_id)
+        sizes.append(len(data))
+    if not doc_ids:
+        raise ValueError(f"source={corpus.source!r} gave an empty corpus: every document is empty")
+    return CorpusScan(doc_ids, sizes, None if h is None else h.hexdigest()[:16])
+
+
+def key_head(described: str, val_fraction: float, vocab_size: int, max_files: int | None,
+             tokenizer_max_bytes: int | None) -> dict:
+    """Everything but the documents that decides a cache entry."""
+    head = {"format": FORMAT_VERSION, "source": described, "rule": SPLIT_RULE, "val_fraction": val_fraction,
+            "vocab_size": vocab_size, "max_files": max_files}
+    if tokenizer_max_bytes is not None:  # absent when unset, so entries built before the option keep their keys
+        head["tokenizer_max_bytes"] = tokenizer_max_bytes
+    return head
 
 
 # ---------------------------------------------------------------- split
@@ -168,8 +252,11 @@ def split_documents(doc_ids: list[str], val_fraction: float) -> tuple[list[int],
 # ---------------------------------------------------------------- tokenizer
 
 
-def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE: every byte is in the alphabet, so any text encodes and decodes back exactly."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE: every byte is in the alphabet, so any text encodes and decodes back exactly.
+
+    `texts` may be a generator: the trainer pulls documents from it a few at a time and keeps only its
+    word counts, not the text."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -179,7 +266,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer, length=len(texts))
+    tokenizer.train_from_iterator(texts, trainer)
     return _configure(tokenizer)
 
 
@@ -221,35 +308,127 @@ def tokenize_documents(tokenizer: Tokenizer, texts: list[str], eos_id: int) -> n
 # ---------------------------------------------------------------- cache
 
 
-def cache_key(source: str, docs: datasets.Dataset, val_fraction: float, vocab_size: int, max_files: int | None) -> str:
-    """sha256 over everything the entry depends on, 16 hex digits.
-
-    Per document: id, UTF-8 size and the text itself (a same-size edit must not hit a stale entry)."""
-    h = hashlib.sha256()
-    head = {"format": FORMAT_VERSION, "source": source, "rule": SPLIT_RULE, "val_fraction": val_fraction,
-            "vocab_size": vocab_size, "max_files": max_files}
-    h.update(json.dumps(head, sort_keys=True).encode())
-    for doc_id, text in sorted(zip(list(docs["path"]), list(docs["text"]))):
-        data = text.encode("utf-8")
-        h.update(f"\0{doc_id}\0{len(data)}\0".encode())
-        h.update(data)
-    return h.hexdigest()[:16]
-
-
-def _save_ids(path: Path, ids: np.ndarray, vocab_size: int) -> None:
-    # uint16 halves the file (and the page cache) whenever every id fits, i.e. vocab <= 65535.
-    np.save(path, ids.astype(np.uint16 if vocab_size <= 65535 else np.int32))
+def tokenizer_sample(train_positions: list[int], sizes: list[int], max_bytes: int | None) -> list[int]:
+    """Which training documents (positions in the corpus) the tokenizer learns from: all of them, or
+    with max_bytes every k-th one (k spreads the sample over the whole split), at most max_bytes of text
+    and at least one document."""
+    if max_bytes is None:
+        return list(train_positions)
+    total = sum(sizes[j] for j in train_positions)
+    picked, taken = [], 0
+    for j in train_positions[:: max(1, math.ceil(total / max_bytes))]:
+        if picked and taken + sizes[j] > max_bytes:
+            break
+        picked.append(j)
+        taken += sizes[j]
+    return picked
 
 
-def _write_entry(entry: Path, tokenizer: Tokenizer, train: np.ndarray, val: np.ndarray, meta: dict) -> None:
-    """Build in a temporary sibling, then rename: readers see a whole entry or none."""
+def _chunks(documents: Iterator[tuple[int, str]]) -> Iterator[list[tuple[int, str]]]:
+    """(position, text) pairs in chunks of at most ENCODE_CHUNK documents and about ENCODE_BYTES of text."""
+    chunk, size = [], 0
+    for j, text in documents:
+        chunk.append((j, text))
+        size += len(text)
+        if len(chunk) >= ENCODE_CHUNK or size >= ENCODE_BYTES:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _positions(corpus: Corpus, doc_ids: list[str]) -> Iterator[tuple[int, str]]:
+    """(position, text) of every document, checked against the scan: a corpus edited between two passes
+    would otherwise silently pair ids with the wrong split."""
+    n = 0
+    for j, (doc_id, text) in enumerate(corpus.documents()):
+        if j >= len(doc_ids) or doc_id != doc_ids[j]:
+            was = doc_ids[j] if j < len(doc_ids) else None
+            raise ValueError(f"the corpus changed while it was read (document {j} is {doc_id!r}, was {was!r}); run again")
+        n += 1
+        yield j, text
+    if n != len(doc_ids):
+        raise ValueError(f"the corpus changed while it was read ({n} documents, was {len(doc_ids)}); run again")
+
+
+def ids_dtype(vocab_size: int) -> np.dtype:
+    """uint16 halves the file (and the page cache) whenever every id fits, i.e. vocab <= 65535."""
+    return np.dtype("<u2") if vocab_size <= 65535 else np.dtype("<i4")
+
+
+class _IdsWriter:
+    """Appends ids to a .npy file whose length is known only at the end.
+
+    numpy pads a 1-D header with room for any length, so the header written first (length 0) and the
+    final one have the same size: close() rewrites it in place, and the file is byte for byte what
+    np.save would have written for the whole array."""
+
+    def __init__(self, f: BinaryIO, dtype: np.dtype) -> None:
+        self.f, self.dtype, self.count = f, dtype, 0
+        self._header()
+        self.data_start = f.tell()
+
+    def _header(self) -> None:
+        header = {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": (self.count,)}
+        np.lib.format.write_array_header_1_0(self.f, header)
+
+    def append(self, ids: np.ndarray) -> None:
+        self.f.write(ids.astype(self.dtype).tobytes())
+        self.count += len(ids)
+
+    def close(self) -> int:
+        self.f.seek(0)
+        self._header()
+        assert self.f.tell() == self.data_start, "the .npy header changed size"
+        return self.count
+
+
+def _write_ids(tmp: Path, corpus: Corpus, doc_ids: list[str], val_positions: set[int], tokenizer: Tokenizer,
+               eos_id: int) -> tuple[int, int]:
+    """Tokenize every document chunk by chunk into tmp/train.npy and tmp/val.npy -> (train, val) token counts."""
+    dtype = ids_dtype(tokenizer.get_vocab_size())
+    with open(tmp / "train.npy", "wb") as train_file, open(tmp / "val.npy", "wb") as val_file:
+        train, val = _IdsWriter(train_file, dtype), _IdsWriter(val_file, dtype)
+        for chunk in _chunks(_positions(corpus, doc_ids)):
+            for writer, held_out in ((train, False), (val, True)):
+                texts = [text for j, text in chunk if (j in val_positions) == held_out]
+                if texts:
+                    writer.append(tokenize_documents(tokenizer, texts, eos_id))
+        return train.close(), val.close()
+
+
+def _temporary_sibling(entry: Path) -> Path:
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = entry.parent / f".tmp-{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    return tmp
+
+
+def _build_entry(entry: Path, corpus: Corpus, scan: CorpusScan, val_fraction: float, vocab_size: int, key: str,
+                 tokenizer_path: str | None, tokenizer_max_bytes: int | None) -> None:
+    """Split, train the tokenizer, tokenize: three passes over the corpus, written into a temporary
+    sibling that is renamed into place last, so readers see a whole entry or none."""
+    names = scan.doc_ids
+    train_idx, val_idx = split_documents(names, val_fraction)
+    tmp = _temporary_sibling(entry)
     try:
+        sample = set(tokenizer_sample(train_idx, scan.sizes, tokenizer_max_bytes)) if tokenizer_path is None else set()
+        if tokenizer_path is None:  # train split only: no peeking at validation
+            tokenizer = train_tokenizer((text for j, text in _positions(corpus, names) if j in sample), vocab_size)
+            eos_id = tokenizer.token_to_id(EOS)
+        else:  # a model's own tokenizer
+            tokenizer, eos_id = load_tokenizer(tokenizer_path)
         tokenizer.save(str(tmp / "tokenizer.json"))
-        _save_ids(tmp / "train.npy", train, meta["vocab_size"])
-        _save_ids(tmp / "val.npy", val, meta["vocab_size"])
+        train_tokens, val_tokens = _write_ids(tmp, corpus, names, set(val_idx), tokenizer, eos_id)
+        meta = {
+            "format": FORMAT_VERSION, "cache_key": key, "split_rule": SPLIT_RULE, "val_fraction": val_fraction,
+            "requested_vocab_size": vocab_size, "vocab_size": tokenizer.get_vocab_size(), "eos_id": eos_id,
+            "train_bytes": sum(scan.sizes[j] for j in train_idx), "val_bytes": sum(scan.sizes[j] for j in val_idx),
+            "train_tokens": train_tokens, "val_tokens": val_tokens,
+            "train_files": [names[j] for j in train_idx], "val_files": [names[j] for j in val_idx],
+        }
+        if tokenizer_max_bytes is not None:
+            meta["tokenizer_files"] = len(sample)  # training documents the tokenizer learned from
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         os.rename(tmp, entry)
     except OSError:
@@ -261,38 +440,45 @@ def _write_entry(entry: Path, tokenizer: Tokenizer, train: np.ndarray, val: np.n
         raise
 
 
-def _build_entry(entry: Path, docs: datasets.Dataset, val_fraction: float, vocab_size: int, key: str,
-                 tokenizer_path: str | None) -> None:
-    names, texts = list(docs["path"]), list(docs["text"])
-    train_idx, val_idx = split_documents(names, val_fraction)
-    train_texts, val_texts = [texts[i] for i in train_idx], [texts[i] for i in val_idx]
-    if tokenizer_path is None:
-        tokenizer = train_tokenizer(train_texts, vocab_size)  # train split only: no peeking at validation
-        eos_id = tokenizer.token_to_id(EOS)
-    else:  # a model's own tokenizer
-        tokenizer, eos_id = load_tokenizer(tokenizer_path)
-    train = tokenize_documents(tokenizer, train_texts, eos_id)
-    val = tokenize_documents(tokenizer, val_texts, eos_id)
-    meta = {
-        "format": FORMAT_VERSION, "cache_key": key, "split_rule": SPLIT_RULE, "val_fraction": val_fraction,
-        "requested_vocab_size": vocab_size, "vocab_size": tokenizer.get_vocab_size(), "eos_id": eos_id,
-        "train_bytes": sum(len(t.encode("utf-8")) for t in train_texts),
-        "val_bytes": sum(len(t.encode("utf-8")) for t in val_texts),
-        "train_tokens": len(train), "val_tokens": len(val),
-        "train_files": [names[i] for i in train_idx], "val_files": [names[i] for i in val_idx],
-    }
-    _write_entry(entry, tokenizer, train, val, meta)
+def _damaged(entry: Path, what: str) -> ValueError:
+    return ValueError(f"data cache entry {entry} is damaged ({what}): delete {entry} and run again")
+
+
+def _load_ids(entry: Path, name: str, count: int) -> torch.Tensor:
+    """(count,) ids memory-mapped from entry/name, after checking the file holds exactly what its header
+    and meta.json say (a truncated file would otherwise fail later, or map garbage)."""
+    path = entry / name
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            shape, fortran_order, dtype = read_header(f)
+            start = f.tell()
+    except (OSError, ValueError) as e:
+        raise _damaged(entry, f"{path} is not a readable .npy file: {type(e).__name__}") from None
+    if dtype not in (np.dtype("<u2"), np.dtype("<i4")) or fortran_order or shape != (count,):
+        raise _damaged(entry, f"{path} holds {dtype} {shape}, meta.json says ({count},) ids")
+    size, expected = path.stat().st_size, start + count * dtype.itemsize
+    if size != expected:
+        raise _damaged(entry, f"{path} has {size} bytes, its header says {expected}")
+    # mode "c" (copy-on-write): pages are read when touched, and a stray in-place write stays in this
+    # process instead of corrupting the cache (a read-only map would crash it).
+    return torch.from_numpy(np.load(path, mmap_mode="c"))
 
 
 def _load_entry(entry: Path) -> PreparedData:
-    meta = json.loads((entry / "meta.json").read_text())
-    tokenizer = _configure(Tokenizer.from_file(str(entry / "tokenizer.json")))
-
-    def ids(name: str) -> torch.Tensor:
-        return torch.from_numpy(np.load(entry / name).astype(np.int64))  # np.load: allow_pickle=False
-
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        counts = meta["train_tokens"], meta["val_tokens"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _damaged(entry, f"meta.json unreadable: {type(e).__name__}") from None
+    try:
+        tokenizer = _configure(Tokenizer.from_file(str(entry / "tokenizer.json")))
+    except Exception as e:  # tokenizers raises its own Exception type
+        raise _damaged(entry, f"tokenizer.json unreadable: {type(e).__name__}") from None
     return PreparedData(
-        tokenizer=tokenizer, train_ids=ids("train.npy"), val_ids=ids("val.npy"),
+        tokenizer=tokenizer, train_ids=_load_ids(entry, "train.npy", counts[0]),
+        val_ids=_load_ids(entry, "val.npy", counts[1]),
         train_bytes=meta["train_bytes"], val_bytes=meta["val_bytes"], eos_id=meta["eos_id"],
         vocab_size=meta["vocab_size"], val_files=meta["val_files"], cache_key=meta["cache_key"],
     )
@@ -302,7 +488,7 @@ def _load_entry(entry: Path) -> PreparedData:
 
 
 def _check_args(source: str, paths: list[str] | None, hub_name: str | None, val_fraction: float,
-                vocab_size: int, max_files: int | None) -> None:
+                vocab_size: int, max_files: int | None, streaming: bool, tokenizer_max_bytes: int | None) -> None:
     if source not in SOURCES:
         raise ValueError(f"source={source!r} is unknown; use one of {', '.join(SOURCES)}")
     if source == "files" and not paths:
@@ -315,6 +501,13 @@ def _check_args(source: str, paths: list[str] | None, hub_name: str | None, val_
         raise ValueError(f"vocab_size={vocab_size!r} must be at least 257 (256 bytes + EOS)")
     if max_files is not None and max_files < 1:
         raise ValueError(f"max_files={max_files!r} must be a positive integer or None")
+    if not isinstance(streaming, bool):
+        raise ValueError(f"streaming={streaming!r} must be true or false")
+    if streaming and source != "hub":
+        raise ValueError(f"streaming=true is for source='hub'; source={source!r} is always read one file at a time")
+    if tokenizer_max_bytes is not None and (isinstance(tokenizer_max_bytes, bool) or not isinstance(tokenizer_max_bytes, int)
+                                            or tokenizer_max_bytes < 1):
+        raise ValueError(f"tokenizer_max_bytes={tokenizer_max_bytes!r} must be a positive integer or None (all the training text)")
 
 
 def prepare_data(
@@ -329,20 +522,36 @@ def prepare_data(
     max_files: int | None = None,
     cache_dir: str = ".cache/data",
     tokenizer: str | None = None,
+    streaming: bool = False,
+    tokenizer_max_bytes: int | None = None,
 ) -> PreparedData:
     """Load the corpus, split it by file, train the tokenizer on train (or take `tokenizer`, a model's own:
     a tokenizer.json or the model directory holding it; vocab_size is then the tokenizer's), tokenize both
-    sides; cached."""
-    _check_args(source, paths, hub_name, val_fraction, vocab_size, max_files)
+    sides; cached.
+
+    streaming (hub only): read the dataset with datasets' streaming mode, no local copy. Its entry is
+    then keyed by the dataset's name, split and field, not by its text (hashing the text would mean
+    reading the whole dataset on every run just to find the entry): delete the entry if the dataset
+    changes. tokenizer_max_bytes: train the BPE on at most this much training text, documents taken
+    evenly over the split; None, all of it."""
+    _check_args(source, paths, hub_name, val_fraction, vocab_size, max_files, streaming, tokenizer_max_bytes)
     own = None if tokenizer is None else load_tokenizer(tokenizer)[0]  # a bad path fails before the corpus is read
-    docs = load_documents(source, paths, hub_name, hub_split, text_field, max_files)
+    corpus = open_corpus(source, paths, hub_name, hub_split, text_field, max_files, streaming)
     described = f"hub:{hub_name}:{hub_split}:{text_field}" if source == "hub" else source
+    if streaming:
+        described = "streaming-" + described
     if own is not None:  # the tokenizer's content, not its path, decides the entry
         described += ":tokenizer:" + hashlib.sha256(own.to_str().encode()).hexdigest()
-    key = cache_key(described, docs, val_fraction, vocab_size, max_files)
+    head = key_head(described, val_fraction, vocab_size, max_files, tokenizer_max_bytes)
+    if streaming:
+        scan, key = None, hashlib.sha256(json.dumps(head, sort_keys=True).encode()).hexdigest()[:16]
+    else:
+        scan = scan_corpus(corpus, head)
+        key = scan.key
     entry = Path(cache_dir) / key
     if not (entry / "meta.json").exists():
-        _build_entry(entry, docs, val_fraction, vocab_size, key, tokenizer)
+        scan = scan or scan_corpus(corpus, None)
+        _build_entry(entry, corpus, scan, val_fraction, vocab_size, key, tokenizer, tokenizer_max_bytes)
     return _load_entry(entry)
 
 
@@ -401,13 +610,22 @@ def iter_blocks(ids: torch.Tensor, *, batch_size: int, seq_len: int) -> Iterator
 
 def token_counts(data: PreparedData, vocab_size: int) -> torch.Tensor:
     """(V,) int64: how often each token occurs in the training split (what a trimmed drafter vocabulary
-    keeps the most frequent of). Training split only, like the tokenizer: validation stays unseen."""
+    keeps the most frequent of). Training split only, like the tokenizer: validation stays unseen.
+
+    Counted COUNT_CHUNK ids at a time: the stream may be a memory map larger than memory."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size!r}: must be an integer >= 1")
-    ids = data.train_ids.long()
-    if ids.numel() and int(ids.max()) >= vocab_size:
-        raise ValueError(f"vocab_size={vocab_size}: must exceed the largest training id {int(ids.max())} (use the tokenizer's size)")
-    return torch.bincount(ids, minlength=vocab_size)
+    ids = data.train_ids
+    counts = torch.zeros(vocab_size, dtype=torch.int64)  # grows if an id >= vocab_size turns up
+    for start in range(0, ids.numel(), COUNT_CHUNK):
+        found = torch.bincount(ids[start : start + COUNT_CHUNK].long())  # (max id in chunk + 1,)
+        if found.numel() > counts.numel():
+            counts = torch.cat((counts, counts.new_zeros(found.numel() - counts.numel())))
+        counts[: found.numel()] += found
+    if counts.numel() > vocab_size:
+        largest = int(counts.nonzero().max())
+        raise ValueError(f"vocab_size={vocab_size}: must exceed the largest training id {largest} (use the tokenizer's size)")
+    return counts
 
 
 # Prompts live in their own file; re-exported so `from experiments.data import ...` covers the whole API.

@@ -107,8 +107,9 @@ def test_tokenizer_round_trips_validation_documents(small):
 
 
 def test_ids_and_byte_counts(small):
-    assert small.train_ids.dtype == torch.int64 and small.val_ids.dtype == torch.int64
-    assert small.train_ids.max() < small.vocab_size and small.train_ids.min() >= 0
+    # uint16 (vocab <= 65535), mapped from the cache; torch has no max() for uint16, hence .long()
+    assert small.train_ids.dtype == torch.uint16 and small.val_ids.dtype == torch.uint16
+    assert small.train_ids.long().max() < small.vocab_size
     assert small.train_bytes > small.train_ids.numel() > 0 and small.val_bytes > small.val_ids.numel() > 0
     decoded = small.tokenizer.decode(small.val_ids.tolist())  # EOS is skipped on decode
     assert len(decoded.encode("utf-8")) == small.val_bytes
@@ -127,31 +128,33 @@ def test_cache_hit_does_not_retokenize(small, cache_dir, monkeypatch):
     assert again.cache_key == small.cache_key and again.val_files == small.val_files
     assert torch.equal(again.train_ids, small.train_ids) and torch.equal(again.val_ids, small.val_ids)
     assert np.load(Path(cache_dir) / small.cache_key / "train.npy").dtype == np.uint16
+    assert D.ids_dtype(65535) == np.uint16 and D.ids_dtype(65536) == np.int32
 
 
 def test_cache_key_depends_on_arguments(small, cache_dir):
-    docs = D.load_documents("stdlib", None, None, "train", "text", 40)
-    assert D.cache_key("stdlib", docs, 0.05, 512, 40) == small.cache_key
-    assert D.cache_key("stdlib", docs, 0.05, 1024, 40) != small.cache_key
-    assert D.cache_key("stdlib", docs, 0.10, 512, 40) != small.cache_key
+    corpus = D.open_corpus("stdlib", None, None, "train", "text", 40)
+    key = lambda *args: D.scan_corpus(corpus, D.key_head("stdlib", *args)).key  # noqa: E731
+    assert key(0.05, 512, 40, None) == small.cache_key
+    assert key(0.05, 1024, 40, None) != small.cache_key
+    assert key(0.10, 512, 40, None) != small.cache_key
+    assert key(0.05, 512, 40, 10_000) != small.cache_key  # a capped tokenizer sample is another tokenizer
 
 
 def test_failed_write_leaves_no_entry(tmp_path, monkeypatch):
     corpus, cache = tmp_path / "corpus", tmp_path / "cache"
     corpus.mkdir()
     _write_corpus(corpus)
-    real_save = D._save_ids
+    real_close = D._IdsWriter.close
 
-    def save_then_fail(path, ids, vocab_size):
-        real_save(path, ids, vocab_size)
-        if path.name == "val.npy":  # crash halfway through the entry
-            raise RuntimeError("disk full")
+    def close_then_fail(self):
+        real_close(self)
+        raise RuntimeError("disk full")  # crash once train.npy is complete, halfway through the entry
 
-    monkeypatch.setattr(D, "_save_ids", save_then_fail)
+    monkeypatch.setattr(D._IdsWriter, "close", close_then_fail)
     with pytest.raises(RuntimeError, match="disk full"):
         prepare_data(source="files", paths=[str(corpus)], vocab_size=300, cache_dir=str(cache))
     assert list(cache.iterdir()) == []  # neither a final entry nor a temporary directory
-    monkeypatch.setattr(D, "_save_ids", real_save)
+    monkeypatch.setattr(D._IdsWriter, "close", real_close)
     data = prepare_data(source="files", paths=[str(corpus)], vocab_size=300, cache_dir=str(cache))
     assert [p.name for p in cache.iterdir()] == [data.cache_key]
 
@@ -267,6 +270,9 @@ def test_load_prompts_formats(small, tmp_path):
         (dict(val_fraction=0.0), ValueError, "val_fraction=0.0"),
         (dict(val_fraction=1.0), ValueError, "val_fraction=1.0"),
         (dict(max_files=1), ValueError, "1 non-empty document"),
+        (dict(streaming=True), ValueError, "streaming=true is for source='hub'"),
+        (dict(streaming="yes"), ValueError, "streaming='yes'"),
+        (dict(tokenizer_max_bytes=0), ValueError, "tokenizer_max_bytes=0"),
     ],
 )
 def test_prepare_data_rejects_bad_arguments(kwargs, exc, named, tmp_path):
