@@ -35,7 +35,7 @@ import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NoReturn, TypeVar
+from typing import Any, Callable, NoReturn, TypeVar
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
@@ -125,16 +125,18 @@ def sweep_job() -> SweepJob | None:
                     output_dir=Path(hydra_cfg.runtime.output_dir), sweep_dir=Path(hydra_cfg.sweep.dir))
 
 
-def read_failures(sweep_dir: str | Path) -> list[dict]:
-    """The failed.json of every job under a sweep directory, in job order (unreadable ones are skipped)."""
-    failures = []
+def read_failures(sweep_dir: str | Path) -> dict[int, str]:
+    """Job number -> label of every failed.json under a sweep directory (unreadable ones are skipped)."""
+    labels = {}
     for path in Path(sweep_dir).rglob(FAILED_FILE):
         try:
             failure = json.loads(path.read_text())
-            failures.append({**failure, "path": str(path)})
-        except (OSError, ValueError):  # half-written by a job killed meanwhile: the job dir still shows it
+            num, overrides = failure["job"], " ".join(map(str, failure["overrides"]))
+        except (OSError, ValueError, KeyError, TypeError):  # half-written by a job killed meanwhile
             continue
-    return sorted(failures, key=lambda f: (f.get("job", -1), f["path"]))
+        if isinstance(num, int):
+            labels[num] = f"job {num} ({overrides})"
+    return labels
 
 
 class JobFailed(CompactHydraException):
@@ -149,8 +151,7 @@ class JobFailed(CompactHydraException):
 
     def __str__(self) -> str:
         sweep_dir, job, label = self.args
-        labels = {f["job"]: f"job {f['job']} ({' '.join(f.get('overrides', []))})" for f in read_failures(sweep_dir)
-                  if isinstance(f.get("job"), int)}
+        labels = read_failures(sweep_dir)
         labels.setdefault(job, label)  # its failed.json may not have been written (a full disk)
         names = ", ".join(labels[n] for n in sorted(labels))
         jobs = "job" if len(labels) == 1 else "jobs"
@@ -186,7 +187,7 @@ def exit_interrupted() -> NoReturn:
     sys.exit(EXIT_INTERRUPTED)
 
 
-def run_single(fn: Callable, *args, **kwargs):
+def run_single(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
     except KeyboardInterrupt:
@@ -199,7 +200,7 @@ def run_single(fn: Callable, *args, **kwargs):
         sys.exit(EXIT_USER_ERROR)
 
 
-def run_sweep_job(job: SweepJob, fn: Callable, *args, **kwargs):
+def run_sweep_job(job: SweepJob, fn: Callable, *args: Any, **kwargs: Any) -> Any:
     # A job run again into the same directory starts with a clean slate: an old failure is not this run's.
     try:
         (job.output_dir / FAILED_FILE).unlink(missing_ok=True)

@@ -86,7 +86,8 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def env() -> dict:
     # PYTHONPATH: this checkout's experiments package, whatever the venv has installed
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": ""}
+    environ = {key: value for key, value in os.environ.items() if key != "HYDRA_FULL_ERROR"}  # Hydra's own traceback
+    return {**environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def run(*args: str, cwd: Path, timeout: int = 60) -> subprocess.CompletedProcess:
