@@ -6,8 +6,9 @@ Every job directory under the multirun holds Hydra's .hydra/overrides.yaml and, 
 results.json (experiments/benchmark.py) or failed.json (experiments/cli.py: a job that failed). A row of the
 summary is one method at one temperature in one job, labelled with that job's swept overrides; a job without
 results is listed under "Failed jobs" with its error, or as "no result (killed or still running)" when it
-left neither file. Writes summary.md, summary.json (the rows, then one entry per job without results, each
-with a "status") and speedup_vs_gamma.png into the multirun dir, each atomically.
+left neither file. Writes summary.md, summary.json (in job order, the rows and one entry per job without
+results, each with a "status": ok, failed or no result) and speedup_vs_gamma.png into the multirun dir, each
+atomically (a reader never sees half a file).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def swept(rows: list[dict]) -> list[dict]:
     return [{**row, "overrides": " ".join(sorted(o - shared)) or row["overrides"]} for row, o in zip(rows, split)]
 
 
-def cell(value) -> str:
+def cell(value: object) -> str:
     text = f"{value:.2f}" if isinstance(value, float) else str(value)
     return text.replace("|", "\\|")  # a message with a pipe must not split the markdown row
 
