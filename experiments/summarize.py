@@ -2,36 +2,103 @@
 
     python -m experiments.summarize multirun/benchmark/2026-11-22_10-00-00
 
-Every job directory under the multirun holds results.json (experiments/benchmark.py) and Hydra's
-.hydra/overrides.yaml; a row of the summary is one method at one temperature in one job, labelled with
-that job's overrides. Writes summary.md, summary.json and speedup_vs_gamma.png into the multirun dir.
+Every job directory under the multirun holds Hydra's .hydra/overrides.yaml and, when the job got that far,
+results.json (experiments/benchmark.py) or failed.json (experiments/cli.py: a job that failed). A row of the
+summary is one method at one temperature in one job, labelled with that job's swept overrides; a job without
+results is listed under "Failed jobs" with its error, or as "no result (killed or still running)" when it
+left neither file. Writes summary.md, summary.json (in job order, the rows and one entry per job without
+results, each with a "status": ok, failed or no result) and speedup_vs_gamma.png into the multirun dir, each
+atomically (a reader never sees half a file).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+import yaml
+
+from experiments.cli import FAILED_FILE, one_line, user_message, write_atomic
 from experiments.report import mode, plt
 
 COLUMNS = ("overrides", "name", "mode", "temperature", "gamma", "tau", "alpha", "speedup", "efficiency", "draft_share", "lossless", "exact")
+RESULTS_FILE = "results.json"
+NO_RESULT = "no result (killed or still running)"
+
+
+def job_order(job_dir: Path) -> tuple:
+    """Hydra numbers jobs 0, 1, ..., 10: sort numerically."""
+    name = job_dir.name
+    return (not name.isdigit(), int(name) if name.isdigit() else 0, name)
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """Every job directory of the multirun: Hydra writes .hydra/ before the job runs, so a killed job has one."""
+    found = {path.parent for name in (RESULTS_FILE, FAILED_FILE, ".hydra") for path in sweep_dir.glob(f"*/{name}")}
+    return sorted(found, key=job_order)
+
+
+def read_overrides(job_dir: Path) -> str:
+    path = job_dir / ".hydra" / "overrides.yaml"
+    try:
+        overrides = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):  # no .hydra (hydra.output_subdir=null) or a broken file: no label
+        return ""
+    return " ".join(str(o) for o in overrides) if isinstance(overrides, list) else ""
+
+
+def newer(a: Path, b: Path) -> bool:
+    return a.stat().st_mtime_ns >= b.stat().st_mtime_ns
+
+
+def without_results(job: str, overrides: str, status: str, error: str, error_type: str = "") -> dict:
+    """The entry of a job that has no rows: status "failed" (failed.json) or "no result"."""
+    return {"job": job, "overrides": overrides, "status": status, "error_type": error_type, "error": error}
+
+
+def failure_entry(job: str, overrides: str, failed_file: Path) -> dict:
+    try:
+        failure = json.loads(failed_file.read_text())
+        error, error_type = str(failure["message"]), str(failure.get("error_type", ""))
+        overrides = overrides or " ".join(failure.get("overrides", []))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        error, error_type = f"{FAILED_FILE} unreadable: {one_line(e)}", ""
+    return without_results(job, overrides, "failed", error, error_type)
+
+
+def result_rows(job: str, overrides: str, results_file: Path) -> list[dict]:
+    """The job's rows; a results.json that is not one (cut short by a kill, a full disk) is one line of error."""
+    try:
+        results = json.loads(results_file.read_text())
+    except OSError as e:
+        error = f"cannot read {RESULTS_FILE}: {user_message(e) or one_line(e)}"
+        return [without_results(job, overrides, "no result", error)]
+    except ValueError as e:
+        error = f"{RESULTS_FILE} is not valid JSON (cut short?): {one_line(e)}"
+        return [without_results(job, overrides, "no result", error)]
+    methods = results.get("methods") if isinstance(results, dict) else None
+    if not isinstance(methods, list) or not all(isinstance(row, dict) for row in methods):
+        error = f'{RESULTS_FILE} has no list of method rows under "methods"'
+        return [without_results(job, overrides, "no result", error)]
+    return [{"job": job, "overrides": overrides, "status": "ok", "mode": mode(row), **row} for row in methods]
+
+
+def job_entries(job_dir: Path) -> list[dict]:
+    """One job's rows, or one entry saying why it has none."""
+    job, overrides = job_dir.name, read_overrides(job_dir)
+    results_file, failed_file = job_dir / RESULTS_FILE, job_dir / FAILED_FILE
+    if failed_file.exists() and not (results_file.exists() and newer(results_file, failed_file)):
+        return [failure_entry(job, overrides, failed_file)]
+    if results_file.exists():
+        return result_rows(job, overrides, results_file)
+    return [without_results(job, overrides, "no result", NO_RESULT)]
 
 
 def job_rows(sweep_dir: Path) -> list[dict]:
-    rows = []
-    def job_order(path: Path) -> tuple:  # Hydra numbers jobs 0, 1, ..., 10: sort numerically
-        name = path.parent.name
-        return (not name.isdigit(), int(name) if name.isdigit() else 0, name)
-
-    for results_file in sorted(sweep_dir.glob("*/results.json"), key=job_order):
-        results = json.loads(results_file.read_text())
-        overrides_file = results_file.parent / ".hydra" / "overrides.yaml"
-        overrides = overrides_file.read_text().replace("\n- ", " ").strip("- \n") if overrides_file.exists() else ""
-        for row in results["methods"]:
-            rows.append({"job": results_file.parent.name, "overrides": overrides, "mode": mode(row), **row})
-    return rows
+    return [entry for job_dir in job_dirs(sweep_dir) for entry in job_entries(job_dir)]
 
 
 def swept(rows: list[dict]) -> list[dict]:
@@ -41,17 +108,34 @@ def swept(rows: list[dict]) -> list[dict]:
     return [{**row, "overrides": " ".join(sorted(o - shared)) or row["overrides"]} for row, o in zip(rows, split)]
 
 
+def cell(value: object) -> str:
+    text = f"{value:.2f}" if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|")  # a message with a pipe must not split the markdown row
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
-        cells = [f"{row[c]:.2f}" if isinstance(row[c], float) else str(row[c]) for c in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
+        if row["status"] == "ok":
+            lines.append("| " + " | ".join(cell(row.get(c, "-")) for c in COLUMNS) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot_speedup_vs_gamma(rows: list[dict], path: Path) -> None:
+def failed_table(rows: list[dict]) -> str:
+    """The jobs without results: empty when every job has its results."""
+    failed = [row for row in rows if row["status"] != "ok"]
+    if not failed:
+        return ""
+    lines = ["", "## Failed jobs", "", "| job | overrides | error |", "|---|---|---|"]
+    lines += [f"| {cell(row['job'])} | {cell(row['overrides'])} | {cell(row['error'])} |" for row in failed]
+    return "\n".join(lines) + "\n"
+
+
+def plot_speedup_vs_gamma(rows: list[dict]) -> bytes:
     series = defaultdict(list)
     for row in rows:
+        if any(key not in row for key in ("name", "temperature", "gamma", "speedup")):
+            continue  # a results.json of another schema: in the table, not on the plot
         series[(row["name"], row["mode"], row["temperature"])].append((row["gamma"], row["speedup"]))
     fig, ax = plt.subplots(figsize=(6, 4))
     for (name, setting, temperature), points in sorted(series.items()):
@@ -62,21 +146,27 @@ def plot_speedup_vs_gamma(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("speedup over plain decoding")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    return png.getvalue()
 
 
 def summarize(sweep_dir: str | Path) -> list[dict]:
+    """Write the summary files; return the rows of summary.json (rows with status "ok" carry results)."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"multirun directory {sweep_dir} does not exist")
     rows = job_rows(sweep_dir)
     if not rows:
-        raise ValueError(f"{sweep_dir} holds no */results.json: is it a benchmark multirun directory?")
+        raise ValueError(f"{sweep_dir} holds no */results.json and no job directories: "
+                         "is it a benchmark multirun directory?")
     rows = swept(rows)
-    (sweep_dir / "summary.md").write_text(table(rows))
-    (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=2, default=str))
-    plot_speedup_vs_gamma(rows, sweep_dir / "speedup_vs_gamma.png")
+    write_atomic(sweep_dir / "summary.md", table(rows) + failed_table(rows))
+    write_atomic(sweep_dir / "summary.json", json.dumps(rows, indent=2, default=str) + "\n")
+    ok = [row for row in rows if row["status"] == "ok"]
+    if ok:  # a sweep where every job failed has nothing to plot
+        write_atomic(sweep_dir / "speedup_vs_gamma.png", plot_speedup_vs_gamma(ok))
     return rows
 
 
@@ -86,10 +176,10 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         rows = summarize(argv[0])
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # a missing or empty directory, one we may not write into, a full disk
+        print(f"error: {user_message(e) or one_line(e)}", file=sys.stderr)
         return 2
-    print(table(rows))
+    print(table(rows) + failed_table(rows), end="")
     return 0
 
 
