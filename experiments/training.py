@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from experiments.checkpoint import CheckpointError, fingerprint
+from experiments.cli import write_atomic
 from experiments.data import sample_batch
 from experiments.distributed import (
     Dist, all_mean, batch_rows, broadcast_float, broadcast_text, gather_text, take_rows, wrap,
@@ -206,9 +206,7 @@ class MetricsFile:
         rows = self.read(path) if path.exists() and resume_step > 0 else []
         # rows written after the checkpoint we resume from would be repeated: drop them
         kept = [r for r in rows if r["step"] <= resume_step]
-        tmp = path.with_name(f".{path.name}.tmp")  # rewritten beside, then renamed: a crash here loses no rows
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))  # a crash here loses no rows
 
     def write(self, row: dict[str, Any]) -> None:
         with self.path.open("a") as f:
