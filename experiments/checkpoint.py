@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import time
@@ -176,14 +177,27 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, its I/O failures raised as the OSError they are (a full disk: ENOSPC), so
+    callers and the command line treat them like any other failed write."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        found = re.search(r"\(os error (\d+)\)", str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
 def _write_contents(
     tmp: Path, *, state_dict: dict[str, torch.Tensor], meta: dict[str, Any], optimizer: torch.optim.Optimizer | None,
 ) -> None:
     tmp.mkdir(parents=True)
-    save_file(state_dict, str(tmp / MODEL_FILE))
+    _save_tensors(state_dict, tmp / MODEL_FILE)
     if optimizer is not None:
         tensors, rest_json = _flatten_optimizer(optimizer.state_dict())
-        save_file(tensors, str(tmp / OPTIM_FILE), metadata={"optimizer": rest_json})
+        _save_tensors(tensors, tmp / OPTIM_FILE, metadata={"optimizer": rest_json})
     if meta["tokenizer"] is not None:
         (tmp / TOKENIZER_FILE).write_text(meta["tokenizer"])
     _write_json(tmp / META_FILE, meta)  # last: a directory with meta.json was written to the end

@@ -321,3 +321,37 @@ def test_a_nan_loss_stops_training_and_keeps_the_last_checkpoint(tmp_path: Path,
     with pytest.raises(training.NonFiniteLoss, match="training loss is nan at step 2: lower optim.lr"):
         train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=4"))
     assert load_checkpoint(tmp_path / "checkpoint").meta["fingerprint"] == before
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A directory on a tmpfs of the size asked for (root only: mount); skipped where it cannot be mounted."""
+    mounted: list[Path] = []
+
+    def mount(size_bytes: int) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        ok = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)],
+                                                  capture_output=True).returncode == 0
+        if not ok:
+            pytest.skip("mounting a small tmpfs needs root")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", str(where)], capture_output=True)
+
+
+def test_a_full_disk_keeps_the_last_checkpoint(small_disk, tmp_path: Path, cache_dir: str) -> None:
+    """A real full disk: the save that does not fit fails as ENOSPC, leaves no partial file, and the checkpoint
+    before it stays whole (the atomic swap needs room for both, so the disk holds one and a half)."""
+    probe = train_base.train(base_cfg(tmp_path / "probe", cache_dir, "max_steps=2"))
+    size = sum(f.stat().st_size for f in Path(probe["checkpoint"]).iterdir())
+    disk = small_disk(int(size * 1.5) + 64 * 1024)
+    with pytest.raises(OSError) as excinfo:
+        train_base.train(base_cfg(disk / "run", cache_dir, "max_steps=4", "checkpoint_every=2", "eval_every=2"))
+    assert excinfo.value.errno == 28  # ENOSPC, which the command line prints as one line
+    meta = load_checkpoint(disk / "run" / "checkpoint").meta  # whole and verified
+    assert meta["step"] == 2
+    assert sorted(p.name for p in (disk / "run").iterdir() if p.name.startswith(".checkpoint")) == []
