@@ -25,8 +25,13 @@ SEPARATOR = "---"  # a line holding only this separates prompts in a plain-text 
 
 
 def document_regions(ids: torch.Tensor, eos_id: int) -> list[tuple[int, int]]:
-    """[(start, end)) of every non-empty run of tokens between EOS tokens in a (N,) stream."""
-    eos = (ids == eos_id).nonzero().flatten().tolist()
+    """[(start, end)) of every non-empty run of tokens between EOS tokens in a (N,) stream.
+
+    Scanned in chunks: the stream may be a memory map larger than memory, and `ids == eos_id` over all of
+    it at once would allocate a mask of N bytes."""
+    chunk = 1 << 24
+    eos = [i for start in range(0, ids.numel(), chunk)
+           for i in ((ids[start:start + chunk] == eos_id).nonzero().flatten() + start).tolist()]
     bounds = [-1] + eos + [ids.numel()]
     return [(a + 1, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a + 1]
 
