@@ -4,6 +4,10 @@
 given Hydra overrides, names the result by a hash of the resolved config, and trains only when
 `<root>/<kind>-<hash>/checkpoint` does not exist yet. Training happens in-process through the same
 plain `train(cfg)` functions the command-line entry points wrap, so the cache cannot drift from them.
+
+Also the two file helpers every entry point shares: `write_atomic` (a results file is either the old one
+or the whole new one, never a part, even when the disk fills up) and `check_writable` (an output
+directory that cannot be written is reported before any work, not after it).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import secrets
 from pathlib import Path
 
 from hydra import compose
@@ -23,6 +29,55 @@ log = logging.getLogger(__name__)
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 ENTRY = {"base": "train_base", "draft": "train_drafter", "medusa": "train_drafter", "prophet": "train_drafter",
          "sequential": "train_drafter", "early_exit": "train_drafter"}
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write `data` (text as UTF-8) to `path`: into a temporary file in the same directory, flushed and
+    fsync'd, then renamed over `path`. A reader, or a crash, sees the previous file or the complete new
+    one; on any error (a full disk: OSError ENOSPC) the temporary file is removed and the error raised."""
+    path = Path(path)
+    payload = data.encode() if isinstance(data, str) else data
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")  # same directory: the rename is atomic
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # 0o666 minus the umask, as open() gives
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)  # the rename itself survives a power loss
+    return path
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_writable(directory: str | Path, name: str) -> Path:
+    """Check that files can be written in `directory` (or, when it does not exist yet, created in its
+    nearest existing parent) by writing and removing a probe file: an output directory that cannot be
+    written is a one-line ValueError before the run, not a lost result after it. Creates nothing."""
+    if not isinstance(directory, (str, Path)):
+        raise ValueError(f"{name}={directory!r}: must be a directory path")
+    directory = Path(directory)
+    existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is a file")
+        probe = existing / f".write-probe-{secrets.token_hex(4)}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"{name}={str(directory)!r} is not a writable directory ({e.strerror or e}): "
+                         "give one this user can write") from None
+    return directory
 
 
 def _compose(config_name: str, overrides: list[str]):
@@ -67,5 +122,5 @@ def ensure(kind: str, overrides: list[str], *, root: str | Path = "artifacts") -
         from experiments.train_drafter import train
     out_dir.mkdir(parents=True, exist_ok=True)
     result = train(cfg)
-    (out_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    write_atomic(out_dir / "result.json", json.dumps(result, indent=2, default=str))
     return ckpt

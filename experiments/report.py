@@ -14,12 +14,14 @@ lossless = the acceptance rule keeps the target's distribution (a lenient `delta
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
 
 import matplotlib
 
+from experiments.artifacts import write_atomic
 from experiments.calibrate import format_cost_table
 
 matplotlib.use("Agg")  # files only, no display
@@ -102,9 +104,16 @@ def plot_speedup_tau(results: dict, path: Path) -> None:
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
         ax.set_title(title)
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> None:
+    """Render the PNG in memory, then write it atomically (a full disk leaves no half image)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    write_atomic(path, png.getvalue())
 
 
 def plot_acceptance(results: dict, path: Path) -> None:
@@ -117,9 +126,7 @@ def plot_acceptance(results: dict, path: Path) -> None:
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def cost_lines(results: dict) -> str:
@@ -136,10 +143,11 @@ def cost_lines(results: dict) -> str:
 
 
 def write_report(results: dict, out_dir: Path) -> None:
+    """results.json, results.md and the plots, each written atomically (old or whole new, never a part)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    write_atomic(out_dir / "results.json", json.dumps(results, indent=2, default=str))
     cpu = f"CPU: {results['cpu']}\n\n" if results.get("cpu") else ""
-    (out_dir / "results.md").write_text(cpu + markdown_table(results) + warmup_lines(results) + cost_lines(results))
+    write_atomic(out_dir / "results.md", cpu + markdown_table(results) + warmup_lines(results) + cost_lines(results))
     if results["methods"]:
         plot_speedup_tau(results, out_dir / "speedup_tau.png")
         plot_acceptance(results, out_dir / "acceptance_by_position.png")
