@@ -39,7 +39,7 @@ from experiments.lm import build_lm
 
 __all__ = [
     "Checkpoint", "CheckpointError", "fingerprint", "save_checkpoint", "load_checkpoint", "load_lm", "load_model",
-    "checkpoint_exists",
+    "checkpoint_exists", "read_meta", "check_lm_meta", "is_hf_directory",
 ]
 
 MODEL_FILE = "model.safetensors"
@@ -303,15 +303,42 @@ def _read_optimizer(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"corrupted optimizer state in {path}: {_one_line(e)}") from None
 
 
-def load_checkpoint(directory: str | Path, *, expected_config: dict[str, Any] | None = None) -> Checkpoint:
-    """Read and verify a checkpoint; safetensors and JSON only."""
+def _not_a_checkpoint(directory: Path) -> CheckpointError:
+    """The error for a directory without meta.json: says what it looks like instead, when it can."""
+    if (directory / "checkpoint" / META_FILE).is_file():
+        return CheckpointError(f"{directory} is a run directory, not a checkpoint: give {directory / 'checkpoint'}")
+    if (directory / "config.json").is_file():
+        return CheckpointError(f"{directory} is a Hugging Face model directory, not a checkpoint of this project "
+                               f"(no {META_FILE}): only a base LM can be one")
+    if not (directory / MODEL_FILE).is_file():
+        return CheckpointError(f"{directory} is not a checkpoint directory (no {META_FILE}, no {MODEL_FILE})")
+    return CheckpointError(f"checkpoint {directory} is incomplete: {META_FILE} is missing")
+
+
+def read_meta(directory: str | Path) -> dict[str, Any]:
+    """A checkpoint's meta.json, after checking the files are there and the weights file is complete
+    (its header covers the whole file), without reading any weights: entry points call it on every
+    checkpoint they were given before any work starts, so a wrong path fails in milliseconds."""
     directory = _readable(Path(directory))
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory not found: {directory}")
-    for name in (META_FILE, MODEL_FILE):
-        if not (directory / name).is_file():
-            raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing")
+    if not (directory / META_FILE).is_file():
+        raise _not_a_checkpoint(directory)
+    if not (directory / MODEL_FILE).is_file():
+        raise CheckpointError(f"checkpoint {directory} is incomplete: {MODEL_FILE} is missing")
     meta = _read_meta(directory / META_FILE)
+    try:  # opening reads only the header, and refuses a file the header does not exactly cover (truncated)
+        with safe_open(str(directory / MODEL_FILE), framework="pt"):
+            pass
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"corrupted or truncated {directory / MODEL_FILE}: {_one_line(e)}") from None
+    return meta
+
+
+def load_checkpoint(directory: str | Path, *, expected_config: dict[str, Any] | None = None) -> Checkpoint:
+    """Read and verify a checkpoint; safetensors and JSON only."""
+    meta = read_meta(directory)
+    directory = _readable(Path(directory))
     if expected_config is not None:
         _check_config(directory, meta["model_config"], dict(expected_config))
     state_dict, _ = _read_safetensors(directory / MODEL_FILE)
@@ -328,23 +355,59 @@ def load_checkpoint(directory: str | Path, *, expected_config: dict[str, Any] | 
     return Checkpoint(state_dict=state_dict, meta=meta, optimizer_state=optimizer_state)
 
 
+def check_lm_meta(directory: str | Path, meta: dict[str, Any], role: str = "base_checkpoint") -> Tokenizer:
+    """A base LM checkpoint's meta, checked before its weights are read; its tokenizer.
+
+    Refuses a drafter checkpoint (its config builds no LM), a missing or unreadable tokenizer, a tokenizer
+    with more tokens than the model's embedding (ids past num_tokens would index out of it or, on a
+    device without bounds checks, read garbage) and an EOS id outside the vocabulary."""
+    kind = meta.get("kind")
+    if kind == "drafter":
+        raise CheckpointError(f"{directory} is a drafter checkpoint (kind=drafter); {role} takes a base LM checkpoint "
+                              "(experiments.train_base)")
+    if meta.get("tokenizer") is None:
+        raise CheckpointError(f"checkpoint {directory} has no tokenizer: {role} takes a base LM checkpoint "
+                              "(experiments.train_base)")
+    try:
+        tokenizer = Tokenizer.from_str(meta["tokenizer"])
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise CheckpointError(f"checkpoint {directory}: its tokenizer does not load ({_one_line(e)})") from None
+    num_tokens = meta["model_config"].get("num_tokens")
+    if isinstance(num_tokens, int):
+        _check_vocabulary(f"checkpoint {directory}", tokenizer, num_tokens, (meta.get("data") or {}).get("eos_id"))
+    return tokenizer
+
+
+def _check_vocabulary(name: str, tokenizer: Tokenizer, num_tokens: int, eos_id: Any) -> None:
+    size = tokenizer.get_vocab_size()
+    if size > num_tokens:
+        raise CheckpointError(f"{name}: its tokenizer has {size} tokens, more than the model's {num_tokens} "
+                              "(num_tokens): the tokenizer does not belong to these weights")
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int) or not 0 <= eos_id < size):
+        raise CheckpointError(f"{name}: its EOS id {eos_id!r} is not a token of its {size}-token tokenizer")
+
+
 def load_lm(
-    directory: str | Path, *, device: str | torch.device = "cpu"
+    directory: str | Path, *, device: str | torch.device = "cpu", role: str = "base_checkpoint"
 ) -> tuple[torch.nn.Module, Tokenizer, dict[str, Any]]:
     """Rebuild a base LM from its checkpoint: (model in eval mode, tokenizer, meta). A Hugging Face model
-    directory (config.json, *.safetensors, tokenizer.json; no meta.json) loads too, as an HFBase."""
-    if _is_hf_directory(Path(directory)):
+    directory (config.json, *.safetensors, tokenizer.json; no meta.json) loads too, as an HFBase.
+    `role` names the setting the directory came from, for the errors (check_lm_meta)."""
+    if is_hf_directory(Path(directory)):
         return _load_hf(Path(directory), device)
+    tokenizer = check_lm_meta(directory, read_meta(directory), role)
     model, meta = load_model(directory, build_lm, device=device)
-    if meta["tokenizer"] is None:
-        raise CheckpointError(f"checkpoint {directory} has no tokenizer")
-    return model, Tokenizer.from_str(meta["tokenizer"]), meta
+    return model, tokenizer, meta
 
 
 def load_model(directory: str | Path, build, *, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
     """Rebuild a model from its checkpoint with `build(**meta["model_config"])`: (model in eval mode, meta)."""
     ckpt = load_checkpoint(directory)
-    model = build(**ckpt.meta["model_config"])
+    try:
+        model = build(**ckpt.meta["model_config"])
+    except TypeError as e:  # a config of another kind of model: keys the builder does not take
+        raise CheckpointError(f"checkpoint {directory} (kind={ckpt.meta.get('kind')!r}) holds no model this loader "
+                              f"builds: {_one_line(e)}") from None
     try:
         model.load_state_dict(ckpt.state_dict, strict=True)
     except RuntimeError as e:
@@ -352,7 +415,7 @@ def load_model(directory: str | Path, build, *, device: str | torch.device = "cp
     return model.to(device).eval(), ckpt.meta
 
 
-def _is_hf_directory(directory: Path) -> bool:
+def is_hf_directory(directory: Path) -> bool:
     return (directory / "config.json").is_file() and not (directory / META_FILE).exists()
 
 
@@ -366,9 +429,7 @@ def _load_hf(directory: Path, device: str | torch.device) -> tuple[torch.nn.Modu
         base = load_hf_base(directory, device=device)
     except (ValueError, OSError) as e:
         raise CheckpointError(f"Hugging Face model {directory}: {_one_line(e)}") from None
-    if tokenizer.get_vocab_size() > base.num_tokens:
-        raise CheckpointError(f"Hugging Face model {directory}: its tokenizer has {tokenizer.get_vocab_size()} tokens, "
-                              f"more than the model's vocab_size {base.num_tokens}")
+    _check_vocabulary(f"Hugging Face model {directory}", tokenizer, base.num_tokens, eos_id)
     meta = {"fingerprint": fingerprint(base.state_dict()), "model_config": {"arch": "hf", "path": str(directory.resolve())},
             "tokenizer": tokenizer.to_str(), "data": {"config": None, "eos_id": eos_id, "tokenizer_path": str(directory.resolve())}}
     return base, tokenizer, meta

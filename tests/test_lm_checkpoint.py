@@ -342,3 +342,81 @@ def test_the_project_imports_and_refuses_llama_without_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "arch=llama needs transformers: pip install -e '.[hf]'"
+
+
+# -------------------------------------------------------------------------- what load_lm refuses, in one line
+
+
+def word_tokenizer(size: int) -> str:
+    return Tokenizer(models.WordLevel({f"t{i}": i for i in range(size)}, unk_token="t0")).to_str()
+
+
+def no_weights_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    def read(*args, **kwargs):
+        raise AssertionError("the weights were read before the meta was checked")
+
+    monkeypatch.setattr(ckpt_mod, "_read_safetensors", read)
+
+
+def test_load_lm_refuses_a_drafter_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = save(tmp_path / "medusa", make_model(), tokenizer_json=None, model_config={"package": "medusa", "module": {}},
+                     extra={"kind": "drafter", "base_fingerprint": "0" * 16})
+    no_weights_read(monkeypatch)
+    with pytest.raises(CheckpointError) as excinfo:
+        load_lm(directory)
+    assert_one_line_error(excinfo, f"{directory} is a drafter checkpoint (kind=drafter); base_checkpoint takes a base LM "
+                                   "checkpoint (experiments.train_base)")
+    with pytest.raises(CheckpointError) as excinfo:
+        load_lm(directory, role="checkpoints.assistant")
+    assert_one_line_error(excinfo, "checkpoints.assistant takes a base LM checkpoint")
+
+
+@pytest.mark.parametrize("tokens, eos_id, fragment", [
+    (100, 0, "its tokenizer has 100 tokens, more than the model's 64 (num_tokens)"),
+    (10, 10, "its EOS id 10 is not a token of its 10-token tokenizer"),
+    (10, -1, "its EOS id -1"),
+    (10, "0", "its EOS id '0'"),
+])
+def test_load_lm_refuses_a_tokenizer_that_does_not_fit_the_weights(tokens: int, eos_id, fragment: str, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = save(tmp_path / "ckpt", make_model(), tokenizer_json=word_tokenizer(tokens), extra={"data": {"eos_id": eos_id}})
+    no_weights_read(monkeypatch)
+    with pytest.raises(CheckpointError) as excinfo:
+        load_lm(directory)
+    assert_one_line_error(excinfo, str(directory), fragment)
+
+
+def test_load_lm_accepts_a_tokenizer_that_fits(tmp_path: Path) -> None:
+    directory = save(tmp_path / "ckpt", make_model(), tokenizer_json=word_tokenizer(64), extra={"data": {"eos_id": 63}})
+    model, tokenizer, meta = load_lm(directory)
+    assert tokenizer.get_vocab_size() == model.num_tokens == 64 and meta["data"]["eos_id"] == 63
+
+
+@pytest.mark.parametrize("tokenizer, model_config, fragment", [
+    ('{"not a tokenizer"', SMALL, "its tokenizer does not load"),
+    (None, SMALL, "has no tokenizer: base_checkpoint takes a base LM checkpoint"),
+    (tokenizer_json(), {"package": "medusa", "module": {}}, "holds no model this loader builds"),
+])
+def test_load_lm_refuses_what_is_not_a_base_lm(tokenizer, model_config: dict, fragment: str, tmp_path: Path) -> None:
+    directory = save(tmp_path / "ckpt", make_model(), tokenizer_json=tokenizer, model_config=model_config)
+    with pytest.raises(CheckpointError) as excinfo:
+        load_lm(directory)
+    assert_one_line_error(excinfo, fragment)
+
+
+def test_read_meta_reads_no_weights_and_says_what_a_directory_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = save(tmp_path / "run" / "checkpoint", make_model())
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    truncated = save(tmp_path / "truncated", make_model()) / "model.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[:-8])
+    no_weights_read(monkeypatch)
+    assert ckpt_mod.read_meta(directory)["step"] == 7
+    for path, fragment in ((tmp_path / "run", f"is a run directory, not a checkpoint: give {directory}"),
+                           (tmp_path / "hf", "is a Hugging Face model directory, not a checkpoint of this project"),
+                           (tmp_path / "empty", "is not a checkpoint directory (no meta.json, no model.safetensors)"),
+                           (truncated.parent, f"corrupted or truncated {truncated}")):
+        with pytest.raises(CheckpointError) as excinfo:
+            ckpt_mod.read_meta(path)
+        assert_one_line_error(excinfo, fragment)
