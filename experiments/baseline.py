@@ -19,10 +19,11 @@ import torch
 from omegaconf import DictConfig
 from x_transformers import AutoregressiveWrapper
 
-from experiments.benchmark import checkpoint_for, get_prompts
+from experiments.benchmark import (
+    _positive_int, check_checkpoints, check_decode, check_prompts, check_run, checkpoint_for, command_line_keys, get_prompts,
+)
 from experiments.checkpoint import load_lm
 from experiments.cli import exit_on_user_error
-from experiments.train_base import resolve_device
 from verify.hf import HFBase
 from verify.plain import plain_generate
 from verify.target import Target
@@ -46,12 +47,26 @@ def _timed(fn) -> tuple[list, float]:
     return out, time.perf_counter() - start
 
 
-def compare(cfg: DictConfig) -> dict:
-    device = resolve_device(cfg.device)
+def check_config(cfg: DictConfig) -> None:
+    """Every setting the baseline reads (of the benchmark's config), before anything loads or trains."""
+    check_run(cfg)
     if cfg.threads is not None and (isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 1):
         raise ValueError(f"threads={cfg.threads!r}: the baseline takes one setting, null or an integer >= 1")
     if not isinstance(cfg.compile, bool):
         raise ValueError(f"compile={cfg.compile!r}: the baseline takes one setting, true or false")
+    _positive_int("repeats", cfg.repeats)
+    check_decode(cfg.decode)  # it decodes greedily, decode.max_new_tokens tokens: the rest is checked, not read
+    typed = sorted(k for k in command_line_keys() if k.startswith("decode.") and k != "decode.max_new_tokens")
+    if typed:
+        raise ValueError(f"{typed[0]} is not read by the baseline: it decodes greedily, one prompt at a time, "
+                         "decode.max_new_tokens tokens")
+    check_prompts(cfg.prompts)
+    check_checkpoints(cfg, ["base"])
+
+
+def compare(cfg: DictConfig) -> dict:
+    check_config(cfg)
+    device = check_run(cfg)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     base, tokenizer, meta = load_lm(checkpoint_for(cfg, "base"), device=str(device))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import sys
 import time
@@ -26,12 +27,15 @@ from typing import Any, Callable
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from tokenizers import Tokenizer, models
 
-from experiments.artifacts import ensure
+from experiments.artifacts import check_writable, ensure
 from experiments.calibrate import cached_verify_cost, choose_chain_budget, choose_tree_budget, cpu_model, format_cost_table
-from experiments.checkpoint import load_checkpoint, load_lm
+from experiments.checkpoint import CheckpointError, check_lm_meta, is_hf_directory, load_lm, read_meta
 from experiments.cli import exit_on_user_error
 from experiments.data import base_data_config, prepare_data, token_counts
 from experiments.prompts import heldout_prompts, load_prompts
@@ -39,7 +43,7 @@ from experiments.report import mode, repeated_ngram_share, write_report
 from experiments.train_base import resolve_device
 from experiments.train_drafter import load_drafter
 from medusa.trees import accuracies_from_metrics
-from verify.acceptance import check_rule, is_lossless
+from verify.acceptance import RULES, check_rule, is_lossless
 from verify.draft_model import DraftModelDrafter
 from verify.plain import plain_generate
 from verify.prompt_lookup import PromptLookupDrafter
@@ -59,6 +63,272 @@ COMPILED_FAMILIES = ("prophet", "early_exit")  # families with decoder steps of 
 
 class ExactnessError(RuntimeError):
     """A lossless method did not reproduce plain greedy decoding."""
+
+
+# ------------------------------------------------------------------------ settings, checked before any work
+# Every entry point (benchmark, generate, baseline, peer) checks every setting it reads before anything
+# loads or trains, and says in one line which value is wrong and what is allowed: a bad value found after
+# minutes of training, or a NaN that decodes one token and vanishes from the table, is worse than none.
+
+
+def _positive_int(name: str, value, *, allow_null: bool = False) -> int | None:
+    if allow_null and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be {'null or ' if allow_null else ''}an integer >= 1")
+    return value
+
+
+def _number(name: str, value, allowed: str, ok: Callable[[float], bool]) -> float:
+    """A finite number (not a bool, a string, NaN or inf) for which ok(value) holds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name}={value!r}: must be {allowed}")
+    return float(value)
+
+
+def _boolean(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r}: must be true or false")
+    return value
+
+
+def as_list(value, name: str, allowed: str) -> list:
+    """A config value that may be one setting or a list of settings -> a non-empty list."""
+    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    if not values:
+        raise ValueError(f"{name}=[]: give {allowed}, or a list of them")
+    return values
+
+
+def check_run(cfg: DictConfig) -> torch.device:
+    """device and seed, as every entry point takes them."""
+    if not isinstance(cfg.device, str):
+        raise ValueError(f"device={cfg.device!r}: must be auto, cpu or cuda[:N]")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
+        raise ValueError(f"seed={cfg.seed!r}: must be an integer >= 0")
+    return resolve_device(cfg.device)
+
+
+def check_temperature(name: str, value) -> float:
+    return _number(name, value, "a finite number >= 0 (0 = greedy)", lambda t: t >= 0)
+
+
+def spec_from(d: DictConfig) -> SpecConfig:
+    """The speculative loop's settings from a decode config (conf/decode): the one place they are built.
+    max_gamma only caps adaptive gamma; without adaptation a gamma above it is no contradiction."""
+    max_gamma = d.max_gamma if d.adaptive_gamma else max(d.max_gamma, d.gamma)
+    return SpecConfig(gamma=d.gamma, rule=d.rule, delta=float(d.delta), typical_epsilon=float(d.typical_epsilon),
+                      typical_alpha=float(d.typical_alpha), adaptive_gamma=d.adaptive_gamma, max_gamma=max_gamma)
+
+
+def sampling_for(d: DictConfig, temperature: float) -> tuple[SamplingConfig, str]:
+    """The sampling transform at one temperature, and the acceptance rule resolved for it."""
+    sampling = SamplingConfig(temperature=temperature, top_k=d.top_k, top_p=float(d.top_p))
+    return sampling, check_rule(d.rule, delta=float(d.delta), temperature=temperature)
+
+
+def check_decode(d: DictConfig) -> tuple[list[float], SpecConfig]:
+    """Every key of a decode config, named in its error: (temperatures, spec)."""
+    temperatures = [check_temperature(f"decode.temperatures[{i}]", t)
+                    for i, t in enumerate(as_list(d.temperatures, "decode.temperatures", "a number >= 0"))]
+    if len(set(temperatures)) < len(temperatures):
+        raise ValueError(f"decode.temperatures={temperatures}: give each temperature once")
+    _positive_int("decode.top_k", d.top_k, allow_null=True)
+    _number("decode.top_p", d.top_p, "a number in (0, 1] (1 = no nucleus filter)", lambda p: 0 < p <= 1)
+    _positive_int("decode.max_new_tokens", d.max_new_tokens)
+    _positive_int("decode.batch_size", d.batch_size)
+    _positive_int("decode.gamma", d.gamma)
+    _positive_int("decode.max_gamma", d.max_gamma)
+    if _boolean("decode.adaptive_gamma", d.adaptive_gamma) and d.max_gamma < d.gamma:
+        raise ValueError(f"decode.max_gamma={d.max_gamma}: must be >= decode.gamma={d.gamma} "
+                         "(with adaptive_gamma it caps how far gamma grows)")
+    if not isinstance(d.rule, str) or d.rule not in RULES:
+        raise ValueError(f"decode.rule={d.rule!r}: must be one of {', '.join(RULES)}")
+    _number("decode.delta", d.delta, "a number in [0, 1] (0 = lossless speculative sampling)", lambda x: 0 <= x <= 1)
+    _number("decode.typical_epsilon", d.typical_epsilon, "a number in [0, 1] (typical acceptance's probability cap)",
+            lambda x: 0 <= x <= 1)
+    _number("decode.typical_alpha", d.typical_alpha, "a number >= 0 (typical acceptance's entropy scale)", lambda x: x >= 0)
+    for t in temperatures:
+        sampling_for(d, t)  # the rule at each temperature: greedy acceptance needs T = 0
+    return temperatures, spec_from(d)
+
+
+def check_methods(methods) -> list[str]:
+    """The method names (one name alone is a list of one); unknown or repeated names are errors."""
+    names = list(methods) if isinstance(methods, (list, tuple, ListConfig)) else [methods]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise ValueError(f"methods contain {unknown}: each must be one of {', '.join(METHODS)}")
+    if len(set(names)) < len(names):
+        raise ValueError(f"methods={names}: give each method once")
+    return names
+
+
+def checkpoint_kinds(methods: list[str]) -> list[str]:
+    """The checkpoints the methods read: the base, then the draft model and each drafter family once."""
+    kinds = ["base"]
+    for name in methods:
+        kind = "draft" if name == "draft_model" else None if name == "prompt_lookup" else name.rsplit("_", 1)[0]
+        if kind is not None and kind not in kinds:
+            kinds.append(kind)
+    return kinds
+
+
+def check_prompt_lookup(node) -> dict:
+    if not isinstance(node, DictConfig) or not set(node) <= {"max_ngram", "min_ngram"}:
+        raise ValueError(f"prompt_lookup={node!r}: must be {{max_ngram: N, min_ngram: M}}")
+    for key in node:
+        _positive_int(f"prompt_lookup.{key}", node[key])
+    PromptLookupDrafter(vocab_size=1, **node)  # min_ngram <= max_ngram
+    return dict(node)
+
+
+# Stands in for the base's tokenizer when the prompts file is checked before the base exists.
+_ANY_TEXT = Tokenizer(models.WordLevel({"?": 0}, unk_token="?"))
+
+
+def check_prompts(node: DictConfig) -> None:
+    """prompts.num_prompts and prompt_len, and a prompts file: read and parsed once before any work."""
+    _positive_int("prompts.num_prompts", node.num_prompts)
+    _positive_int("prompts.prompt_len", node.prompt_len)
+    path = node.get("file")
+    if path is None:
+        return
+    if not isinstance(path, str):
+        raise ValueError(f"prompts.file={path!r}: must be a path or null")
+    if Path(path).is_dir():
+        raise ValueError(f"prompts.file={path!r} is a directory: give a .jsonl file or a text file")
+    if path.endswith(".json"):  # read as plain text, JSON syntax and all: refuse rather than prompt with it
+        raise ValueError(f"prompts.file={path!r}: name a JSON-lines file .jsonl (one {{\"prompt\": ...}} a line), "
+                         "or give plain text (.txt)")
+    try:
+        load_prompts(path, _ANY_TEXT)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompts.file={path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def check_family_decode(cfg: DictConfig) -> None:
+    """The drafter families' own decode settings (conf/drafter/*.yaml `decode:`), which only reach a
+    drafter once its checkpoint is loaded or trained: checked here, before that."""
+    for family in DRAFTER_KINDS:
+        decode = cfg[family].decode
+        for key in decode:
+            name, value = f"{family}.decode.{key}", decode[key]
+            if key in ("tree_nodes", "top_k", "depth"):
+                _positive_int(name, value)
+            elif key == "share_cache":
+                _boolean(name, value)
+            elif key == "tree" and value is not None:
+                paths = value if isinstance(value, ListConfig) else None
+                if not paths or not all(isinstance(p, ListConfig) and len(p) > 0 and all(
+                        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p) for p in paths):
+                    raise ValueError(f"{name}={value!r}: must be null (the default tree) or a non-empty list of "
+                                     "rank paths, e.g. [[0], [1], [0, 0]]")
+
+
+def command_line_keys() -> set[str]:
+    """The keys the user typed on the command line (Hydra's task overrides, `key=value` or `+key=value`);
+    empty outside a Hydra app. Defaults and experiment presets are not among them."""
+    if not HydraConfig.initialized():
+        return set()
+    return {o.key_or_group for o in OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))}
+
+
+def checkpoint_recipe(meta: dict) -> dict[str, Any]:
+    """What a checkpoint was trained as: {"module", "loss"}; a base LM (an independent draft model) has
+    its LM config as module and no distillation loss."""
+    if meta.get("kind") == "drafter":
+        return {"module": meta["model_config"]["module"], "loss": (meta.get("drafter") or {}).get("loss")}
+    return {"module": meta["model_config"], "loss": None}
+
+
+def check_typed_settings(kind: str, directory: str, meta: dict, cfg: DictConfig, typed: set[str]) -> None:
+    """A drafter setting the user typed (`medusa.module.num_heads=64`) must be what the given checkpoint was
+    trained with: the checkpoint decides what runs, so a different value would be recorded but not run.
+    Values from defaults or presets are not compared: the results record the checkpoint's own."""
+    recipe = checkpoint_recipe(meta)
+    for key in sorted(typed):
+        parts = key.split(".")
+        if parts[0] != kind or len(parts) < 2 or parts[1] not in ("module", "loss"):
+            continue
+        part = parts[1]
+        node = OmegaConf.to_container(cfg[kind][part], resolve=True)
+        for name in parts[2:3] or list(node):
+            wanted, found = node.get(name), (recipe[part] or {}).get(name, "<absent>")
+            if wanted != found:
+                trained = "records none" if found == "<absent>" else f"was trained with {json.dumps(found)}"
+                raise ValueError(f"{kind}.{part}.{name}={json.dumps(wanted)} was set on the command line, but "
+                                 f"checkpoints.{kind}={directory} {trained}: drop the override to run that checkpoint, "
+                                 f"or set checkpoints.{kind}=null to train one with it")
+
+
+def check_checkpoints(cfg: DictConfig, kinds: list[str]) -> None:
+    """The checkpoints of `kinds` (base, assistant, draft, drafter families), from their meta.json only,
+    before anything loads or trains: each given directory exists, is complete and is of the kind its
+    setting takes (a drafter of that family, trained on the given base, with the settings the user typed);
+    a missing one comes from the artifact cache, so artifacts.root must be writable."""
+    typed = command_line_keys()
+    given = {}
+    for kind in kinds:
+        path = cfg.checkpoints[kind]
+        if path is not None and not isinstance(path, str):
+            raise ValueError(f"checkpoints.{kind}={path!r}: must be a checkpoint directory or null (from the artifact cache)")
+        if path is None:
+            recipe = cfg.artifacts[kind]
+            if not isinstance(recipe, ListConfig) or not all(isinstance(o, str) for o in recipe):
+                raise ValueError(f"artifacts.{kind}={recipe!r}: must be a list of Hydra overrides (key=value)")
+        else:
+            given[kind] = path
+    if len(given) < len(kinds):
+        check_writable(cfg.artifacts.root, "artifacts.root")
+    base = None  # (meta, tokenizer) of a given base checkpoint of this project
+    for kind, path in given.items():
+        if kind in ("base", "assistant"):
+            if not is_hf_directory(Path(path)):
+                meta = read_meta(path)
+                role = "base_checkpoint" if kind == "base" and "base_checkpoint" in cfg else f"checkpoints.{kind}"
+                tokenizer = check_lm_meta(path, meta, role)
+                base = (meta, tokenizer) if kind == "base" else base
+            continue
+        meta = read_meta(path)
+        package = meta["model_config"].get("package") if meta.get("kind") == "drafter" else None
+        if kind == "draft" and package is None:  # an independent LM on the base's tokenizer
+            tokenizer = check_lm_meta(path, meta, "checkpoints.draft")
+            if base is not None and tokenizer.to_str() != base[1].to_str():
+                raise ValueError(f"checkpoints.draft={path} uses another tokenizer than the base: train it on the "
+                                 "base's data config")
+        elif package is None:
+            raise CheckpointError(f"checkpoints.{kind}={path} is a base LM checkpoint (kind={meta.get('kind')!r}), not a "
+                                  f"drafter: train one on it with python -m experiments.train_drafter drafter={kind} "
+                                  f"base_checkpoint={path}")
+        elif package != kind:
+            raise CheckpointError(f"checkpoints.{kind}={path} is a {package} drafter checkpoint, not a {kind} one")
+        if package is not None and base is not None and meta.get("base_fingerprint") != base[0]["fingerprint"]:
+            raise CheckpointError(f"checkpoints.{kind}={path} was trained on base {meta.get('base_fingerprint')}, not on "
+                                  f"base_checkpoint={cfg.checkpoints.base} ({base[0]['fingerprint']}): train it on this base")
+        check_typed_settings(kind, path, meta, cfg, typed)
+
+
+def check_benchmark(cfg: DictConfig) -> tuple[list[tuple[int | None, bool]], list[float], SpecConfig]:
+    """Every setting the benchmark reads, before anything loads or trains: (threads/compile settings,
+    temperatures, spec)."""
+    check_run(cfg)
+    settings = check_settings(cfg)
+    _boolean("stop_at_eos", cfg.stop_at_eos)
+    _positive_int("repeats", cfg.repeats)
+    _positive_int("vocab", cfg.vocab, allow_null=True)
+    temperatures, spec = check_decode(cfg.decode)
+    check_budget(cfg)
+    methods = check_methods(cfg.methods)
+    check_prompt_lookup(cfg.prompt_lookup)
+    check_family_decode(cfg)
+    compile_widths(cfg, spec)
+    check_prompts(cfg.prompts)
+    check_checkpoints(cfg, checkpoint_kinds(methods))
+    check_writable(cfg.out_dir, "out_dir")
+    if cfg.budget == "auto":
+        check_writable(cfg.budget_search.cache_dir, "budget_search.cache_dir")
+    return settings, temperatures, spec
 
 
 def _overrides(node: DictConfig, prefix: str) -> list[str]:
@@ -87,33 +357,33 @@ def checkpoint_for(cfg: DictConfig, kind: str, base_ckpt: str | None = None, bas
     return str(ensure(kind, overrides, root=cfg.artifacts.root))
 
 
-def check_methods(methods) -> None:
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"methods contain {unknown}: each must be one of {', '.join(METHODS)}")
-
-
-def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokenizer) -> dict[str, Callable[..., Any]]:
-    """Method name -> a factory of a fresh drafter (state is per batch, so one per generate call).
+def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str,
+                 tokenizer) -> tuple[dict[str, Callable[..., Any]], dict[str, dict]]:
+    """Method name -> a factory of a fresh drafter (state is per batch, so one per generate call), and
+    per checkpoint kind what was loaded (checkpoint path, fingerprint, step, module and loss as trained).
 
     A factory takes `compile` (the drafter's own decoder steps through torch.compile) and drafter
     keyword overrides (a tree budget chosen by `budget=auto`)."""
-    check_methods(cfg.methods)
     vocab = drafter_vocab(cfg, base_meta, base.num_tokens)
     methods: dict[str, Callable[..., Any]] = {}
+    loaded: dict[str, dict] = {}
     trained: dict[str, tuple] = {}  # family -> (module, package): chain and tree share one checkpoint
-    for name in cfg.methods:
+    for name in check_methods(cfg.methods):
         if name == "draft_model":
-            draft_lm = load_draft_model(checkpoint_for(cfg, "draft", base_ckpt, base_meta), base, base_meta, tokenizer, vocab)
+            directory = checkpoint_for(cfg, "draft", base_ckpt, base_meta)
+            draft_lm, meta = load_draft_model(directory, base, base_meta, tokenizer, vocab)
+            loaded["draft"] = loaded_record(directory, meta)
             methods[name] = lambda lm=draft_lm, compile=False: DraftModelDrafter(lm, compile=compile, vocab=vocab)
         elif name == "prompt_lookup":
             methods[name] = lambda compile=False: PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
         else:
             family, mode = name.rsplit("_", 1)
             if family not in trained:
-                module, package, meta = load_drafter(checkpoint_for(cfg, family, base_ckpt, base_meta), base, base_meta)
+                directory = checkpoint_for(cfg, family, base_ckpt, base_meta)
+                module, package, meta = load_drafter(directory, base, base_meta)
                 check_train_vocab(meta, vocab, family)
                 trained[family] = module, package, head_accuracies(family, module, meta)
+                loaded[family] = loaded_record(directory, meta)
             module, package, accuracies = trained[family]
             decode = {**OmegaConf.to_container(cfg[family].decode, resolve=True), "mode": mode, **accuracies}
             if mode == "chain" and "tree" in decode:  # a static tree configures the tree method only
@@ -121,7 +391,21 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str, tokeniz
             compiles = family in COMPILED_FAMILIES  # heads have no decoder to compile
             methods[name] = lambda m=module, p=package, d=decode, c=compiles, compile=False, **over: p.drafter(
                 m, base, **{**d, **over}, vocab=vocab, **({"compile": compile} if c else {}))
-    return methods
+    return methods, loaded
+
+
+def loaded_record(directory: str, meta: dict) -> dict[str, Any]:
+    return {"checkpoint": str(directory), "kind": meta.get("kind"), "fingerprint": meta["fingerprint"],
+            "step": meta.get("step"), **checkpoint_recipe(meta)}
+
+
+def recorded_config(cfg: DictConfig, loaded: dict[str, dict]) -> dict[str, Any]:
+    """The run's config for results.json, with each drafter's module and loss as its checkpoint was
+    trained: that is what ran, whatever defaults the composed config holds."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    for kind, record in loaded.items():
+        config[kind]["module"], config[kind]["loss"] = record["module"], record["loss"]
+    return config
 
 
 def head_accuracies(family: str, module, meta: dict) -> dict:
@@ -142,17 +426,17 @@ def check_train_vocab(meta: dict, vocab, name: str) -> None:
                     f"{drafting} tokens" if drafting else "the full vocabulary", trained_on or "null")
 
 
-def load_draft_model(directory: str, base, base_meta: dict, tokenizer, vocab):
-    """The draft LM: one distilled from this base (a `draft` drafter checkpoint) or an independent LM
-    trained on the corpus (a base checkpoint with the base's tokenizer)."""
-    if load_checkpoint(directory).meta.get("kind") == "drafter":
+def load_draft_model(directory: str, base, base_meta: dict, tokenizer, vocab) -> tuple[torch.nn.Module, dict]:
+    """The draft LM and its checkpoint's meta: one distilled from this base (a `draft` drafter checkpoint)
+    or an independent LM trained on the corpus (a base checkpoint with the base's tokenizer)."""
+    if read_meta(directory).get("kind") == "drafter":
         module, _, meta = load_drafter(directory, base, base_meta)
         check_train_vocab(meta, vocab, "the draft model")
-        return module
-    draft_lm, draft_tokenizer, _ = load_lm(directory, device=str(next(base.parameters()).device))
+        return module, meta
+    draft_lm, draft_tokenizer, meta = load_lm(directory, device=str(next(base.parameters()).device), role="checkpoints.draft")
     if draft_tokenizer.to_str() != tokenizer.to_str():
         raise ValueError("the draft model uses another tokenizer than the base: train it on the base's data config")
-    return draft_lm
+    return draft_lm, meta
 
 
 def drafter_vocab(cfg: DictConfig, base_meta: dict, vocab_size: int):
@@ -160,8 +444,6 @@ def drafter_vocab(cfg: DictConfig, base_meta: dict, vocab_size: int):
     n = cfg.get("vocab")
     if n is None:
         return None
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"vocab={n!r}: must be null (the full vocabulary) or an integer >= 1")
     data_cfg = base_data_config(base_meta, OmegaConf.to_container(cfg.data, resolve=True))
     ids = frequent_tokens(token_counts(prepare_data(**data_cfg), vocab_size), n)
     if ids is not None:
@@ -216,24 +498,10 @@ def summarize_stats(stats: list, seconds: float) -> dict[str, Any]:
     }
 
 
-def as_list(value, name: str, allowed: str) -> list:
-    """A config value that may be one setting or a list of settings -> a non-empty list."""
-    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
-    if not values:
-        raise ValueError(f"{name}=[]: give {allowed}, or a list of them")
-    return values
-
-
 def check_settings(cfg: DictConfig) -> list[tuple[int | None, bool]]:
     """(threads, compiled) pairs to time side by side; one-line errors before any work."""
-    threads = as_list(cfg.threads, "threads", "null or a positive integer")
-    for t in threads:
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
-            raise ValueError(f"threads={t!r}: must be null (torch's default) or an integer >= 1")
-    modes = as_list(cfg.compile, "compile", "true or false")
-    for c in modes:
-        if not isinstance(c, bool):
-            raise ValueError(f"compile={c!r}: must be true or false (or a list of them)")
+    threads = [_positive_int("threads", t, allow_null=True) for t in as_list(cfg.threads, "threads", "null or an integer >= 1")]
+    modes = [_boolean("compile", c) for c in as_list(cfg.compile, "compile", "true or false")]
     return [(t, c) for t in threads for c in modes]
 
 
@@ -242,8 +510,7 @@ def bench_temperature(cfg, setups: list[dict], batches, temperature: float, eos_
 
     Speedup is against the FASTEST plain decoding of the same round (over all settings), so a method
     only counts as faster if it beats the best plain decoder a user could pick instead."""
-    sampling = SamplingConfig(temperature=temperature, top_k=cfg.decode.top_k, top_p=cfg.decode.top_p)
-    rule = check_rule(cfg.decode.rule, delta=cfg.decode.delta, temperature=temperature)
+    sampling, rule = sampling_for(cfg.decode, temperature)
     for s in setups:
         s["chosen"] = choose_budgets(cfg, s, sampling, eos_id) if cfg.budget == "auto" else {}
     entries = [dict(setup=s, name=name, **s["chosen"].get(name, dict(factory=factory, spec=s["spec"])))
@@ -305,14 +572,8 @@ def method_row(e: dict, common: dict, best: dict, rule: str, plain: dict, cfg) -
 
 def benchmark(cfg: DictConfig) -> dict[str, Any]:
     """Run the configured benchmark; returns the summary that main prints as its last line."""
+    settings, temperatures, spec = check_benchmark(cfg)  # before anything loads or trains
     device = resolve_device(cfg.device)
-    settings = check_settings(cfg)
-    for t in cfg.decode.temperatures:
-        SamplingConfig(temperature=t, top_k=cfg.decode.top_k, top_p=cfg.decode.top_p)  # fail before any work
-        check_rule(cfg.decode.rule, delta=cfg.decode.delta, temperature=t)
-    spec = spec_from(cfg)
-    check_budget(cfg)
-    check_methods(cfg.methods)
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
@@ -321,7 +582,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     # Every target before any drafter trains: bad prompts, or compile on a base that cannot, fail first.
     targets = [make_target(base, compile=compiled, widths=widths) for _, compiled in settings]
     targets[0].check_tokens(prompts, max_new_tokens=cfg.decode.max_new_tokens)
-    methods = make_methods(cfg, base, base_meta, base_ckpt, tokenizer)
+    methods, loaded = make_methods(cfg, base, base_meta, base_ckpt, tokenizer)
     batches = [prompts[i : i + cfg.decode.batch_size] for i in range(0, len(prompts), cfg.decode.batch_size)]
     setups = []
     for (threads, compiled), target in zip(settings, targets):
@@ -339,8 +600,8 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
             setup["pilot_prompts"] = pilot_prompts(cfg, tokenizer, base_meta, prompts)
         setups.append(setup)
     plains, rows = [], []
-    for temperature in cfg.decode.temperatures:
-        plain, method_rows = bench_temperature(cfg, setups, batches, float(temperature), eos_id)
+    for temperature in temperatures:
+        plain, method_rows = bench_temperature(cfg, setups, batches, temperature, eos_id)
         plains += plain
         rows += method_rows
     results = {
@@ -349,7 +610,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         "base_checkpoint": base_ckpt, "base_fingerprint": base_meta["fingerprint"], "cpu": cpu_model(),
         "prompts": len(prompts), "batch_size": cfg.decode.batch_size, "max_new_tokens": cfg.decode.max_new_tokens,
         "repeats": cfg.repeats, "device": str(device), "dtype": "float32",
-        "plain": plains, "methods": rows, "config": OmegaConf.to_container(cfg, resolve=True),
+        "plain": plains, "methods": rows, "checkpoints": loaded, "config": recorded_config(cfg, loaded),
     }
     out_dir = Path(cfg.out_dir)
     write_report(results, out_dir)
@@ -367,12 +628,6 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
 
 
 TREE_KEYS = {"medusa": {"tree_nodes", "depth"}, "prophet": {"tree_nodes", "depth", "top_k"}, "sequential": {"tree_nodes", "depth"}}
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r}: must be an integer >= 1")
-    return value
 
 
 def check_budget(cfg: DictConfig) -> None:
@@ -436,11 +691,6 @@ def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_i
         chosen[name] = dict(factory=factory, spec=spec, budget={"gamma": gamma, **kwargs, "table": result["table"]})
         log.info("budget=auto %s (%s, T=%g): gamma %d %s", name, mode(setup), sampling.temperature, gamma, kwargs)
     return chosen
-
-
-def spec_from(cfg: DictConfig) -> SpecConfig:
-    d = cfg.decode
-    return SpecConfig(gamma=d.gamma, rule=d.rule, delta=d.delta, adaptive_gamma=d.adaptive_gamma, max_gamma=max(d.max_gamma, d.gamma))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="benchmark")

@@ -14,6 +14,7 @@ temperature 0 a lossless rule must reproduce plain decoding token for token, or 
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -27,13 +28,16 @@ from rich.table import Table
 from rich.text import Text
 from tokenizers import Tokenizer
 
-from experiments.benchmark import DRAFTER_KINDS, METHODS, TREE_FAMILIES, ExactnessError, checkpoint_for, make_methods
+from experiments.benchmark import (
+    DRAFTER_KINDS, METHODS, TREE_FAMILIES, ExactnessError, _boolean, _positive_int, check_checkpoints, check_decode,
+    check_family_decode, check_prompt_lookup, check_run, check_temperature, checkpoint_for, checkpoint_kinds,
+    command_line_keys, make_methods, sampling_for,
+)
 from experiments.checkpoint import load_lm
 from experiments.cli import USER_ERRORS, exit_on_user_error, one_line
-from experiments.train_base import resolve_device
-from verify.acceptance import check_rule, is_lossless
+from verify.acceptance import is_lossless
 from verify.drafter import Draft, Verdict
-from verify.plain import Generation, check_max_new_tokens, plain_generate
+from verify.plain import Generation, plain_generate
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate
 from verify.target import Target, TargetOutput, make_target
@@ -111,24 +115,34 @@ def token_pieces(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
 # --------------------------------------------------------------------------------------- configuration
 
 
+# decode keys of the benchmark's that generate does not read: typed here, they would silently do nothing
+NOT_READ = {"decode.temperatures": "temperature", "decode.max_new_tokens": "max_new_tokens",
+            "decode.batch_size": "nothing (one prompt at a time)"}
+
+
 def check_config(cfg: DictConfig) -> tuple[SamplingConfig, SpecConfig, str]:
-    """One-line errors for bad settings before anything is loaded; (sampling, spec, resolved rule)."""
+    """One-line errors for bad settings before anything is loaded or trained; (sampling, spec, resolved rule)."""
     if cfg.method not in METHODS:
         raise ValueError(f"method={cfg.method!r}: must be one of {', '.join(METHODS)}")
-    if not isinstance(cfg.interactive, bool):
-        raise ValueError(f"interactive={cfg.interactive!r}: must be true or false")
-    if not cfg.interactive:
+    if not _boolean("interactive", cfg.interactive):
         check_prompt(cfg.prompt)
-    check_max_new_tokens(cfg.max_new_tokens)
-    if not isinstance(cfg.compile, bool):
-        raise ValueError(f"compile={cfg.compile!r}: must be true or false")
-    if not isinstance(cfg.warmup_tokens, int) or cfg.warmup_tokens < 0:
+    _positive_int("max_new_tokens", cfg.max_new_tokens)
+    _boolean("compile", cfg.compile)
+    _boolean("stop_at_eos", cfg.stop_at_eos)
+    if isinstance(cfg.warmup_tokens, bool) or not isinstance(cfg.warmup_tokens, int) or cfg.warmup_tokens < 0:
         raise ValueError(f"warmup_tokens={cfg.warmup_tokens!r}: must be an integer >= 0")
-    d = cfg.decode
-    sampling = SamplingConfig(temperature=cfg.temperature, top_k=d.top_k, top_p=d.top_p)
-    rule = check_rule(d.rule, delta=d.delta, temperature=cfg.temperature)
-    spec = SpecConfig(gamma=d.gamma, rule=d.rule, delta=d.delta, adaptive_gamma=d.adaptive_gamma,
-                      max_gamma=max(d.max_gamma, d.gamma))
+    _positive_int("threads", cfg.threads, allow_null=True)
+    _positive_int("vocab", cfg.vocab, allow_null=True)
+    check_run(cfg)
+    typed = command_line_keys()
+    for key, instead in NOT_READ.items():
+        if key in typed:
+            raise ValueError(f"{key} is the benchmark's setting, not read by generate: set {instead}")
+    _, spec = check_decode(cfg.decode)
+    sampling, rule = sampling_for(cfg.decode, check_temperature("temperature", cfg.temperature))
+    check_prompt_lookup(cfg.prompt_lookup)
+    check_family_decode(cfg)
+    check_checkpoints(cfg, checkpoint_kinds([cfg.method]))
     return sampling, spec, rule
 
 
@@ -163,14 +177,15 @@ class Session:
     warm: bool = False
 
 
-def load_session(cfg: DictConfig) -> Session:
-    sampling, spec, rule = check_config(cfg)
-    device = resolve_device(cfg.device)
+def load_session(cfg: DictConfig, checked: tuple[SamplingConfig, SpecConfig, str]) -> Session:
+    """Load (or train, through the artifact cache) the base and the method's drafter; `checked` is check_config's."""
+    sampling, spec, rule = checked
+    device = check_run(cfg)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
-    make = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[cfg.method]
+    make = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[0][cfg.method]
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
     target = make_target(base, compile=cfg.compile, widths=(1, spec.gamma + 1, *(cfg[f].decode.tree_nodes + 1 for f in TREE_FAMILIES)))
     return Session(target, lambda: make(compile=cfg.compile), tokenizer, eos_id, sampling, spec, rule, cfg)
@@ -275,32 +290,55 @@ def verdict_line(st: dict[str, Any]) -> Text:
 # ---------------------------------------------------------------------------------------- entry point
 
 
-def read_prompts(stream) -> Iterator[str]:
-    """Prompts from a stream, one a line, until EOF or an empty line (yielded as they come)."""
+def read_lines(stream) -> Iterator[bytes | str]:
+    """Lines from a stream, as they come, until EOF or an empty line. A binary stream's lines are bytes
+    (sys.stdin is read through its buffer, so a line that is not UTF-8 is one bad prompt, not a crash)."""
+    if stream is None:  # the process was started with its stdin closed
+        return
+    raw = getattr(stream, "buffer", stream)
     while True:
         if stream.isatty():
             print("prompt> ", end="", flush=True)
-        line = stream.readline()
+        line = raw.readline()
         if not line.strip():
             return
-        yield line.rstrip("\r\n")
+        yield line
+
+
+def prompt_text(line: bytes | str, number: int) -> str:
+    """One stdin line as a prompt: UTF-8 text, without its line ending."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"stdin line {number} is not UTF-8 text ({e.reason} at byte {e.start}): skipped") from None
+    return line.rstrip("\r\n")
 
 
 def generate(cfg: DictConfig, console: Console | None = None) -> dict[str, Any]:
     """One-shot: the result record of cfg.prompt. Interactive: {"results": [one record per stdin prompt]}.
 
     Prints the view of each prompt; in interactive mode a bad prompt prints a one-line error and the
-    session goes on."""
+    session goes on. Piped input is read up to its first prompt before anything loads: an empty one
+    (EOF at once, `< /dev/null`) ends the run with a note, without loading or training anything."""
     console = console or Console()
-    session = load_session(cfg)
+    checked = check_config(cfg)
     if not cfg.interactive:
+        session = load_session(cfg, checked)
         result = generate_one(session, cfg.prompt)
         render(console, session, result)
         return result
-    results = []
-    for text in read_prompts(sys.stdin):
+    lines = read_lines(sys.stdin)
+    if sys.stdin is None or not sys.stdin.isatty():
+        first = next(lines, None)
+        if first is None:
+            console.print("no prompt on standard input (it was empty or closed): nothing to generate")
+            return {"results": []}
+        lines = itertools.chain([first], lines)
+    session, results = load_session(cfg, checked), []
+    for number, line in enumerate(lines, start=1):
         try:
-            results.append(generate_one(session, text))
+            results.append(generate_one(session, prompt_text(line, number)))
         except USER_ERRORS as e:
             console.print(Text(f"error: {one_line(e)}", style="red"))
             continue

@@ -30,13 +30,13 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.artifacts import ensure
+from experiments.artifacts import check_writable, ensure, write_atomic
+from experiments.benchmark import _positive_int, check_checkpoints, check_prompt_lookup, check_run
 from experiments.calibrate import cpu_model
-from experiments.checkpoint import load_lm
+from experiments.checkpoint import is_hf_directory, load_lm, read_meta
 from experiments.cli import exit_on_user_error
 from experiments.data import base_data_config, prepare_data
 from experiments.prompts import heldout_prompts
-from experiments.train_base import resolve_device
 from verify.draft_model import DraftModelDrafter
 from verify.hf import HFBase
 from verify.plain import Generation, plain_generate
@@ -50,16 +50,16 @@ PAIRS = ("plain", "draft", "prompt_lookup")
 
 def check_config(cfg: DictConfig) -> None:
     """One-line errors for every setting, before any model loads or trains."""
+    check_run(cfg)
+    _positive_int("prompts.num_prompts", cfg.prompts.num_prompts)
+    _positive_int("prompts.prompt_len", cfg.prompts.prompt_len)
     for key in ("max_new_tokens", "gamma", "repeats"):
-        value = cfg[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{key}={value!r}: must be an integer >= 1")
+        _positive_int(key, cfg[key])
     sizes = list(cfg.batch_sizes)
     if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
         raise ValueError(f"batch_sizes={sizes!r}: must be a non-empty list of integers >= 1")
-    if cfg.threads is not None and (isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 1):
-        raise ValueError(f"threads={cfg.threads!r}: must be null or an integer >= 1")
-    PromptLookupDrafter(vocab_size=1, **cfg.prompt_lookup)  # its own one-line errors
+    _positive_int("threads", cfg.threads, allow_null=True)
+    check_prompt_lookup(cfg.prompt_lookup)
     settings = list(cfg.ours)
     if not settings or any(set(s) != {"engine", "compile"} or s["engine"] not in ENGINES or not isinstance(s["compile"], bool)
                            for s in settings):
@@ -67,17 +67,25 @@ def check_config(cfg: DictConfig) -> None:
                          f"{'|'.join(ENGINES)}, compile: true|false}}")
     if any(s["engine"] == "hf" and s["compile"] for s in settings):
         raise ValueError("ours: {engine: hf, compile: true}: the transformers adapter runs eager only; compile the lean engine")
+    check_checkpoints(cfg, ["base", "assistant"])
+    for name in ("base", "assistant"):  # a checkpoint of this project must hold a Llama (arch=llama)
+        path = cfg.checkpoints[name]
+        if path is not None and not is_hf_directory(Path(path)) and read_meta(path)["model_config"].get("arch") != "llama":
+            raise ValueError(f"checkpoints.{name}={path} is an x-transformers LM: the peer benchmark compares against "
+                             "transformers, so both models must be Hugging Face models (train_base base=llama_small, "
+                             "or a save_pretrained directory)")
+    check_writable(cfg.out_dir, "out_dir")
 
 
 def load_pair(cfg: DictConfig, device: torch.device) -> tuple[HFBase, HFBase, Any, dict, str]:
     """The target and assistant (trained by their recipes when no checkpoint is given), both Hugging Face models."""
     base_dir = cfg.checkpoints.base or str(ensure("base", list(cfg.artifacts.base), root=cfg.artifacts.root))
-    base, tokenizer, meta = load_lm(base_dir, device=str(device))
+    base, tokenizer, meta = load_lm(base_dir, device=str(device), role="checkpoints.base")
     assistant_dir = cfg.checkpoints.assistant
     if assistant_dir is None:  # the assistant learns the base's corpus with the base's tokenizer
         data = [f"data.{k}={json.dumps(v)}" for k, v in sorted(base_data_config(meta, {}).items())]
         assistant_dir = str(ensure("base", [*cfg.artifacts.assistant, *data], root=cfg.artifacts.root))
-    assistant, assistant_tokenizer, _ = load_lm(assistant_dir, device=str(device))
+    assistant, assistant_tokenizer, _ = load_lm(assistant_dir, device=str(device), role="checkpoints.assistant")
     for name, model in (("base", base), ("assistant", assistant)):
         if not isinstance(model, HFBase):
             raise ValueError(f"{name} {type(model).__name__}: the peer benchmark compares against transformers, so both "
@@ -208,15 +216,9 @@ def markdown(rows: list[dict], summary: list[dict], header: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)  # a reader sees the old file or the whole new one, never a part
-
-
 def peer(cfg: DictConfig) -> dict[str, Any]:
     check_config(cfg)
-    device = resolve_device(cfg.device)
+    device = check_run(cfg)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     base, assistant, tokenizer, meta, base_dir = load_pair(cfg, device)

@@ -200,10 +200,7 @@ def check_benchmark_cfg(cfg: DictConfig) -> None:
     """What benchmark checks before work, plus: each artifact recipe composes and validates as ensure() would."""
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert set(cfg.methods) <= set(bench_mod.METHODS)
-    for t in cfg.decode.temperatures:
-        bench_mod.SamplingConfig(temperature=t, top_k=cfg.decode.top_k, top_p=cfg.decode.top_p)
-        bench_mod.check_rule(cfg.decode.rule, delta=cfg.decode.delta, temperature=t)
-    bench_mod.SpecConfig(gamma=cfg.decode.gamma, rule=cfg.decode.rule, delta=cfg.decode.delta)
+    bench_mod.check_decode(cfg.decode)
     train_base.validate_config(make_cfg("train_base", *cfg.artifacts.base, "out_dir=/tmp/unused"))
     for family in ("draft", *FAMILIES):  # the draft model is distilled from the base like the others
         recipe = make_cfg("train_drafter", *cfg.artifacts[family], f"drafter={family}", "base_checkpoint=/b",
@@ -614,6 +611,24 @@ def test_benchmark_trains_missing_drafter_through_the_cache(tiny_base: Path, dra
     mtime = (heads / "meta.json").stat().st_mtime_ns
     bench_mod.benchmark(fast_bench_cfg(tiny_base, drafters, tmp_path / "run2", *overrides))
     assert (heads / "meta.json").stat().st_mtime_ns == mtime and len(list((tmp_path / "artifacts").iterdir())) == 1
+
+
+def test_benchmark_records_the_drafter_config_its_checkpoint_was_trained_with(tiny_base: Path, drafters: dict,
+                                                                            tmp_path: Path) -> None:
+    """A 4-head checkpoint beside medusa.module.num_heads=2 from a preset or a default (not typed on the command
+    line, which is refused: test_bad_inputs): the checkpoint runs, and results.json says what ran."""
+    cfg = fast_bench_cfg(tiny_base, drafters, tmp_path, "methods=[medusa_chain]", "decode.temperatures=[0]",
+                         "medusa.module.num_heads=2")
+    bench_mod.benchmark(cfg)
+    results = json.loads((tmp_path / "results.json").read_text())
+    ckpt = drafters["medusa"]["result"]["checkpoint"]
+    meta = load_checkpoint(ckpt).meta
+    assert meta["model_config"]["module"]["num_heads"] == 4
+    assert results["config"]["medusa"]["module"] == meta["model_config"]["module"]
+    assert results["config"]["medusa"]["loss"] == meta["drafter"]["loss"]
+    record = results["checkpoints"]["medusa"]
+    assert record["checkpoint"] == ckpt and record["fingerprint"] == meta["fingerprint"] and record["module"]["num_heads"] == 4
+    assert list(results["checkpoints"]) == ["medusa"] and results["methods"][0]["exact"]
 
 
 @pytest.fixture(scope="module")
