@@ -118,6 +118,49 @@ def test_interactive_stops_at_eof(base_ckpt: str, monkeypatch: pytest.MonkeyPatc
     assert [r["prompt"] for r in out["results"]] == ["def f(x):"]
 
 
+def fail_to_load(cfg, checked):
+    raise AssertionError("the session was loaded")
+
+
+@pytest.mark.parametrize("stdin", [io.StringIO(""), io.StringIO("\n"), None], ids=["eof", "empty_line", "closed"])
+def test_interactive_with_nothing_on_stdin_ends_before_loading(stdin, base_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdin", stdin)
+    monkeypatch.setattr(gen, "load_session", fail_to_load)  # nothing to generate: nothing loads or trains
+    console = Console(record=True, width=120)
+    out = gen.generate(make_cfg(base_ckpt, "method=prompt_lookup", "interactive=true"), console=console)
+    assert out == {"results": []} and "no prompt on standard input" in console.export_text()
+
+
+def test_interactive_line_that_is_not_utf8_is_one_error(base_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    stdin = io.TextIOWrapper(io.BytesIO(b"import os\n\xff\xfe\nclass A:\n"), encoding="utf-8")  # as sys.stdin on a pipe
+    monkeypatch.setattr(sys, "stdin", stdin)
+    console = Console(record=True, width=200)
+    out = gen.generate(make_cfg(base_ckpt, "method=prompt_lookup", "interactive=true", "max_new_tokens=4"), console=console)
+    assert [r["prompt"] for r in out["results"]] == ["import os", "class A:"]
+    assert "error: stdin line 2 is not UTF-8 text (invalid start byte at byte 0): skipped" in console.export_text()
+
+
+def test_ctrl_c_in_interactive_mode_is_not_swallowed(base_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KeyboardInterrupt reaches the CLI's decorator (one line, exit 130) from reading and from decoding."""
+    class Interrupted(io.StringIO):
+        def readline(self, *args):
+            raise KeyboardInterrupt
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    cfg = make_cfg(base_ckpt, "method=prompt_lookup", "interactive=true")
+    monkeypatch.setattr(sys, "stdin", Interrupted())
+    monkeypatch.setattr(gen, "load_session", fail_to_load)
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate(cfg, console=Console(file=io.StringIO()))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("import os\nclass A:\n"))
+    monkeypatch.setattr(gen, "load_session", lambda cfg, checked: None)
+    monkeypatch.setattr(gen, "generate_one", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate(cfg, console=Console(file=io.StringIO()))
+
+
 def test_tokens_and_pieces(base_ckpt: str) -> None:
     _, tokenizer, _ = load_lm(base_ckpt)
     ids = gen.encode(tokenizer, "a <|endoftext|> é€😀")
@@ -139,7 +182,7 @@ def test_accepted_mask_checks_the_record() -> None:
     ("prompt=", "prompt='': give a non-empty text"),
     ('prompt="   "', "give a non-empty text"),
     ("method=magic", "method='magic': must be one of draft_model, prompt_lookup"),
-    ("temperature=-1", "temperature=-1: must be a number >= 0"),
+    ("temperature=-1", "temperature=-1: must be a finite number >= 0"),
     ("max_new_tokens=0", "max_new_tokens=0: must be an integer >= 1"),
     ("interactive=maybe", "interactive='maybe': must be true or false"),
     ("decode.rule=greedy,temperature=1", "greedy acceptance needs temperature 0"),
@@ -166,3 +209,11 @@ def test_entry_point(tmp_path: Path, base_ckpt: str) -> None:
     good = run(f"base_checkpoint={base_ckpt}", "method=prompt_lookup", "max_new_tokens=8", 'prompt="def f(x):"')
     assert good.returncode == 0, good.stderr
     assert "speculative: prompt_lookup" in good.stdout and "identical" in good.stdout
+
+
+@pytest.mark.slow
+def test_entry_point_with_stdin_closed(tmp_path: Path, base_ckpt: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "experiments.generate", f"hydra.run.dir={tmp_path}", f"base_checkpoint={base_ckpt}",
+                           "method=prompt_lookup", "interactive=true"],
+                          cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "no prompt on standard input" in proc.stdout, proc.stderr
