@@ -5,9 +5,9 @@ given Hydra overrides, names the result by a hash of the resolved config, and tr
 `<root>/<kind>-<hash>/checkpoint` does not exist yet. Training happens in-process through the same
 plain `train(cfg)` functions the command-line entry points wrap, so the cache cannot drift from them.
 
-Also the two file helpers every entry point shares: `write_atomic` (a results file is either the old one
-or the whole new one, never a part, even when the disk fills up) and `check_writable` (an output
-directory that cannot be written is reported before any work, not after it).
+Also `check_writable`, which every entry point calls on its output directories before any work: one
+that cannot be written is reported at once, not after the run. Files are written with
+experiments.cli.write_atomic (the old file or the whole new one, never a part, even on a full disk).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import secrets
 from pathlib import Path
 
@@ -24,40 +23,12 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf, open_dict
 
 from experiments.checkpoint import checkpoint_exists
+from experiments.cli import write_atomic
 
 log = logging.getLogger(__name__)
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 ENTRY = {"base": "train_base", "draft": "train_drafter", "medusa": "train_drafter", "prophet": "train_drafter",
          "sequential": "train_drafter", "early_exit": "train_drafter"}
-
-
-def write_atomic(path: str | Path, data: str | bytes) -> Path:
-    """Write `data` (text as UTF-8) to `path`: into a temporary file in the same directory, flushed and
-    fsync'd, then renamed over `path`. A reader, or a crash, sees the previous file or the complete new
-    one; on any error (a full disk: OSError ENOSPC) the temporary file is removed and the error raised."""
-    path = Path(path)
-    payload = data.encode() if isinstance(data, str) else data
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")  # same directory: the rename is atomic
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # 0o666 minus the umask, as open() gives
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)  # the rename itself survives a power loss
-    return path
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_writable(directory: str | Path, name: str) -> Path:

