@@ -2,11 +2,9 @@
 
 `ensure(kind, overrides)` composes the entry point's config (train_base or train_drafter) with the
 given Hydra overrides, names the result by a hash of the resolved config, and trains only when
-`<root>/<kind>-<hash>/checkpoint` does not exist yet. Training happens in-process through the same
-plain `train(cfg)` functions the command-line entry points wrap, so the cache cannot drift from them.
-
-Also `check_writable`, which every entry point calls on its output directories before any work: one
-that cannot be written is reported at once, not after the run. Files are written with
+`<root>/<kind>-<hash>/checkpoint` does not exist yet or is unfinished (a killed training: the next call
+resumes it). Training happens in-process through the same plain `train(cfg)` functions the command-line
+entry points wrap, so the cache cannot drift from them. result.json is written with
 experiments.cli.write_atomic (the old file or the whole new one, never a part, even on a full disk).
 """
 
@@ -15,40 +13,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import secrets
 from pathlib import Path
 
 from hydra import compose
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf, open_dict
 
-from experiments.checkpoint import checkpoint_exists
+from experiments.checkpoint import checkpoint_exists, read_meta
 from experiments.cli import write_atomic
 
 log = logging.getLogger(__name__)
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 ENTRY = {"base": "train_base", "draft": "train_drafter", "medusa": "train_drafter", "prophet": "train_drafter",
          "sequential": "train_drafter", "early_exit": "train_drafter"}
-
-
-def check_writable(directory: str | Path, name: str) -> Path:
-    """Check that files can be written in `directory` (or, when it does not exist yet, created in its
-    nearest existing parent) by writing and removing a probe file: an output directory that cannot be
-    written is a one-line ValueError before the run, not a lost result after it. Creates nothing."""
-    if not isinstance(directory, (str, Path)):
-        raise ValueError(f"{name}={directory!r}: must be a directory path")
-    directory = Path(directory)
-    existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
-    try:
-        if not existing.is_dir():
-            raise NotADirectoryError(f"{existing} is a file")
-        probe = existing / f".write-probe-{secrets.token_hex(4)}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"{name}={str(directory)!r} is not a writable directory ({e.strerror or e}): "
-                         "give one this user can write") from None
-    return directory
 
 
 def _compose(config_name: str, overrides: list[str]):
@@ -66,7 +43,8 @@ def recipe_key(cfg) -> str:
     A drafter's base enters by the fingerprint of its weights, not only its path: a base retrained at
     the same path gets new drafters."""
     recipe = OmegaConf.to_container(cfg, resolve=False)
-    for key in ("out_dir", "logger", "hydra", "threads", "device"):
+    for key in ("out_dir", "logger", "hydra", "threads", "device", "resume", "checkpoint_every", "log_every",
+                "eval_every", "grad_accum"):  # where and how often it reports, not what it trains
         recipe.pop(key, None)
     if "base_checkpoint" in recipe:
         meta = Path(str(recipe["base_checkpoint"])) / "meta.json"
@@ -81,7 +59,7 @@ def ensure(kind: str, overrides: list[str], *, root: str | Path = "artifacts") -
     cfg = _compose(ENTRY[kind], list(overrides))
     out_dir = Path(root) / f"{kind}-{recipe_key(cfg)}"
     ckpt = out_dir / "checkpoint"
-    if checkpoint_exists(ckpt):
+    if checkpoint_exists(ckpt) and read_meta(ckpt).get("finished", True):  # before the flag: saved at the end only
         log.info("reusing %s artifact %s", kind, out_dir)
         return ckpt
     with open_dict(cfg):

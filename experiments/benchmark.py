@@ -33,13 +33,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tokenizers import Tokenizer, models
 
-from experiments.artifacts import check_writable, ensure
+from experiments.artifacts import ensure
 from experiments.calibrate import cached_verify_cost, choose_chain_budget, choose_tree_budget, cpu_model, format_cost_table
 from experiments.checkpoint import CheckpointError, check_lm_meta, is_hf_directory, load_lm, read_meta
 from experiments.cli import exit_on_user_error
 from experiments.data import base_data_config, prepare_data, token_counts
 from experiments.prompts import heldout_prompts, load_prompts
 from experiments.report import mode, repeated_ngram_share, write_report
+from experiments.rundir import check_writable
 from experiments.train_base import resolve_device
 from experiments.train_drafter import load_drafter
 from medusa.trees import accuracies_from_metrics

@@ -18,7 +18,6 @@ import os
 import platform
 import statistics
 import subprocess
-import tempfile
 import time
 from dataclasses import replace
 from hashlib import sha256
@@ -27,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from experiments.cli import write_atomic
 from verify.budget import best_chain, best_tree, interpolate_cost
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate
@@ -148,21 +148,6 @@ def _read_costs(path: Path, key: dict) -> dict[int, float] | None:
         return None
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    """Write to a temporary file beside `path`, then rename it into place: readers see old or new, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def cached_verify_cost(
     target: Target, *, key_parts: dict, cache_dir: str | Path = ".cache/calibration", **kw: Any
 ) -> dict[int, float]:
@@ -183,7 +168,8 @@ def cached_verify_cost(
         log.info("verify cost: read %s", path)
         return costs
     costs = measure_verify_cost(target, **{**settings, "ks": tuple(settings["ks"])})
-    _write_json_atomic(path, {"key": key, "costs": {str(k): s for k, s in costs.items()}})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps({"key": key, "costs": {str(k): s for k, s in costs.items()}}, indent=1, sort_keys=True))
     log.info("verify cost: measured and wrote %s", path)
     return costs
 

@@ -30,8 +30,8 @@ import errno
 import functools
 import json
 import os
+import secrets
 import sys
-import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,19 +84,26 @@ def user_message(error: BaseException) -> str | None:
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:
     """Write `data` to `path` so that a reader sees the old file or the whole new one, never a part: a temp
-    file in the same directory (same file system, so os.replace is atomic), fsync'd, then renamed."""
+    file in the same directory (same file system, so os.replace is atomic), fsync'd, renamed, and the
+    directory fsync'd so the rename survives a power cut. The file gets the umask's mode, like open()."""
     path = Path(path)
     raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 # ---------------------------------------------------------------------------------------- multirun jobs

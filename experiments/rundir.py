@@ -8,7 +8,6 @@ drops it when the process ends in any way (kill -9 included), so a crashed run n
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 from pathlib import Path
@@ -25,16 +24,24 @@ class RunDirectoryInUse(ValueError):
     """Another process holds the run directory's lock."""
 
 
-def check_writable(directory: Path) -> None:
-    """Create `directory` (and parents) and prove a file can be written there, with a one-line error."""
+def check_writable(directory: str | Path, name: str) -> Path:
+    """Check that files can be written in `directory` (or, when it does not exist yet, created in its
+    nearest existing parent) by writing and removing a probe file: an output directory that cannot be
+    written is a one-line ValueError before the run, not a lost result after it. Creates nothing."""
+    if not isinstance(directory, (str, Path)):
+        raise ValueError(f"{name}={directory!r}: must be a directory path")
+    directory = Path(directory)
+    existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test-{os.getpid()}"
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is a file")
+        probe = existing / f".write-probe-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        reason = "permission denied" if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else e.strerror
-        raise ValueError(f"out_dir={str(directory)!r} is not writable: {reason}") from None
+        raise ValueError(f"{name}={str(directory)!r} is not a writable directory ({e.strerror or e}): "
+                         "give one this user can write") from None
+    return directory
 
 
 def check_checkpoint_dir(directory: Path) -> None:

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from experiments.calibrate import cpu_model
+from experiments.cli import write_atomic
 from experiments.report import repeated_ngram_share
 from experiments.seq2seq_data import Pairs
 from verify.plain import plain_generate
@@ -78,8 +79,8 @@ def benchmark(target_model: nn.Module, draft_model: nn.Module, val: Pairs, cfg: 
     result = {"rows": rows, "sources": len(sources), "gamma": cfg.bench.gamma, "ngram": cfg.bench.ngram,
               "max_new_tokens": cfg.bench.max_new_tokens, "repeats": cfg.bench.repeats, "batch": cfg.bench.batch,
               "threads": torch.get_num_threads(), "cpu": cpu_model(), "engine": "lean eager fp32"}
-    (out_dir / "results.json").write_text(json.dumps(result, indent=1))
-    (out_dir / "results.md").write_text(_markdown(result))
+    write_atomic(out_dir / "results.json", json.dumps(result, indent=1))
+    write_atomic(out_dir / "results.md", _markdown(result))
     return result
 
 

@@ -252,7 +252,8 @@ def prepare_run_dir(out_dir: str | Path, ctx: Dist, device: torch.device) -> Pat
     checked writable and free of a half checkpoint before any work."""
     out_dir = Path(broadcast_text(str(out_dir), ctx, device))
     if ctx.main:
-        check_writable(out_dir)
+        check_writable(out_dir, "out_dir")
+        out_dir.mkdir(parents=True, exist_ok=True)
         check_checkpoint_dir(out_dir / "checkpoint")
     return out_dir
 

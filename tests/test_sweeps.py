@@ -482,3 +482,15 @@ def test_slurm_launcher_writes_a_valid_sbatch_script(tmp_path: Path, monkeypatch
         assert f"#SBATCH {line}\n" in script, line
     assert "gpus" not in script
     assert submitted[0]._executor.parameters["array_parallelism"] == 16
+
+
+def test_write_atomic_files_get_the_umask_mode_and_leave_no_temporary(tmp_path: Path) -> None:
+    from experiments.cli import write_atomic
+
+    old = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "results.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "results.json").stat().st_mode & 0o777 == 0o644  # like open(): readable by the group
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]

@@ -134,6 +134,23 @@ def _cli_overrides(cfg, extra: list[str]) -> list[str]:
             f"features.root={cfg.features.root}", *extra]
 
 
+def test_an_unfinished_artifact_is_resumed_not_reused(tiny_base: Path, cache_dir: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from experiments import artifacts
+    from tests.test_experiments import DRAFTER
+
+    recipe = [f"base_checkpoint={tiny_base}", "drafter=medusa", *DRAFTER, f"data.cache_dir={cache_dir}",
+              f"features.root={cache_dir}/features", "max_steps=6", "checkpoint_every=2", *FP32]
+    crash_at(monkeypatch, 5)
+    with pytest.raises(RuntimeError, match="killed"):  # a benchmark killed while it trained its medusa
+        artifacts.ensure("medusa", recipe, root=tmp_path)
+    monkeypatch.undo()
+    ckpt = artifacts.ensure("medusa", recipe, root=tmp_path)  # the next benchmark
+    meta = load_checkpoint(ckpt).meta
+    assert meta["step"] == 6 and meta["finished"] is True
+    assert json.loads((ckpt.parent / "result.json").read_text())["start_step"] == 4  # resumed, not started over
+
+
 # --------------------------------------------------------------------------------- the run directory
 
 
@@ -185,7 +202,7 @@ def test_checkpoint_without_meta_is_refused_before_training(tmp_path: Path, cach
 
 def test_out_dir_that_cannot_be_written_is_one_line(tmp_path: Path, cache_dir: str) -> None:
     (tmp_path / "file").write_text("")
-    with pytest.raises(ValueError, match=r"out_dir='.*file/run' is not writable: Not a directory"):
+    with pytest.raises(ValueError, match=r"out_dir='.*file/run' is not a writable directory \(.*file is a file\)"):
         train_base.train(base_cfg(tmp_path / "file" / "run", cache_dir, "max_steps=2"))
 
 
