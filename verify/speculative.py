@@ -15,6 +15,7 @@ from torch import Tensor
 
 from verify.acceptance import check_rule, greedy_accept, speculative_accept, typical_accept
 from verify.drafter import Draft, Drafter, Verdict
+from verify.numerics import DRAFT_Q, TARGET_LOGITS, check_usable, usable
 from verify.plain import Generation, check_max_new_tokens, rows_to_lists
 from verify.sampling import SamplingConfig, probs_from_logits, sample_token
 from verify.stats import DecodeStats
@@ -81,6 +82,13 @@ def _verify_tree(target: Target, pending: Tensor, draft: Draft, rule: str, spec:
     return verified, accepted, path, nxt
 
 
+def _q_parents(draft: Draft, b: int, device: torch.device) -> Tensor:
+    """(b, k) the verify index of each draft node's parent: the node whose p the rule compared its q with."""
+    if draft.parents is None:  # a chain: draft token j follows verify position j
+        return torch.arange(draft.length, device=device).expand(b, -1)
+    return draft.parents.to(device).expand(b, -1) + 1
+
+
 def _next_gamma(gamma: int, accepted: Tensor, k: int, active: Tensor, spec: SpecConfig) -> int:
     if not spec.adaptive_gamma or k < gamma:
         return gamma
@@ -101,7 +109,10 @@ def speculative_generate(
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
 ) -> Generation:
-    """Generate with drafts verified by the target; returns the same record as plain decoding."""
+    """Generate with drafts verified by the target; returns the same record as plain decoding.
+
+    Raises NonFiniteError (verify/numerics.py) when the target's logits a row used, or the drafter's q an
+    acceptance rule divided by, held NaN or inf; it names the decode step (0 = the prefill) and the row."""
     check_max_new_tokens(max_new_tokens)
     rule = check_rule(spec.rule, delta=spec.delta, temperature=sampling.temperature)
     check_drafter(target, drafter)
@@ -122,6 +133,10 @@ def speculative_generate(
         with stats.timed("target"):
             prefill = target.prefill(prompts)
         pending = sample_token(prefill.logits[:, -1], sampling, generator)  # (b,)
+        # What the last step used, as (what, values (b, n, V), used (b, n)); `fine` says all of it was
+        # finite, and is read with the host read that opens every iteration (no extra sync).
+        decode_step, checks = 0, [(TARGET_LOGITS, prefill.logits[:, -1:], torch.ones(b, 1, dtype=torch.bool, device=device))]
+        fine = usable(*checks[0][1:])
         out[:, 0] = pending
         stats.tokens += 1
         stats.forwards += 1
@@ -131,7 +146,11 @@ def speculative_generate(
             drafter.begin(prompts, prefill, pending)
         while True:
             active = ~done & (stats.tokens < max_new_tokens)
-            if not bool(active.any()):
+            go, all_fine = torch.stack((active.any(), fine)).tolist()
+            if not all_fine:
+                for what, values, used in checks:
+                    check_usable(what, decode_step, values, used)
+            if not go:
                 break
             # Never draft past a row's budget: a step emits at most k + 1 tokens, and the positions it
             # processes stay below prompt + max_new_tokens <= max_seq_len.
@@ -153,7 +172,16 @@ def speculative_generate(
             _record(stats, active, accepted, depth)
             kept = torch.zeros(b, draft.length + 1, dtype=torch.bool, device=device)
             kept.scatter_(1, path, True)  # a path is padded by repeating its last accepted node
-            target.commit(kept & active[:, None])
+            kept &= active[:, None]
+            target.commit(kept)
+            # The rule chose every row's tokens from p at the kept nodes (a chain: positions 0..accepted),
+            # and divided by q at the children of kept nodes; nothing else it computed was used.
+            decode_step, checks = decode_step + 1, [(TARGET_LOGITS, verified.logits, kept)]
+            fine = usable(verified.logits, kept)
+            if rule == "speculative" and draft.q is not None:
+                used_q = kept.gather(1, _q_parents(draft, b, device))  # (b, k)
+                checks.append((DRAFT_Q, draft.q, used_q))
+                fine = fine & usable(draft.q, used_q)
             pending = torch.where(active, nxt, pending)
             with stats.timed("draft"):
                 drafter.commit(Verdict(accepted, step, pending, verified, active, path))
