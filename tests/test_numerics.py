@@ -233,3 +233,43 @@ def test_bad_sampling_settings_fail_in_one_line(kwargs, match):
     with pytest.raises(ValueError, match=f"^{match}") as e:
         SamplingConfig(**kwargs)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"delta": float("nan")}, r"delta=nan: must be a number in \[0, 1\]"),
+        ({"delta": float("inf")}, r"delta=inf: must be a number in \[0, 1\]"),
+        ({"delta": -0.1}, r"delta=-0.1: must be a number in \[0, 1\]"),
+        ({"delta": 1.5}, r"delta=1.5: must be a number in \[0, 1\]"),
+        ({"delta": True}, r"delta=True: must be a number in \[0, 1\]"),
+        ({"typical_epsilon": 0.0}, r"typical_epsilon=0.0: must be a number in \(0, 1\]"),
+        ({"typical_epsilon": 1.5}, r"typical_epsilon=1.5: must be a number in \(0, 1\]"),
+        ({"typical_epsilon": float("nan")}, r"typical_epsilon=nan: must be a number in \(0, 1\]"),
+        ({"typical_alpha": 0.0}, "typical_alpha=0.0: must be a finite number > 0"),
+        ({"typical_alpha": -1.0}, "typical_alpha=-1.0: must be a finite number > 0"),
+        ({"typical_alpha": float("inf")}, "typical_alpha=inf: must be a finite number > 0"),
+        ({"typical_alpha": float("nan")}, "typical_alpha=nan: must be a finite number > 0"),
+    ],
+)
+def test_bad_rule_options_fail_in_one_line(kwargs, match):
+    with pytest.raises(ValueError, match=f"^{match}") as e:
+        SpecConfig(**kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_a_tree_drafters_bad_q_names_the_step_and_the_row():
+    from tests.test_lossless import PROMPT, sharp_lm
+    from tests.test_tree import RandomTreeStub
+
+    class PoisonTreeQ(RandomTreeStub):
+        def propose(self, gamma, sampling, generator):
+            draft = super().propose(gamma, sampling, generator)
+            self.steps = getattr(self, "steps", 0) + 1
+            if self.steps == 2:
+                draft.q[1, 0, 3] = float("inf")  # node 0 hangs from the root: its q is always compared
+            return draft
+
+    with pytest.raises(NonFiniteError, match=r"^non-finite drafter q at decode step 2 \(0 = the prefill\), row 1 \(inf\)"):
+        speculative_generate(Target(sharp_lm(0)), PoisonTreeQ(True), [PROMPT] * 3, max_new_tokens=8, spec=SpecConfig(gamma=2),
+                             sampling=SamplingConfig(temperature=1.0), generator=torch.Generator().manual_seed(0))

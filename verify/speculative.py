@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verify.acceptance import check_rule, greedy_accept, speculative_accept, typical_accept
+from verify.acceptance import check_delta, check_rule, check_typical, greedy_accept, speculative_accept, typical_accept
 from verify.drafter import Draft, Drafter, Verdict
 from verify.numerics import DRAFT_Q, TARGET_LOGITS, check_usable, usable
 from verify.plain import Generation, check_max_new_tokens, rows_to_lists
@@ -27,8 +27,8 @@ from verify.tree import tree_greedy_accept, tree_sampling_accept, tree_typical_a
 class SpecConfig:
     gamma: int = 4  # draft tokens per step (the starting value when adaptive)
     rule: str = "auto"  # auto | greedy | speculative | typical (see verify/acceptance.py)
-    delta: float = 0.0  # leniency of speculative sampling; > 0 is NOT lossless
-    typical_epsilon: float = 0.09
+    delta: float = 0.0  # leniency of speculative sampling, chains and trees alike; > 0 is NOT lossless
+    typical_epsilon: float = 0.09  # typical acceptance (chains and trees): p(x) > min(epsilon, alpha * exp(-H(p)))
     typical_alpha: float = 0.3
     adaptive_gamma: bool = False  # grow gamma after a fully accepted step, shrink after a rejection
     max_gamma: int = 16
@@ -38,6 +38,8 @@ class SpecConfig:
             raise ValueError(f"gamma={self.gamma!r}: must be an integer >= 1")
         if not isinstance(self.max_gamma, int) or self.max_gamma < self.gamma:
             raise ValueError(f"max_gamma={self.max_gamma!r}: must be an integer >= gamma ({self.gamma})")
+        check_delta(self.delta)
+        check_typical(self.typical_epsilon, self.typical_alpha)
 
 
 def check_drafter(target: Target, drafter: Drafter) -> None:
@@ -76,9 +78,9 @@ def _verify_tree(target: Target, pending: Tensor, draft: Draft, rule: str, spec:
     p = probs_from_logits(verified.logits, sampling)
     if rule == "typical":
         accepted, path, nxt = tree_typical_accept(p, tokens, parents, epsilon=spec.typical_epsilon, alpha=spec.typical_alpha, generator=generator)
-    else:  # lossless sampling: the walk of tree_sampling_accept
+    else:  # speculative sampling (lossless at delta 0): the walk of tree_sampling_accept
         q = None if draft.q is None else torch.cat((torch.zeros_like(draft.q[:, :1]), draft.q), dim=1)
-        accepted, path, nxt = tree_sampling_accept(p, tokens, parents, q, generator)
+        accepted, path, nxt = tree_sampling_accept(p, tokens, parents, q, generator, delta=spec.delta)
     return verified, accepted, path, nxt
 
 
