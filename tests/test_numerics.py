@@ -227,9 +227,9 @@ def test_nan_weights_fail_at_build_and_the_error_is_one_line():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"temperature": float("nan")}, "temperature=nan: must be a finite number >= 0"),
-        ({"temperature": float("inf")}, "temperature=inf: must be a finite number >= 0"),
-        ({"temperature": -1.0}, "temperature=-1.0: must be a finite number >= 0"),
+        ({"temperature": float("nan")}, "temperature=nan: must be a number >= 0, finite"),
+        ({"temperature": float("inf")}, "temperature=inf: must be a number >= 0, finite"),
+        ({"temperature": -1.0}, "temperature=-1.0: must be a number >= 0, finite"),
         ({"temperature": True}, "temperature=True"),
         ({"top_p": float("nan")}, r"top_p=nan: must be a number in \(0, 1\]"),
         ({"top_p": 0.0}, r"top_p=0.0: must be a number in \(0, 1\]"),

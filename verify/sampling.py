@@ -27,7 +27,7 @@ class SamplingConfig:
         # nan < 0 is False, so a range check alone lets NaN through, and a NaN temperature makes every p
         # NaN (an infinite one makes p uniform whatever the model says). True is an int to Python, not a setting.
         if not is_finite_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r}: must be a finite number >= 0 (0 = greedy)")
+            raise ValueError(f"temperature={self.temperature!r}: must be a number >= 0, finite (0 = greedy)")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
             raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 1, or None for no top-k")
         if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
