@@ -8,8 +8,10 @@ it.
 
 The check is the row maximum, one fused reduction per step: it is NaN if any entry is NaN, +inf if any
 is +inf, and -inf only if every entry is -inf: exactly the rows that sampling and argmax cannot use
-(a lone -inf logit is a mask, p = 0, and harmless). The loops read its result with a host read they
-already make (see verify/speculative.py and verify/plain.py).
+(a lone -inf logit is a mask, p = 0, and harmless). The speculative loop reads the result with the
+host read that opens each of its steps, so it stops at the next step; plain decoding, which has no
+per-step read without EOS, keeps one value per step and reads them once after its loop, so a plain call
+decodes to its budget and then raises (verify/speculative.py, verify/plain.py).
 
 Rows are independent, but within a row a NaN spreads: the lean engine attends over its whole static
 cache buffer, a masked weight is 0 and 0 * NaN is NaN, so a NaN-making token written anywhere in a row's
