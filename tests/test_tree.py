@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import make_lm
+from verify.draft_model import DraftModelDrafter
 from tests.test_lossless import CASES, NEW, PROMPT, TRIALS, VOCAB, chi_square, exact_joint, sharp_lm
 from verify.drafter import Draft
 from verify.plain import plain_generate
@@ -175,3 +176,58 @@ def test_vectorised_greedy_tree_walk_equals_the_sibling_walk():
         got = tree_greedy_accept(logits, tokens, parents)
         for w, g, name in zip(want, got, ("accepted", "path", "next")):
             assert torch.equal(w, g), (trial, name, parents, tokens, w, g)
+
+
+def medusa_tree_on(base, seed=0):
+    """Medusa heads near fresh ones on `base`, drafting a static tree (deterministic candidates)."""
+    from medusa.drafter import MedusaDrafter
+    from medusa.heads import MedusaHeads
+
+    heads = MedusaHeads.from_base(base, num_heads=2, num_layers=1)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return MedusaDrafter(heads, mode="tree", tree=[[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+
+
+def run_options(make_drafter, rows=200, **spec):
+    """(tau, alpha) of one seeded T=1 run of `rows` copies of PROMPT on the sharp target."""
+    target_lm = sharp_lm(0)
+    out = speculative_generate(
+        Target(target_lm), make_drafter(target_lm), [PROMPT] * rows, max_new_tokens=8, spec=SpecConfig(gamma=2, **spec),
+        sampling=SamplingConfig(temperature=1.0), generator=torch.Generator().manual_seed(0),
+    )
+    return out.stats.tau, out.stats.alpha
+
+
+TREE_DRAFTERS = {
+    "picked_candidates": lambda lm: RandomTreeStub(False),
+    "sampled_candidates": lambda lm: RandomTreeStub(True),
+    "medusa_tree": medusa_tree_on,
+}
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", list(TREE_DRAFTERS))
+def test_delta_makes_tree_acceptance_lenient(name):
+    """delta reaches the tree rule: same prompts, same seeds, more accepted. Measured with 1000 rows and
+    the two stubs: tau 1.16-1.24 at delta 0 (acceptance 0.27-0.38), 1.41-1.52 at delta 0.2, and over seeds
+    tau moved by < 0.015: a gain of 0.1 is many times the noise."""
+    tau0, alpha0 = run_options(TREE_DRAFTERS[name])
+    tau1, alpha1 = run_options(TREE_DRAFTERS[name], delta=0.2)
+    assert 0.05 < alpha0 < 0.7, "acceptance must be well below 1 for leniency to show"
+    assert tau1 > tau0 + 0.1 and alpha1 > alpha0 + 0.1, (tau0, tau1, alpha0, alpha1)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_typical_options_reach_chains_and_trees(kind):
+    """Typical acceptance keeps x if p(x) > min(epsilon, alpha * exp(-H(p))): a higher threshold accepts
+    less, a lower one more, on chains and trees alike."""
+    make = (lambda lm: DraftModelDrafter(sharp_lm(1))) if kind == "chain" else TREE_DRAFTERS["picked_candidates"]
+    _, default = run_options(make, rule="typical")
+    _, strict = run_options(make, rule="typical", typical_epsilon=0.5, typical_alpha=5.0)
+    _, low_epsilon = run_options(make, rule="typical", typical_epsilon=0.01)
+    _, low_alpha = run_options(make, rule="typical", typical_alpha=0.01)
+    assert strict < default - 0.2 and low_epsilon > default + 0.05 and low_alpha > default + 0.05, (strict, default, low_epsilon, low_alpha)

@@ -16,17 +16,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from verify.numerics import is_finite_number
 from verify.sampling import sample_from_probs
 
 RULES = ("auto", "greedy", "speculative", "typical")
+
+
+def check_delta(delta: float) -> None:
+    if not is_finite_number(delta) or not 0 <= delta <= 1:
+        raise ValueError(f"delta={delta!r}: must be a number in [0, 1] (0 = lossless speculative sampling)")
+
+
+def check_typical(epsilon: float, alpha: float) -> None:
+    """Typical acceptance's options: accept x if p(x) > min(epsilon, alpha * exp(-H(p)))."""
+    if not is_finite_number(epsilon) or not 0 < epsilon <= 1:
+        raise ValueError(f"typical_epsilon={epsilon!r}: must be a number in (0, 1] (a probability threshold)")
+    if not is_finite_number(alpha) or not alpha > 0:
+        raise ValueError(f"typical_alpha={alpha!r}: must be a finite number > 0")
 
 
 def check_rule(rule: str, *, delta: float, temperature: float) -> str:
     """Validate the rule and its options; resolve "auto" (greedy at temperature 0, else speculative)."""
     if rule not in RULES:
         raise ValueError(f"rule={rule!r}: must be one of {', '.join(RULES)}")
-    if not isinstance(delta, (int, float)) or not 0 <= delta <= 1:
-        raise ValueError(f"delta={delta!r}: must be in [0, 1] (0 = lossless speculative sampling)")
+    check_delta(delta)
     if rule == "greedy" and temperature != 0:
         raise ValueError(f"rule='greedy' with temperature={temperature}: greedy acceptance needs temperature 0")
     if rule == "auto":

@@ -29,6 +29,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from verify.cache import StaticCache, visibility, write_kv
+from verify.numerics import NonFiniteError
 
 _ATTN_OFF = dict(  # Attention attributes that must have these values (anything else changes the math)
     num_mem_kv=0, qk_norm=False, head_scale=False, sparse_topk=None, to_v_gate=None, to_output_gate=None,
@@ -415,6 +416,8 @@ def check_against_reference(module: nn.Module, engine, *, tolerance: float = 1e-
             ref, ours = module(x), engine(x, engine.new_cache(1, 8))
     finally:
         module.train(was_training)
+    if not bool(torch.isfinite(ref).all()):  # else the difference below is NaN and blames the engine
+        raise NonFiniteError("the model's own forward gives NaN/inf on 6 random inputs: its weights hold NaN/inf")
     err = float((ref.float() - ours.float()).abs().max())
     if not err <= tolerance * max(1.0, float(ref.float().abs().max())):
         raise UnsupportedModel(f"the lean engine differs from the model's own forward by {err:.2e}: the model uses an option it does not implement")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from verify.numerics import TARGET_LOGITS, nonfinite_error
 from verify.sampling import SamplingConfig, sample_token
 from verify.stats import DecodeStats
 from verify.target import Target
@@ -42,7 +43,9 @@ def plain_generate(
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
 ) -> Generation:
-    """Decode each prompt token by token; a row stops at EOS or after max_new_tokens."""
+    """Decode each prompt token by token; a row stops at EOS or after max_new_tokens.
+
+    Raises NonFiniteError (verify/numerics.py) when the logits a row sampled from held NaN or inf."""
     check_max_new_tokens(max_new_tokens)
     target.check_tokens(prompts, max_new_tokens=max_new_tokens)
     target.use_layers(())  # a target reused after speculative decoding: return no layer states, pay nothing for them
@@ -53,7 +56,12 @@ def plain_generate(
     with stats.timed("total"):
         with stats.timed("target"):
             logits = target.prefill(prompts).logits[:, -1]  # (b, V)
+        # peaks[i, row]: the max of the logits step i sampled from, NaN or inf when they held NaN/inf
+        # (verify/numerics.py). One reduction into a preallocated row per step, read once after the loop:
+        # without EOS this loop makes no host read to share, and a GPU should not wait on one per token.
+        peaks = logits.new_empty(max_new_tokens, b)
         for i in range(max_new_tokens):
+            torch.amax(logits, dim=-1, out=peaks[i])
             nxt = sample_token(logits, sampling, generator)  # (b,)
             out[:, i] = nxt
             stats.tokens += ~done
@@ -64,4 +72,16 @@ def plain_generate(
                 break
             with stats.timed("target"):
                 logits = target.extend(nxt[:, None]).logits[:, -1]
+    check_peaks(peaks[: i + 1], stats.tokens)
     return Generation(tokens=rows_to_lists(out, stats.tokens), stats=stats)
+
+
+def check_peaks(peaks: Tensor, tokens: Tensor) -> None:
+    """peaks (steps, b) logit maxima per step and row, tokens (b,) tokens each row emitted: raise
+    NonFiniteError for the first step (then row) that sampled from NaN or inf. Row r sampled at step i
+    iff i < tokens[r] (a row stops after its EOS; later steps run it but discard what it samples)."""
+    sampled = torch.arange(peaks.shape[0], device=peaks.device)[:, None] < tokens[None, :]  # (steps, b)
+    bad = ~torch.isfinite(peaks) & sampled
+    if bool(bad.any()):
+        step, row = (int(i) for i in bad.nonzero()[0])
+        raise nonfinite_error(TARGET_LOGITS, step, row, float(peaks[step, row]))

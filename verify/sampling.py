@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from verify.numerics import is_finite_number
 from verify.vocab import expand_probs, full_ids
 
 
@@ -22,13 +23,15 @@ class SamplingConfig:
     top_p: float = 1.0  # 1 = no nucleus filter
 
     def __post_init__(self) -> None:
-        # Validated here, once, so no decode loop starts with settings it cannot honour.
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature!r}: must be a number >= 0 (0 = greedy)")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+        # Validated here, once, so no decode loop starts with settings it cannot honour. Finiteness first:
+        # nan < 0 is False, so a range check alone lets NaN through, and a NaN temperature makes every p
+        # NaN (an infinite one makes p uniform whatever the model says). True is an int to Python, not a setting.
+        if not is_finite_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature!r}: must be a number >= 0, finite (0 = greedy)")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
             raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 1, or None for no top-k")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
+        if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p!r}: must be a number in (0, 1] (1 = no nucleus filter)")
 
     @property
     def greedy(self) -> bool:

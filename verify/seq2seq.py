@@ -27,6 +27,7 @@ from verify.cache import StaticCache, tree_attention
 from verify.cross_decoder import CrossContext, LeanCrossDecoder
 from verify.draft_model import DraftModelDrafter
 from verify.engine import UnsupportedModel, check_wrapper
+from verify.numerics import NonFiniteError
 from verify.target import TargetOutput, pad_prompts
 
 
@@ -173,6 +174,8 @@ def check_against_reference(encoder: nn.Module, decoder: nn.Module, target: Seq2
         ours = torch.nn.functional.linear(hidden, target.head_weight, target.head_bias)
     finally:
         encoder.train(was_training[0]), decoder.train(was_training[1])
+    if not bool(torch.isfinite(ref).all()):  # else the difference below is NaN and blames the lean decoder
+        raise NonFiniteError("the encoder-decoder's own forward gives NaN/inf on 2 random sources: its weights hold NaN/inf")
     err = float((ref.float() - ours.float()).abs().max())
     if not err <= tolerance * max(1.0, float(ref.float().abs().max())):
         raise UnsupportedModel(f"the lean encoder-decoder differs from the x-transformers forward by {err:.2e}: the model uses an option it does not implement")

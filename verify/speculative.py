@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verify.acceptance import check_rule, greedy_accept, speculative_accept, typical_accept
+from verify.acceptance import check_delta, check_rule, check_typical, greedy_accept, speculative_accept, typical_accept
 from verify.drafter import Draft, Drafter, Verdict
+from verify.numerics import DRAFT_Q, TARGET_LOGITS, check_usable, usable
 from verify.plain import Generation, check_max_new_tokens, rows_to_lists
 from verify.sampling import SamplingConfig, probs_from_logits, sample_token
 from verify.stats import DecodeStats
@@ -26,8 +27,8 @@ from verify.tree import tree_greedy_accept, tree_sampling_accept, tree_typical_a
 class SpecConfig:
     gamma: int = 4  # draft tokens per step (the starting value when adaptive)
     rule: str = "auto"  # auto | greedy | speculative | typical (see verify/acceptance.py)
-    delta: float = 0.0  # leniency of speculative sampling; > 0 is NOT lossless
-    typical_epsilon: float = 0.09
+    delta: float = 0.0  # leniency of speculative sampling, chains and trees alike; > 0 is NOT lossless
+    typical_epsilon: float = 0.09  # typical acceptance (chains and trees): p(x) > min(epsilon, alpha * exp(-H(p)))
     typical_alpha: float = 0.3
     adaptive_gamma: bool = False  # grow gamma after a fully accepted step, shrink after a rejection
     max_gamma: int = 16
@@ -37,6 +38,8 @@ class SpecConfig:
             raise ValueError(f"gamma={self.gamma!r}: must be an integer >= 1")
         if not isinstance(self.max_gamma, int) or self.max_gamma < self.gamma:
             raise ValueError(f"max_gamma={self.max_gamma!r}: must be an integer >= gamma ({self.gamma})")
+        check_delta(self.delta)
+        check_typical(self.typical_epsilon, self.typical_alpha)
 
 
 def check_drafter(target: Target, drafter: Drafter) -> None:
@@ -75,10 +78,17 @@ def _verify_tree(target: Target, pending: Tensor, draft: Draft, rule: str, spec:
     p = probs_from_logits(verified.logits, sampling)
     if rule == "typical":
         accepted, path, nxt = tree_typical_accept(p, tokens, parents, epsilon=spec.typical_epsilon, alpha=spec.typical_alpha, generator=generator)
-    else:  # lossless sampling: the walk of tree_sampling_accept
+    else:  # speculative sampling (lossless at delta 0): the walk of tree_sampling_accept
         q = None if draft.q is None else torch.cat((torch.zeros_like(draft.q[:, :1]), draft.q), dim=1)
-        accepted, path, nxt = tree_sampling_accept(p, tokens, parents, q, generator)
+        accepted, path, nxt = tree_sampling_accept(p, tokens, parents, q, generator, delta=spec.delta)
     return verified, accepted, path, nxt
+
+
+def _q_parents(draft: Draft, b: int, device: torch.device) -> Tensor:
+    """(b, k) the verify index of each draft node's parent: the node whose p the rule compared its q with."""
+    if draft.parents is None:  # a chain: draft token j follows verify position j
+        return torch.arange(draft.length, device=device).expand(b, -1)
+    return draft.parents.to(device).expand(b, -1) + 1
 
 
 def _next_gamma(gamma: int, accepted: Tensor, k: int, active: Tensor, spec: SpecConfig) -> int:
@@ -101,7 +111,10 @@ def speculative_generate(
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
 ) -> Generation:
-    """Generate with drafts verified by the target; returns the same record as plain decoding."""
+    """Generate with drafts verified by the target; returns the same record as plain decoding.
+
+    Raises NonFiniteError (verify/numerics.py) when the target's logits a row used, or the drafter's q an
+    acceptance rule divided by, held NaN or inf; it names the decode step (0 = the prefill) and the row."""
     check_max_new_tokens(max_new_tokens)
     rule = check_rule(spec.rule, delta=spec.delta, temperature=sampling.temperature)
     check_drafter(target, drafter)
@@ -122,6 +135,10 @@ def speculative_generate(
         with stats.timed("target"):
             prefill = target.prefill(prompts)
         pending = sample_token(prefill.logits[:, -1], sampling, generator)  # (b,)
+        # What the last step used, as (what, values (b, n, V), used (b, n)); `fine` says all of it was
+        # finite, and is read with the host read that opens every iteration (no extra sync).
+        decode_step, checks = 0, [(TARGET_LOGITS, prefill.logits[:, -1:], torch.ones(b, 1, dtype=torch.bool, device=device))]
+        fine = usable(*checks[0][1:])
         out[:, 0] = pending
         stats.tokens += 1
         stats.forwards += 1
@@ -131,7 +148,11 @@ def speculative_generate(
             drafter.begin(prompts, prefill, pending)
         while True:
             active = ~done & (stats.tokens < max_new_tokens)
-            if not bool(active.any()):
+            go, all_fine = torch.stack((active.any(), fine)).tolist()
+            if not all_fine:
+                for what, values, used in checks:
+                    check_usable(what, decode_step, values, used)
+            if not go:
                 break
             # Never draft past a row's budget: a step emits at most k + 1 tokens, and the positions it
             # processes stay below prompt + max_new_tokens <= max_seq_len.
@@ -153,7 +174,16 @@ def speculative_generate(
             _record(stats, active, accepted, depth)
             kept = torch.zeros(b, draft.length + 1, dtype=torch.bool, device=device)
             kept.scatter_(1, path, True)  # a path is padded by repeating its last accepted node
-            target.commit(kept & active[:, None])
+            kept &= active[:, None]
+            target.commit(kept)
+            # The rule chose every row's tokens from p at the kept nodes (a chain: positions 0..accepted),
+            # and divided by q at the children of kept nodes; nothing else it computed was used.
+            decode_step, checks = decode_step + 1, [(TARGET_LOGITS, verified.logits, kept)]
+            fine = usable(verified.logits, kept)
+            if rule == "speculative" and draft.q is not None:
+                used_q = kept.gather(1, _q_parents(draft, b, device))  # (b, k)
+                checks.append((DRAFT_Q, draft.q, used_q))
+                fine = fine & usable(draft.q, used_q)
             pending = torch.where(active, nxt, pending)
             with stats.timed("draft"):
                 drafter.commit(Verdict(accepted, step, pending, verified, active, path))

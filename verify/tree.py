@@ -104,16 +104,18 @@ def children_table(parents: Tensor) -> Tensor:
 
 
 def tree_sampling_accept(
-    p: Tensor, tokens: Tensor, parents: Tensor, q: Tensor | None = None, generator: torch.Generator | None = None
+    p: Tensor, tokens: Tensor, parents: Tensor, q: Tensor | None = None, generator: torch.Generator | None = None,
+    *, delta: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Lossless multi-candidate acceptance on a tree (SpecInfer, EAGLE-2); greedy when p is one-hot.
+    """Multi-candidate acceptance on a tree (SpecInfer, EAGLE-2), with MLX-style leniency `delta` as in
+    `verify.acceptance.speculative_accept`; greedy when p is one-hot and delta = 0.
 
     p (b, n, V) target distributions at the verify nodes; tokens (b, n) verify tokens (root first);
     parents (b, n) verify-indexed; q (b, n, V) the distribution each node was drawn from, or None for
     deterministic candidates (q one-hot). At a node, try its children in order: accept child c with
-    probability min(1, p(c)/q(c)); on rejection p <- norm(max(0, p - q)); if all fail, sample from
-    what is left; at a leaf, sample the bonus token from p. Loops run over depth and sibling rank, never
-    over rows or tokens.
+    probability min(1, p(c)/q(c) + delta); on rejection p <- norm(max(0, p - q)); if all fail, sample
+    from what is left; at a leaf, sample the bonus token from p. Loops run over depth and sibling rank,
+    never over rows or tokens. delta = 0 is lossless; delta > 0 is NOT lossless.
     """
     b, n, vocab = p.shape
     rows = torch.arange(b, device=p.device)
@@ -132,7 +134,7 @@ def tree_sampling_accept(
             q_c = F.one_hot(tok, vocab).to(p.dtype) if q is None else q[rows, c]
             p_x, q_x = residual.gather(1, tok[:, None]).squeeze(1), q_c.gather(1, tok[:, None]).squeeze(1)
             u = torch.rand(b, generator=generator, device=p.device)
-            ok = try_ & (u < (p_x / q_x.clamp(min=1e-20)).clamp(max=1.0))
+            ok = try_ & (u < (p_x / q_x.clamp(min=1e-20) + delta).clamp(max=1.0))  # + 0.0 changes no bit
             rejected = try_ & ~ok
             left = (residual - q_c).clamp(min=0)
             mass = left.sum(-1, keepdim=True)
