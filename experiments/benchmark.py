@@ -146,9 +146,9 @@ def check_decode(d: DictConfig) -> tuple[list[float], SpecConfig]:
     if not isinstance(d.rule, str) or d.rule not in RULES:
         raise ValueError(f"decode.rule={d.rule!r}: must be one of {', '.join(RULES)}")
     _number("decode.delta", d.delta, "a number in [0, 1] (0 = lossless speculative sampling)", lambda x: 0 <= x <= 1)
-    _number("decode.typical_epsilon", d.typical_epsilon, "a number in [0, 1] (typical acceptance's probability cap)",
-            lambda x: 0 <= x <= 1)
-    _number("decode.typical_alpha", d.typical_alpha, "a number >= 0 (typical acceptance's entropy scale)", lambda x: x >= 0)
+    _number("decode.typical_epsilon", d.typical_epsilon, "a number in (0, 1] (typical acceptance's probability cap)",
+            lambda x: 0 < x <= 1)
+    _number("decode.typical_alpha", d.typical_alpha, "a number > 0 (typical acceptance's entropy scale)", lambda x: x > 0)
     for t in temperatures:
         sampling_for(d, t)  # the rule at each temperature: greedy acceptance needs T = 0
     return temperatures, spec_from(d)

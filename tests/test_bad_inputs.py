@@ -186,8 +186,11 @@ DECODE = [
     ("decode.rule=greedy", "greedy acceptance needs temperature 0"),
     ("decode.delta=-0.1", "decode.delta=-0.1: must be a number in [0, 1]"),
     ("decode.delta=nan", "decode.delta=nan"),
-    ("decode.typical_epsilon=2", "decode.typical_epsilon=2: must be a number in [0, 1]"),
-    ("decode.typical_alpha=-1", "decode.typical_alpha=-1: must be a number >= 0"),
+    ("decode.typical_epsilon=2", "decode.typical_epsilon=2: must be a number in (0, 1]"),
+    ("decode.typical_epsilon=0", "decode.typical_epsilon=0: must be a number in (0, 1]"),
+    ("decode.typical_alpha=-1", "decode.typical_alpha=-1: must be a number > 0"),
+    ("decode.typical_alpha=0", "decode.typical_alpha=0: must be a number > 0"),
+    ("decode.temperatures=[1e-30]", "temperature=1e-30: must be a number >= 0, and 0 or at least 1e-06"),
     ("decode.typical_alpha=inf", "decode.typical_alpha=inf"),
 ]
 

@@ -230,6 +230,7 @@ def test_nan_weights_fail_at_build_and_the_error_is_one_line():
         ({"temperature": float("nan")}, "temperature=nan: must be a number >= 0, finite"),
         ({"temperature": float("inf")}, "temperature=inf: must be a number >= 0, finite"),
         ({"temperature": -1.0}, "temperature=-1.0: must be a number >= 0, finite"),
+        ({"temperature": 1e-30}, "temperature=1e-30: must be a number >= 0, and 0 or at least 1e-06"),
         ({"temperature": True}, "temperature=True"),
         ({"top_p": float("nan")}, r"top_p=nan: must be a number in \(0, 1\]"),
         ({"top_p": 0.0}, r"top_p=0.0: must be a number in \(0, 1\]"),

@@ -16,6 +16,9 @@ from verify.numerics import is_finite_number
 from verify.vocab import expand_probs, full_ids
 
 
+MIN_TEMPERATURE = 1e-6  # every temperature below it samples the argmax anyway: a logit gap of 1e-4 is e^-100
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy
@@ -28,6 +31,9 @@ class SamplingConfig:
         # NaN (an infinite one makes p uniform whatever the model says). True is an int to Python, not a setting.
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature={self.temperature!r}: must be a number >= 0, finite (0 = greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / T would overflow to inf and p turn NaN, silently
+            raise ValueError(f"temperature={self.temperature!r}: must be a number >= 0, and 0 or at least "
+                             f"{MIN_TEMPERATURE} (logits / T overflows below it; 0 = greedy is its limit)")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
             raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 1, or None for no top-k")
         if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
