@@ -21,6 +21,7 @@ from omegaconf import OmegaConf, open_dict
 
 from experiments.checkpoint import checkpoint_exists, read_meta
 from experiments.cli import write_atomic
+from experiments.rundir import RunDirectoryInUse, RunLock
 
 log = logging.getLogger(__name__)
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -59,17 +60,22 @@ def ensure(kind: str, overrides: list[str], *, root: str | Path = "artifacts") -
     cfg = _compose(ENTRY[kind], list(overrides))
     out_dir = Path(root) / f"{kind}-{recipe_key(cfg)}"
     ckpt = out_dir / "checkpoint"
-    if checkpoint_exists(ckpt) and read_meta(ckpt).get("finished", True):  # before the flag: saved at the end only
-        log.info("reusing %s artifact %s", kind, out_dir)
+    while True:
+        RunLock.wait_free(out_dir)  # a parallel job training this very artifact: wait for it, then reuse its result
+        if checkpoint_exists(ckpt) and read_meta(ckpt).get("finished", True):  # before the flag: saved at the end only
+            log.info("reusing %s artifact %s", kind, out_dir)
+            return ckpt
+        with open_dict(cfg):
+            cfg.out_dir = str(out_dir)
+        log.info("training %s artifact %s (%s)", kind, out_dir, " ".join(overrides))
+        if ENTRY[kind] == "train_base":
+            from experiments.train_base import train
+        else:
+            from experiments.train_drafter import train
+        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            result = train(cfg)
+        except RunDirectoryInUse:  # another job took the lock between our wait and our start: wait again
+            continue
+        write_atomic(out_dir / "result.json", json.dumps(result, indent=2, default=str))
         return ckpt
-    with open_dict(cfg):
-        cfg.out_dir = str(out_dir)
-    log.info("training %s artifact %s (%s)", kind, out_dir, " ".join(overrides))
-    if ENTRY[kind] == "train_base":
-        from experiments.train_base import train
-    else:
-        from experiments.train_drafter import train
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result = train(cfg)
-    write_atomic(out_dir / "result.json", json.dumps(result, indent=2, default=str))
-    return ckpt

@@ -69,9 +69,25 @@ class RunLock:
             self.fd = None
             raise RunDirectoryInUse(f"run directory {self.path.parent} is in use by another training (pid {holder}); "
                                     "wait for it to finish or choose another out_dir / hydra.run.dir") from None
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, f"{os.getpid()}\n".encode())
+        try:  # the pid only names the holder in the error above; a failure here must not keep the lock
+            os.ftruncate(self.fd, 0)
+            os.write(self.fd, f"{os.getpid()}\n".encode())
+        except OSError:
+            self.__exit__(None, None, None)
+            raise
         return self
+
+    @staticmethod
+    def wait_free(directory: Path) -> None:
+        """Block until no process holds `directory`'s lock (return at once when none does)."""
+        path = Path(directory) / LOCK_FILE
+        if not path.exists():
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # granted once the exclusive holder is gone
+        finally:
+            os.close(fd)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         if self.fd is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -372,3 +373,29 @@ def test_a_full_disk_keeps_the_last_checkpoint(small_disk, tmp_path: Path, cache
     meta = load_checkpoint(disk / "run" / "checkpoint").meta  # whole and verified
     assert meta["step"] == 2
     assert sorted(p.name for p in (disk / "run").iterdir() if p.name.startswith(".checkpoint")) == []
+
+
+def test_a_job_needing_an_artifact_another_job_is_training_waits_and_reuses_it(tmp_path: Path, cache_dir: str,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parallel sweep jobs share artifacts: the second waits for the first's lock instead of failing."""
+    import threading
+
+    from experiments import artifacts
+
+    real_train = train_base.train
+    recipe = [*BASE, f"data.cache_dir={cache_dir}", "max_steps=2", "optim.warmup_steps=1", *FP32]
+    out_dir = tmp_path / f"base-{artifacts.recipe_key(artifacts._compose('train_base', recipe))}"
+    out_dir.mkdir()
+    holder = RunLock(out_dir).__enter__()  # the first job, still training
+    done: list[Path] = []
+    waiter = threading.Thread(target=lambda: done.append(artifacts.ensure("base", recipe, root=tmp_path)))
+    waiter.start()
+    time.sleep(1.0)
+    assert not done and waiter.is_alive()  # blocked on the lock, not failed
+    monkeypatch.setattr(train_base, "train", lambda cfg: pytest.fail("trained the artifact a second time"))
+    # the first job's finished checkpoint appears (trained elsewhere here: our holder stands for its lock)
+    trained = real_train(base_cfg(tmp_path / "first", cache_dir, "max_steps=2", "optim.warmup_steps=1"))
+    shutil.copytree(trained["checkpoint"], out_dir / "checkpoint")
+    holder.__exit__(None, None, None)  # the first job ends
+    waiter.join(timeout=120)
+    assert done == [out_dir / "checkpoint"]
