@@ -41,8 +41,8 @@ from experiments.data import base_data_config, prepare_data, token_counts
 from experiments.prompts import heldout_prompts, load_prompts
 from experiments.report import mode, repeated_ngram_share, write_report
 from experiments.rundir import check_writable
-from experiments.train_base import resolve_device
 from experiments.train_drafter import load_drafter
+from experiments.training import resolve_device
 from medusa.trees import accuracies_from_metrics
 from verify.acceptance import RULES, check_rule, is_lossless
 from verify.draft_model import DraftModelDrafter

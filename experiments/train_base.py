@@ -28,16 +28,16 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from experiments.checkpoint import checkpoint_exists, load_checkpoint, save_checkpoint
+from experiments.checkpoint import checkpoint_exists, load_checkpoint, read_meta, save_checkpoint
 from experiments.cli import exit_on_user_error, one_line
 from experiments.data import PreparedData, prepare_data
 from experiments.distributed import Dist, close_distributed, init_distributed, main_first, shard
 from experiments.lm import check_lm_sizes, count_parameters
 from experiments.precision import check_precision, resolve_precision
 from experiments.rundir import RunLock
-from experiments.training import (  # noqa: F401  (lr_at, resolve_device: imported from here by older callers)
-    LoopSettings, LoopState, check_batch_split, MetricsFile, TrainLoop, batch_for_step, check_loop_config, check_recipe, is_int,
-    lr_at, make_logger, make_optimizer, prepare_run_dir, require, resolve_device, validation_blocks,
+from experiments.training import (
+    LoopSettings, LoopState, TrainLoop, batch_for_step, check_batch_split, check_loop_config, check_recipe, is_int,
+    make_logger, make_optimizer, prepare_run_dir, require, resolve_device, validation_blocks,
 )
 
 log = logging.getLogger(__name__)
@@ -166,6 +166,9 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    ckpt_dir = out_dir / "checkpoint"
+    if cfg.resume and checkpoint_exists(ckpt_dir):  # another recipe is refused now, before the corpus is tokenized
+        check_recipe(ckpt_dir, read_meta(ckpt_dir).get("recipe"), recipe(cfg))
     with main_first(ctx):  # rank 0 tokenizes and caches the corpus; the others read its cache
         data = prepare_data(**OmegaConf.to_container(cfg.data, resolve=True))
     num_tokens = model_config(cfg)["num_tokens"]

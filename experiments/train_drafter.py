@@ -30,12 +30,11 @@ from typing import Any
 
 import hydra
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from experiments import draft_family, exit_family
-from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, load_lm, save_checkpoint
+from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, load_lm, read_meta, save_checkpoint
 from experiments.cli import exit_on_user_error
 from experiments.data import prepare_data, token_counts
 from experiments.distributed import Dist, close_distributed, init_distributed, main_first, shard
@@ -126,6 +125,16 @@ def probe_loss(family: ModuleType, module: nn.Module, base: nn.Module, ids: Tens
     window = ids[: seq_len + 1].long()[None].to(device)  # (1, T + 1)
     probe = teacher_batch(base, window, layers=layers, top_k=top_k)
     call_with_settings(family.loss, "drafter.loss", module, base, probe, vocab=vocab, **loss_kwargs)
+
+
+def share(loss_kwargs: dict, batch: FeatureBatch, batch_size: int) -> dict:
+    """The loss settings for a part of the step's batch (one rank's rows, one micro-batch): a loss that samples
+    `positions` per call (Medusa, sequential heads) samples its share of them, so a step trains on as many
+    positions whatever the number of processes or micro-batches."""
+    if loss_kwargs.get("positions") is None:
+        return loss_kwargs
+    rows = batch.tokens.shape[0]
+    return {**loss_kwargs, "positions": max(1, round(loss_kwargs["positions"] * rows / batch_size))}
 
 
 def check_base_frozen(base: nn.Module) -> None:
@@ -235,6 +244,14 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     seq_len = cfg.seq_len if cfg.seq_len is not None else base.max_seq_len
     if seq_len > base.max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds the base's context max_seq_len={base.max_seq_len}")
+    batch_size = cfg.batch_size or cfg.drafter.batch_size
+    expected_recipe = recipe(cfg, base_meta=base_meta, seq_len=seq_len, batch_size=batch_size)
+    ckpt_dir = out_dir / "checkpoint"
+    if cfg.resume and checkpoint_exists(ckpt_dir):  # another recipe is refused now, before data and feature cache
+        found = read_meta(ckpt_dir)
+        require(found.get("kind") == "drafter", f"{ckpt_dir} is not a drafter checkpoint (kind={found.get('kind')!r}): "
+                                                "use another out_dir or resume=false")
+        check_recipe(ckpt_dir, found.get("recipe"), expected_recipe)
     module = call_with_settings(family.build, "drafter.module", base, **OmegaConf.to_container(cfg.drafter.module, resolve=True)).to(device)
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     if (base_meta.get("data") or {}).get("tokenizer_path"):  # a Hugging Face directory brings its own tokenizer
@@ -250,7 +267,6 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     loss_kwargs = OmegaConf.to_container(cfg.drafter.loss, resolve=True)
     probe_loss(family, module, base, data.val_ids, seq_len=seq_len, layers=layers_needed(cfg), top_k=cfg.features.top_k,
                vocab=vocab, loss_kwargs=loss_kwargs, device=device)  # before the feature cache takes minutes
-    batch_size = cfg.batch_size or cfg.drafter.batch_size
     batches = Batches(cfg, base, base_meta, data, seq_len=seq_len, batch_size=batch_size, device=device, ctx=ctx)
     val_batches = []
     if ctx.main:  # only rank 0 validates; computed once: the base is frozen
@@ -259,7 +275,6 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
                        for chunk in blocks.split(16)]
     optimizer = make_optimizer(module, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
                                weight_decay=cfg.optim.weight_decay)
-    expected_recipe = recipe(cfg, base_meta=base_meta, seq_len=seq_len, batch_size=batch_size)
     state = LoopState()
     if cfg.resume and checkpoint_exists(out_dir / "checkpoint"):
         state = resume(out_dir / "checkpoint", cfg, module=module, optimizer=optimizer, expected_recipe=expected_recipe)
@@ -273,7 +288,8 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
 
     logger = make_logger(cfg, out_dir, ctx)
     loop = TrainLoop(
-        model=module, loss_fn=lambda m, b: family.loss(m, base, b, vocab=vocab, **loss_kwargs), batch_fn=batches,
+        model=module, loss_fn=lambda m, b: family.loss(m, base, b, vocab=vocab, **share(loss_kwargs, b, batch_size)),
+        batch_fn=batches,
         count_fn=lambda b, metrics: int(metrics.get("positions", b.hidden.shape[0] * b.hidden.shape[1])),
         validate_fn=lambda: validate(family, module, base, val_batches, vocab=vocab), save_fn=save_fn,
         optimizer=optimizer, settings=LoopSettings.from_config(cfg), precision=precision["used"], device=device,

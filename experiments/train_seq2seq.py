@@ -30,16 +30,17 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from x_transformers import XTransformer
 
-from experiments.checkpoint import checkpoint_exists, load_checkpoint, load_model, save_checkpoint
+from experiments.checkpoint import checkpoint_exists, load_checkpoint, load_model, read_meta, save_checkpoint
 from experiments.cli import exit_on_user_error
 from experiments.data import prepare_data
 from experiments.distributed import Dist
-from experiments.rundir import RunLock
+from experiments.rundir import RunLock, check_checkpoint_dir
 from experiments.seq2seq_data import Pairs, pad_batch, seq2seq_pairs
 from experiments.training import (
-    SEED_STRIDE, LoopSettings, LoopState, TrainLoop, check_recipe, make_logger, make_optimizer, prepare_run_dir,
-    resolve_device,
+    SEED_STRIDE, LoopSettings, LoopState, TrainLoop, check_recipe, is_number, make_logger, make_optimizer,
+    prepare_run_dir, resolve_device,
 )
+from verify.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 MODES = ("train", "bench", "all")
@@ -87,7 +88,7 @@ def validate_config(cfg: DictConfig) -> None:
     for key in ("batch_size", "target_steps", "draft_steps", "log_every", "eval_pairs", "checkpoint_every"):
         need(is_int(t[key]) and t[key] >= 1, f"train.{key}={t[key]!r}: must be an integer >= 1")
     need(is_int(t.warmup_steps) and t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps!r}: must be an integer >= 0")
-    need(isinstance(t.lr, (int, float)) and t.lr > 0, f"train.lr={t.lr!r}: must be a number > 0")
+    need(is_number(t.lr) and t.lr > 0, f"train.lr={t.lr!r}: must be a finite number > 0")
     for key in ("target_minutes", "draft_minutes"):
         need(t[key] is None or (isinstance(t[key], (int, float)) and t[key] > 0),
              f"train.{key}={t[key]!r}: must be a number > 0, or null for the step budget only")
@@ -97,8 +98,10 @@ def validate_config(cfg: DictConfig) -> None:
     need(b.max_new_tokens <= cfg.pairs.max_target_tokens, f"bench.max_new_tokens={b.max_new_tokens}: must be at most "
          f"pairs.max_target_tokens={cfg.pairs.max_target_tokens} (the decoder's length)")
     temps = list(b.temperatures)
-    need(len(temps) > 0 and all(isinstance(x, (int, float)) and x >= 0 for x in temps),
-         f"bench.temperatures={temps!r}: must be a non-empty list of numbers >= 0")
+    need(len(temps) > 0 and all(is_number(x) and x >= 0 for x in temps),
+         f"bench.temperatures={temps!r}: must be a non-empty list of finite numbers >= 0")
+    for x in temps:
+        SamplingConfig(temperature=float(x))  # the sampler's own checks, now rather than after training
     resolve_device(cfg.device)
 
 
@@ -162,13 +165,10 @@ def train_model(name: str, cfg: DictConfig, config: dict[str, Any], train: Pairs
     model = build_seq2seq(**config).to(device)
     optimizer = make_optimizer(model, lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     state = LoopState()
-    if cfg.resume and checkpoint_exists(ckpt_dir):
+    if cfg.resume and checkpoint_exists(ckpt_dir):  # finished with the same budgets: the loop has nothing to do
         ckpt = load_checkpoint(ckpt_dir, expected_config=config)
         check_recipe(ckpt_dir, ckpt.meta.get("recipe"), expected)
         model.load_state_dict(ckpt.state_dict, strict=True)
-        if ckpt.meta["finished"]:
-            log.info("%s: reusing the finished checkpoint %s", name, ckpt_dir)
-            return model.eval(), ckpt.meta["result"]
         optimizer.load_state_dict(ckpt.optimizer_state)
         state = LoopState.from_meta(ckpt.meta, "pairs")
     steps = int(t[f"{name}_steps"])
@@ -204,7 +204,7 @@ def train_model(name: str, cfg: DictConfig, config: dict[str, Any], train: Pairs
         loop.run()
     finally:
         logger.finish()
-    result = load_checkpoint(ckpt_dir).meta["result"]
+    result = read_meta(ckpt_dir)["result"]
     log.info("%s: %s", name, result)
     return model.eval(), result
 
@@ -225,6 +225,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError("train_seq2seq runs in one process: start it with python -m, not torchrun")
     device = resolve_device(cfg.device)
     out_dir = prepare_run_dir(cfg.out_dir, Dist(), device)
+    for name in ("target", "draft"):
+        check_checkpoint_dir(out_dir / name / "checkpoint")
     with RunLock(out_dir):
         return _run(cfg, out_dir=out_dir, device=device, benchmark=benchmark)
 

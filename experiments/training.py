@@ -1,15 +1,20 @@
-"""The one training loop, shared by the base LM and every drafter; the caller supplies the loss.
+"""The one training loop, shared by the base LM, every drafter and the encoder-decoders; the caller supplies
+the loss.
 
 `TrainLoop.run` owns what every training needs: the learning-rate schedule, precision (autocast), gradient
 accumulation, clipping, the optimizer step, validation, metrics.jsonl and the logger, periodic checkpoints
-and exact resume, time budgets, and DistributedDataParallel under torchrun (experiments/distributed.py).
-The caller (train_base, train_drafter) supplies the model being trained, `loss_fn(model, batch) -> (loss,
-metrics)`, `batch_fn(step)` (this rank's rows of the step's batch), `validate_fn()` and `save_fn`.
+and resume, time budgets, and DistributedDataParallel under torchrun (experiments/distributed.py). The
+caller (train_base, train_drafter, train_seq2seq) supplies the model being trained, `loss_fn(model, batch)
+-> (loss, metrics)`, `batch_fn(step)` (this rank's rows of the step's batch), `count_fn` (tokens, positions
+or pairs in a batch), `validate_fn()`, `save_fn` and optionally `after_backward` (a check after each backward).
 
 Exact resume needs no loader or RNG state: the batch of step s is drawn from a generator seeded with
 (seed, s), and torch's global RNG is reseeded the same way before every step, so a resumed run retraces the
-uninterrupted one bit for bit (same machine, same threads). Budgets (max_steps, max_minutes) may change
-on resume: that is how a run is extended; anything else that changes the weights (the recipe) may not.
+uninterrupted one bit for bit (same machine, same threads) when the schedule follows steps only
+(max_minutes=null). With a time budget the cosine follows the wall clock, which a kill interrupts: the
+resumed run continues the schedule where the checkpoint left it, not bit for bit. The budgets (max_steps,
+max_minutes) may change on resume, which is how a run is extended (the cosine then stretches to the new
+end); everything else that decides the weights, the recipe, is checked and may not.
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ def check_loop_config(cfg: Any) -> None:
     """The loop's own settings, shared by every training entry point."""
     for key in ("max_steps", "log_every", "eval_every", "eval_blocks", "checkpoint_every", "grad_accum"):
         check_positive_int(cfg[key], key)
-    require(is_int(cfg.seed), f"seed must be an integer, got {cfg.seed!r}")
+    require(is_int(cfg.seed) and 0 <= cfg.seed < 2**32, f"seed must be an integer in [0, 2**32), got {cfg.seed!r}")
     require(cfg.max_minutes is None or (is_number(cfg.max_minutes) and cfg.max_minutes > 0),
             f"max_minutes must be positive or null, got {cfg.max_minutes!r}")
     require(isinstance(cfg.resume, bool), f"resume must be true or false, got {cfg.resume!r}")
@@ -190,7 +195,7 @@ def validation_blocks(val_ids: Tensor, *, seq_len: int, eval_blocks: int) -> Ten
 @dataclass
 class LoopState:
     step: int = 0
-    units: int = 0  # tokens (base) or positions (drafters) trained on, over every rank
+    units: int = 0  # tokens (base), positions (drafters) or pairs (seq2seq) trained on, over every rank
     elapsed_s: float = 0.0  # wall time of earlier sessions (resumes add up): max_minutes budgets it all
 
     @classmethod
@@ -219,11 +224,16 @@ class MetricsFile:
         rows = []
         for i, line in enumerate(lines):
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 if i < len(lines) - 1:
                     raise ValueError(f"{path}: line {i + 1} is not JSON (only a last line cut short by a kill is "
                                      "expected); repair or remove the file") from None
+                continue
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError(f"{path}: line {i + 1} is not a metrics row (an object with an integer step); "
+                                 "repair or remove the file")
+            rows.append(row)
         return rows
 
 
@@ -346,9 +356,7 @@ class TrainLoop:
             with sync, autocast(self.precision, self.device):
                 loss, metrics = self.wrapped(chunk)
             weight = batch_rows(chunk) / rows
-            if not math.isfinite(loss.item()):  # .item() syncs anyway (logged below); stop before the weights turn NaN
-                raise NonFiniteLoss(f"training loss is {loss.item()} at step {self.state.step}: lower optim.lr, "
-                                         "or check the data; the last checkpoint (if any) is left as it was")
+            self.check_finite(loss.item())  # before backward: the weights never turn NaN
             (loss * weight).backward()
             for k, v in {"train_loss": loss.item(), **metrics}.items():
                 values[k] = values.get(k, 0.0) + float(v) * weight
@@ -365,6 +373,22 @@ class TrainLoop:
         self.log_values.append({"lr": lr, **values})
         self.val_losses.append(values["train_loss"])
         return values["train_loss"]
+
+    def check_finite(self, loss: float) -> None:
+        """Stop on a NaN or infinite loss, on every rank at once (a rank stopping alone would leave the others
+        waiting in the gradient all-reduce)."""
+        if all_mean({"finite": float(math.isfinite(loss))}, self.ctx, self.device)["finite"] != 1.0:
+            shown = loss if not math.isfinite(loss) else "NaN or inf on another rank"
+            raise NonFiniteLoss(f"training loss is {shown} at step {self.state.step}: lower optim.lr, or check the "
+                                "data; the last checkpoint (if any) is left as it was")
+
+    def check_same_start(self) -> None:
+        """Every rank resumes from the step rank 0 does: a rank that saw no checkpoint (its run directory is not
+        rank 0's: no shared filesystem) would train a different number of steps and hang the others."""
+        first = broadcast_float(float(self.state.step), self.ctx, self.device)
+        if all_mean({"same": float(first == self.state.step)}, self.ctx, self.device)["same"] != 1.0:
+            raise ValueError(f"the ranks resume from different steps (rank 0 from {int(first)}, rank {self.ctx.rank} "
+                             f"from {self.state.step}): every process must see rank 0's run directory")
 
     # -- the loop
 
@@ -386,6 +410,7 @@ class TrainLoop:
     def run(self) -> dict[str, Any]:
         s, state = self.s, self.state
         start_step, last_val, stopped_by = state.step, None, "max_steps"
+        self.check_same_start()
         self.session_start = time.perf_counter()
         if self.ctx.main:
             self.metrics_file = MetricsFile(self.out_dir / "metrics.jsonl", resume_step=start_step)
@@ -405,11 +430,19 @@ class TrainLoop:
                 if state.step % s.checkpoint_every == 0 and state.step < s.max_steps and self.ctx.main:
                     self.save_fn(self.state, last_val or {}, finished=False, elapsed_s=self.elapsed())
         if last_val is None or last_val["step"] != state.step:
-            last_val = self.validate()
+            # nothing trained this session (a finished run started again): its last validation stands
+            last_val = (self.previous_val() if state.step == start_step else None) or self.validate()
         if self.ctx.main and (state.step > start_step or not self.checkpoint_complete()):
             self.save_fn(self.state, last_val, finished=True, elapsed_s=self.elapsed())
         return {"start_step": start_step, "stopped_by": stopped_by, "last_val": last_val,
                 "replica_fingerprints": self.replica_fingerprints()}
+
+    def previous_val(self) -> dict[str, Any] | None:
+        """The last "val" row already written at this step (rank 0; the others validate nothing anyway)."""
+        if not self.ctx.main:
+            return None
+        rows = [r for r in MetricsFile.read(self.metrics_file.path) if r["kind"] == "val" and r["step"] == self.state.step]
+        return rows[-1] if rows else None
 
     def checkpoint_complete(self) -> bool:
         meta = self.out_dir / "checkpoint" / "meta.json"

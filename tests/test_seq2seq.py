@@ -328,7 +328,11 @@ def seq2seq_cfg(*overrides: str):
     ("train.draft_minutes=0", r"^train.draft_minutes=0: must be a number > 0, or null"),
     ("bench.max_new_tokens=65", r"^bench.max_new_tokens=65: must be at most pairs.max_target_tokens=64"),
     ("bench.batch=0", r"^bench.batch=0: must be an integer >= 1$"),
-    ("bench.temperatures=[]", r"^bench.temperatures=\[\]: must be a non-empty list of numbers >= 0$"),
+    ("bench.temperatures=[]", r"^bench.temperatures=\[\]: must be a non-empty list of finite numbers >= 0$"),
+    ("bench.temperatures=[0,inf]", r"^bench.temperatures=\[0, inf\]: must be a non-empty list of finite numbers"),
+    ("bench.temperatures=[1e-30]", r"^temperature=1e-30: must be a number >= 0, and 0 or at least 1e-06"),
+    ("train.lr=inf", r"^train.lr=inf: must be a finite number > 0$"),
+    ("train.checkpoint_every=0", r"^train.checkpoint_every=0: must be an integer >= 1$"),
     ("data=files", r"^data.source='files': the function -> docstring task reads the stdlib only"),
 ])
 def test_bad_settings_raise_one_line_errors_before_any_work(override, match):

@@ -15,7 +15,8 @@ from omegaconf import DictConfig
 
 from experiments import precision, train_base, training
 from experiments.checkpoint import load_checkpoint, load_lm
-from experiments.train_base import MetricsFile, lr_at, train
+from experiments.train_base import train
+from experiments.training import MetricsFile, lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 # A model and corpus small enough for a few seconds per run; 30 stdlib files, a 512-token BPE.

@@ -235,7 +235,7 @@ def test_drafter_resume_refuses_another_recipe(override: str, diff: str, tiny_ba
 
 def test_drafter_resume_refuses_a_base_checkpoint_in_its_directory(tiny_base: Path, cache_dir: str, tmp_path: Path) -> None:
     train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))  # a base's run directory, given as a drafter's
-    with pytest.raises(CheckpointError, match="different model config"):
+    with pytest.raises(ValueError, match=r"checkpoint is not a drafter checkpoint \(kind='base_lm'\)"):
         train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
 
 
@@ -399,3 +399,40 @@ def test_a_job_needing_an_artifact_another_job_is_training_waits_and_reuses_it(t
     holder.__exit__(None, None, None)  # the first job ends
     waiter.join(timeout=120)
     assert done == [out_dir / "checkpoint"]
+
+
+def test_another_recipe_is_refused_before_the_corpus_is_read(tmp_path: Path, cache_dir: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
+    monkeypatch.setattr(train_base, "prepare_data", lambda **kw: pytest.fail("read the corpus before refusing"))
+    with pytest.raises(CheckpointError, match="seed: checkpoint 0 vs now 1"):
+        train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=4", "seed=1"))
+
+
+def test_drafter_recipe_is_refused_before_the_feature_cache(tiny_base: Path, cache_dir: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
+    monkeypatch.setattr(train_drafter, "prepare_data", lambda **kw: pytest.fail("read the corpus before refusing"))
+    with pytest.raises(CheckpointError, match="seed: checkpoint 0 vs now 1"):
+        train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=4", "seed=1"))
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_a_step_samples_as_many_positions_in_micro_batches(grad_accum: int, tiny_base: Path, cache_dir: str,
+                                                           tmp_path: Path) -> None:
+    """Medusa samples `positions` per loss call: split into micro-batches (or ranks), each samples its share."""
+    result = train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "drafter.loss.positions=16",
+                                             f"grad_accum={grad_accum}"))
+    assert result["positions"] == 4 * 16  # 4 steps of 16 positions, however the batch was split
+
+
+def test_seed_out_of_range_is_one_line(tmp_path: Path, cache_dir: str) -> None:
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*32\), got 1099511627776"):
+        train_base.train(base_cfg(tmp_path, cache_dir, f"seed={2**40}"))
+
+
+def test_metrics_file_with_a_row_that_is_not_a_metrics_row_is_one_error(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 1}\n[1, 2]\n')
+    with pytest.raises(ValueError, match="line 2 is not a metrics row"):
+        MetricsFile.read(path)
