@@ -17,10 +17,12 @@ from pathlib import Path
 
 from hydra import compose
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from experiments.checkpoint import checkpoint_exists, read_meta
-from experiments.cli import write_atomic
+from experiments.cli import one_line, write_atomic
 from experiments.rundir import RunDirectoryInUse, RunLock
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,23 @@ def recipe_key(cfg) -> str:
         meta = Path(str(recipe["base_checkpoint"])) / "meta.json"
         recipe["base_fingerprint"] = json.loads(meta.read_text())["fingerprint"] if meta.exists() else None
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def check_artifact(kind: str, overrides: list[str]) -> None:
+    """Compose and validate the recipe of a `kind` artifact without training it: a bad recipe (an unknown key,
+    a value the training entry point refuses) is one line before any artifact trains."""
+    try:
+        cfg = _compose(ENTRY[kind], list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(f"artifacts.{kind} does not compose: {one_line(e)}") from None
+    if ENTRY[kind] == "train_base":
+        from experiments.train_base import validate_config
+    else:
+        from experiments.train_drafter import validate_config
+    try:
+        validate_config(cfg)
+    except ValueError as e:
+        raise ValueError(f"artifacts.{kind} (the recipe training {kind}): {one_line(e)}") from None
 
 
 def ensure(kind: str, overrides: list[str], *, root: str | Path = "artifacts") -> Path:

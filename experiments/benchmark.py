@@ -33,7 +33,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tokenizers import Tokenizer, models
 
-from experiments.artifacts import ensure
+from experiments.artifacts import ENTRY, check_artifact, ensure
 from experiments.calibrate import cached_verify_cost, choose_chain_budget, choose_tree_budget, cpu_model, format_cost_table
 from experiments.checkpoint import CheckpointError, check_lm_meta, is_hf_directory, load_lm, read_meta
 from experiments.cli import exit_on_user_error
@@ -41,7 +41,7 @@ from experiments.data import base_data_config, prepare_data, token_counts
 from experiments.prompts import heldout_prompts, load_prompts
 from experiments.report import mode, repeated_ngram_share, write_report
 from experiments.rundir import check_writable
-from experiments.train_drafter import load_drafter
+from experiments.train_drafter import call_with_settings, drafter_family, load_drafter
 from experiments.training import resolve_device
 from medusa.trees import accuracies_from_metrics
 from verify.acceptance import RULES, check_rule, is_lossless
@@ -278,6 +278,8 @@ def check_checkpoints(cfg: DictConfig, kinds: list[str]) -> None:
             recipe = cfg.artifacts[kind]
             if not isinstance(recipe, ListConfig) or not all(isinstance(o, str) for o in recipe):
                 raise ValueError(f"artifacts.{kind}={recipe!r}: must be a list of Hydra overrides (key=value)")
+            if kind in ENTRY:  # the recipe's own settings, now rather than after the artifacts before it trained
+                check_artifact(kind, artifact_overrides(cfg, kind, "/placeholder/base/checkpoint", None))
         else:
             given[kind] = path
     if len(given) < len(kinds):
@@ -348,6 +350,11 @@ def checkpoint_for(cfg: DictConfig, kind: str, base_ckpt: str | None = None, bas
     given = cfg.checkpoints[kind]
     if given is not None:
         return given
+    return str(ensure(kind, artifact_overrides(cfg, kind, base_ckpt, base_meta), root=cfg.artifacts.root))
+
+
+def artifact_overrides(cfg: DictConfig, kind: str, base_ckpt: str | None, base_meta: dict | None) -> list[str]:
+    """The Hydra overrides of train_base / train_drafter that train the `kind` artifact."""
     overrides = list(cfg.artifacts[kind])
     data_cfg = base_data_config(base_meta or {}, {}) if base_meta else None
     if data_cfg:
@@ -355,7 +362,18 @@ def checkpoint_for(cfg: DictConfig, kind: str, base_ckpt: str | None = None, bas
     if kind in DRAFTER_KINDS:
         overrides += [f"drafter={kind}", f"base_checkpoint={base_ckpt}"]
         overrides += _overrides(cfg[kind], "drafter")
-    return str(ensure(kind, overrides, root=cfg.artifacts.root))
+    return overrides
+
+
+def check_untrained_drafters(cfg: DictConfig, base) -> None:
+    """Build every drafter the artifact cache will train, once, on the loaded base and drop it: a module setting
+    its training would refuse (medusa.module.num_heads=0, fuse_layers beyond the base) fails now, not after
+    the artifacts before it trained."""
+    for name in check_methods(cfg.methods):
+        kind = "draft" if name == "draft_model" else name.rsplit("_", 1)[0]
+        if kind in DRAFTER_KINDS and cfg.checkpoints[kind] is None:
+            module = OmegaConf.to_container(cfg[kind].module, resolve=True)
+            call_with_settings(drafter_family(kind).build, f"{kind}.module", base, **module)
 
 
 def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str,
@@ -366,6 +384,7 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str,
     A factory takes `compile` (the drafter's own decoder steps through torch.compile) and drafter
     keyword overrides (a tree budget chosen by `budget=auto`)."""
     vocab = drafter_vocab(cfg, base_meta, base.num_tokens)
+    check_untrained_drafters(cfg, base)
     methods: dict[str, Callable[..., Any]] = {}
     loaded: dict[str, dict] = {}
     trained: dict[str, tuple] = {}  # family -> (module, package): chain and tree share one checkpoint

@@ -12,6 +12,7 @@ import errno
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -443,3 +444,27 @@ def test_command_line_refuses_a_typed_setting_the_checkpoint_disagrees_with(file
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: medusa.module.num_heads=64 was set"), proc.stderr
     assert "was trained with 4" in proc.stderr and not (tmp_path / "artifacts").exists()
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ('artifacts.medusa=["max_minutes=-1"]', "artifacts.medusa (the recipe training medusa): max_minutes must be positive"),
+    ('artifacts.prophet=["nokey=1"]', "artifacts.prophet does not compose: Could not override 'nokey'"),
+    ('artifacts.draft=["optim.lr=0"]', "artifacts.draft (the recipe training draft): optim.lr must be positive"),
+])
+def test_a_bad_artifact_recipe_fails_before_any_work(override: str, fragment: str, files: dict, no_work) -> None:
+    run_bad("benchmark", [override], fragment, files)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("medusa.module.num_heads=0", "num_heads=0: must be an integer >= 1"),
+    ("prophet.module.fuse_layers=[99]", "fuse_layers=[99]: 99 is not a block index"),
+])
+def test_a_drafter_setting_its_training_would_refuse_fails_before_any_training(override: str, fragment: str,
+                                                                             files: dict) -> None:
+    """Checked on the loaded base before the first artifact trains (benchmark.make_methods calls it first)."""
+    from tests.conftest import make_lm
+
+    cfg = make_cfg("benchmark", [override, "methods=[draft_model,medusa_chain,prophet_chain]"], files)
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        bench_mod.check_untrained_drafters(cfg, make_lm())
+    bench_mod.check_untrained_drafters(make_cfg("benchmark", ["methods=[draft_model,medusa_chain]"], files), make_lm())
