@@ -62,6 +62,8 @@ def check_artifact(kind: str, overrides: list[str]) -> None:
         cfg = _compose(ENTRY[kind], list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
         raise ValueError(f"artifacts.{kind} does not compose: {one_line(e)}") from None
+    with open_dict(cfg):
+        cfg.out_dir = "unused"  # ensure() names it; its default needs a running Hydra app
     if ENTRY[kind] == "train_base":
         from experiments.train_base import validate_config
     else:
