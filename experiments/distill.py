@@ -21,7 +21,6 @@ wholly outside it are left out of the mean.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from verify.vocab import full_ids

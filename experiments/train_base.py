@@ -13,11 +13,11 @@ Everything the run writes goes into `out_dir`: `checkpoint/` (see experiments/ch
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +31,12 @@ from omegaconf.errors import OmegaConfBaseException
 from experiments.checkpoint import checkpoint_exists, load_checkpoint, read_meta, save_checkpoint
 from experiments.cli import exit_on_user_error, one_line
 from experiments.data import PreparedData, prepare_data
-from experiments.distributed import Dist, close_distributed, init_distributed, main_first, shard
+from experiments.distributed import Dist, main_first, shard
 from experiments.lm import check_lm_sizes, count_parameters
 from experiments.precision import check_precision, resolve_precision
-from experiments.rundir import RunLock
 from experiments.training import (
-    LoopSettings, LoopState, TrainLoop, batch_for_step, check_batch_split, check_loop_config, check_recipe, is_int,
-    make_logger, make_optimizer, prepare_run_dir, require, resolve_device, validation_blocks,
+    LoopSettings, LoopState, TrainLoop, batch_for_step, check_loop_config, check_recipe, is_int, launch, make_logger,
+    make_optimizer, require, validation_blocks,
 )
 
 log = logging.getLogger(__name__)
@@ -150,14 +149,7 @@ def saver(cfg: DictConfig, *, model: torch.nn.Module, optimizer: torch.optim.Opt
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train (or resume) a base LM as configured, alone or as one rank of torchrun; return the final metrics."""
     validate_config(cfg)
-    ctx, device = init_distributed(resolve_device(cfg.device))
-    try:
-        check_batch_split(cfg.batch_size, cfg.grad_accum, ctx)
-        out_dir = prepare_run_dir(cfg.out_dir, ctx, device)
-        with RunLock(out_dir) if ctx.main else nullcontext():
-            return _train(cfg, ctx=ctx, device=device, out_dir=out_dir)
-    finally:
-        close_distributed()
+    return launch(cfg, batch_size=cfg.batch_size, body=functools.partial(_train, cfg))
 
 
 def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -> dict[str, Any]:

@@ -19,11 +19,11 @@ validation. A drafter checkpoint records the base's fingerprint; `load_drafter` 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -37,14 +37,13 @@ from experiments import draft_family, exit_family
 from experiments.checkpoint import CheckpointError, checkpoint_exists, load_checkpoint, load_lm, read_meta, save_checkpoint
 from experiments.cli import exit_on_user_error
 from experiments.data import prepare_data, token_counts
-from experiments.distributed import Dist, close_distributed, init_distributed, main_first, shard
+from experiments.distributed import Dist, main_first, shard
 from experiments.features import FeatureBatch, check_features_config, feature_spec, open_features, teacher_batch
 from experiments.lm import count_parameters
 from experiments.precision import check_precision, resolve_precision
-from experiments.rundir import RunLock
 from experiments.training import (
-    LoopSettings, LoopState, check_batch_split, TrainLoop, batch_for_step, check_loop_config, check_positive_int, check_recipe,
-    make_logger, make_optimizer, prepare_run_dir, require, resolve_device, validation_blocks,
+    LoopSettings, LoopState, TrainLoop, batch_for_step, check_loop_config, check_positive_int, check_recipe, launch,
+    make_logger, make_optimizer, require, validation_blocks,
 )
 from medusa import sequential_train as sequential_family, train as medusa_family
 from prophet import train as prophet_family
@@ -223,14 +222,7 @@ class Batches:
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train (or resume) the configured drafter on the frozen base, alone or as one rank of torchrun."""
     validate_config(cfg)
-    ctx, device = init_distributed(resolve_device(cfg.device))
-    try:
-        check_batch_split(cfg.batch_size or cfg.drafter.batch_size, cfg.grad_accum, ctx)
-        out_dir = prepare_run_dir(cfg.out_dir, ctx, device)
-        with RunLock(out_dir) if ctx.main else nullcontext():
-            return _train(cfg, ctx=ctx, device=device, out_dir=out_dir)
-    finally:
-        close_distributed()
+    return launch(cfg, batch_size=cfg.batch_size or cfg.drafter.batch_size, body=functools.partial(_train, cfg))
 
 
 def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -> dict[str, Any]:

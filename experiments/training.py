@@ -40,11 +40,12 @@ from experiments.checkpoint import CheckpointError, fingerprint
 from experiments.cli import write_atomic
 from experiments.data import sample_batch
 from experiments.distributed import (
-    Dist, all_mean, batch_rows, broadcast_float, broadcast_text, gather_text, take_rows, wrap,
+    Dist, all_mean, batch_rows, broadcast_float, broadcast_text, close_distributed, gather_text, init_distributed,
+    take_rows, wrap,
 )
 from experiments.loggers import NullLogger
 from experiments.precision import autocast
-from experiments.rundir import check_checkpoint_dir, check_writable
+from experiments.rundir import RunLock, check_checkpoint_dir, check_writable
 
 log = logging.getLogger(__name__)
 SEED_STRIDE = 1_000_003  # seed * stride + step: distinct streams for every (seed, step) in practice
@@ -246,6 +247,21 @@ def progress_bar(*, enabled: bool = True) -> Progress:
 
 
 # ------------------------------------------------------------------------------------ run directory
+
+
+def launch(cfg: Any, *, batch_size: int, body: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """Run a training entry point's `body(ctx=, device=, out_dir=)` as one process or one rank of torchrun:
+    join the process group, check the batch split and the run directory, and hold the directory's lock
+    on rank 0 for the whole run."""
+    ctx, device = init_distributed(resolve_device(cfg.device))
+    try:
+        check_batch_split(batch_size, cfg.grad_accum, ctx)
+        out_dir = prepare_run_dir(cfg.out_dir, ctx, device)
+        with RunLock(out_dir) if ctx.main else nullcontext():
+            return body(ctx=ctx, device=device, out_dir=out_dir)
+    finally:
+        close_distributed()
+
 
 
 def make_logger(cfg: Any, out_dir: Path, ctx: Dist) -> Any:

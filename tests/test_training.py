@@ -26,12 +26,7 @@ FP32 = ["precision=fp32", "threads=1", "max_minutes=null"]  # bit-exact: no auto
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
