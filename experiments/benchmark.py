@@ -42,7 +42,7 @@ from experiments.prompts import heldout_prompts, load_prompts
 from experiments.report import mode, repeated_ngram_share, write_report
 from experiments.rundir import check_writable
 from experiments.train_drafter import call_with_settings, drafter_family, load_drafter
-from experiments.training import resolve_device
+from experiments.settings import resolve_device
 from medusa.trees import accuracies_from_metrics
 from verify.acceptance import RULES, check_rule, is_lossless
 from verify.draft_model import DraftModelDrafter

@@ -23,7 +23,7 @@ from experiments.checkpoint import load_lm
 from experiments.cli import exit_on_user_error
 from experiments.data import base_data_config, prepare_data
 from experiments.features import check_features_config, feature_spec, open_features
-from experiments.training import resolve_device
+from experiments.settings import resolve_device
 
 log = logging.getLogger(__name__)
 

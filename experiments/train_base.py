@@ -34,9 +34,9 @@ from experiments.data import PreparedData, prepare_data
 from experiments.distributed import Dist, main_first, shard
 from experiments.lm import check_lm_sizes, count_parameters
 from experiments.precision import check_precision, resolve_precision
+from experiments.settings import check_loop_config, check_recipe, is_int, require
 from experiments.training import (
-    LoopSettings, LoopState, TrainLoop, batch_for_step, check_loop_config, check_recipe, is_int, launch, make_logger,
-    make_optimizer, require, validation_blocks,
+    batch_for_step, launch, LoopSettings, LoopState, make_logger, make_optimizer, TrainLoop, validation_blocks,
 )
 
 log = logging.getLogger(__name__)

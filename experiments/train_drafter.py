@@ -41,9 +41,9 @@ from experiments.distributed import Dist, main_first, shard
 from experiments.features import FeatureBatch, check_features_config, feature_spec, open_features, teacher_batch
 from experiments.lm import count_parameters
 from experiments.precision import check_precision, resolve_precision
+from experiments.settings import check_loop_config, check_positive_int, check_recipe, require
 from experiments.training import (
-    LoopSettings, LoopState, TrainLoop, batch_for_step, check_loop_config, check_positive_int, check_recipe, launch,
-    make_logger, make_optimizer, require, validation_blocks,
+    batch_for_step, launch, LoopSettings, LoopState, make_logger, make_optimizer, TrainLoop, validation_blocks,
 )
 from medusa import sequential_train as sequential_family, train as medusa_family
 from prophet import train as prophet_family

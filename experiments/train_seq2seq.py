@@ -36,9 +36,9 @@ from experiments.data import prepare_data
 from experiments.distributed import Dist
 from experiments.rundir import RunLock, check_checkpoint_dir
 from experiments.seq2seq_data import Pairs, pad_batch, seq2seq_pairs
+from experiments.settings import check_recipe, is_number, resolve_device
 from experiments.training import (
-    SEED_STRIDE, LoopSettings, LoopState, TrainLoop, check_recipe, is_number, make_logger, make_optimizer,
-    prepare_run_dir, resolve_device,
+    LoopSettings, LoopState, make_logger, make_optimizer, prepare_run_dir, SEED_STRIDE, TrainLoop,
 )
 from verify.sampling import SamplingConfig
 

@@ -1,0 +1,102 @@
+"""The training entry points' settings, checked before any work: one-line ValueErrors naming the value and
+what is allowed (the command line prints them as `error: ...`, exit 2). Shared by train_base, train_drafter
+and train_seq2seq through experiments/training.py's loop; also the device and recipe checks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from experiments.checkpoint import CheckpointError
+from experiments.distributed import Dist
+
+__all__ = ["require", "is_int", "is_number", "check_positive_int", "check_optim", "check_loop_config",
+           "check_batch_split", "resolve_device", "check_recipe"]
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_positive_int(value: Any, name: str, *, allow_null: bool = False) -> None:
+    if allow_null and value is None:
+        return
+    require(is_int(value) and value > 0, f"{name} must be a positive integer{' or null' if allow_null else ''}, got {value!r}")
+
+
+def check_optim(optim: Any, max_steps: int) -> None:
+    """One-line errors for the optim group (conf/optim/adamw.yaml) before any model is built."""
+    for key in ("lr", "min_lr", "eps", "weight_decay", "grad_clip"):
+        require(is_number(optim[key]), f"optim.{key} must be a number, got {optim[key]!r}")
+    require(optim.lr > 0, f"optim.lr must be positive, got {optim.lr}")
+    require(0 <= optim.min_lr <= optim.lr, f"optim.min_lr must lie in [0, optim.lr={optim.lr}], got {optim.min_lr}")
+    require(is_int(optim.warmup_steps) and optim.warmup_steps >= 0,
+            f"optim.warmup_steps must be a non-negative integer, got {optim.warmup_steps!r}")
+    require(optim.warmup_steps <= max_steps,
+            f"optim.warmup_steps ({optim.warmup_steps}) must not exceed max_steps ({max_steps})")
+    betas = list(optim.betas)
+    require(len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas),
+            f"optim.betas must be two numbers in [0, 1), got {betas}")
+    require(optim.eps > 0, f"optim.eps must be positive, got {optim.eps}")
+    require(optim.weight_decay >= 0, f"optim.weight_decay must be non-negative, got {optim.weight_decay}")
+    require(optim.grad_clip >= 0, f"optim.grad_clip must be non-negative (0 disables), got {optim.grad_clip}")
+
+
+def check_loop_config(cfg: Any) -> None:
+    """The loop's own settings, shared by every training entry point."""
+    for key in ("max_steps", "log_every", "eval_every", "eval_blocks", "checkpoint_every", "grad_accum"):
+        check_positive_int(cfg[key], key)
+    require(is_int(cfg.seed) and 0 <= cfg.seed < 2**32, f"seed must be an integer in [0, 2**32), got {cfg.seed!r}")
+    require(cfg.max_minutes is None or (is_number(cfg.max_minutes) and cfg.max_minutes > 0),
+            f"max_minutes must be positive or null, got {cfg.max_minutes!r}")
+    require(isinstance(cfg.resume, bool), f"resume must be true or false, got {cfg.resume!r}")
+    check_positive_int(cfg.threads, "threads", allow_null=True)
+    check_optim(cfg.optim, cfg.max_steps)
+    require(isinstance(cfg.device, str), f"device must be auto, cpu or cuda[:N], got {cfg.device!r}")
+    resolve_device(cfg.device)
+
+
+def check_batch_split(batch_size: int, grad_accum: int, ctx: Dist) -> None:
+    """batch_size is the global batch: split evenly across ranks, then into grad_accum micro-batches."""
+    require(batch_size % ctx.world == 0, f"batch_size={batch_size} must be divisible by the number of processes "
+                                         f"({ctx.world}): it is the global batch, split evenly across ranks")
+    rows = batch_size // ctx.world
+    require(grad_accum <= rows, f"grad_accum={grad_accum} must not exceed the rows per step and process ({rows})")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}") from None
+    require(device.type != "cuda" or torch.cuda.is_available(), f"device={name!r} but CUDA is not available")
+    return device
+
+
+def check_recipe(directory: Path, found: dict[str, Any] | None, expected: dict[str, Any]) -> None:
+    """Resume only a checkpoint trained with the same recipe (seed, data, batch, optimizer, ...)."""
+    if found is None:
+        raise CheckpointError(f"checkpoint {directory} records no training recipe (written by an older version): "
+                              "it cannot be resumed exactly; use resume=false or another out_dir")
+    found, expected = json.loads(json.dumps(found)), json.loads(json.dumps(expected))  # tuples vs lists
+    diffs = [f"{k}: checkpoint {found.get(k, '<absent>')!r} vs now {expected.get(k, '<absent>')!r}"
+             for k in sorted(set(found) | set(expected)) if found.get(k, "<absent>") != expected.get(k, "<absent>")]
+    if diffs:
+        raise CheckpointError(f"checkpoint {directory} was trained with another recipe ({'; '.join(diffs)}): "
+                              "resuming would mix two runs; use resume=false or another out_dir")
