@@ -6,16 +6,17 @@ and train_seq2seq through experiments/training.py's loop; also the device and re
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from experiments.checkpoint import CheckpointError
 from experiments.distributed import Dist
+from verify.numerics import is_finite_number
 
-__all__ = ["require", "is_int", "is_number", "check_positive_int", "check_optim", "check_loop_config",
+__all__ = ["require", "is_int", "data_recipe", "check_positive_int", "check_optim", "check_loop_config",
            "check_batch_split", "resolve_device", "check_recipe"]
 
 
@@ -28,8 +29,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def data_recipe(data: Any) -> dict[str, Any]:
+    """A data config as part of a training recipe: everything but where its token cache lives."""
+    recipe = OmegaConf.to_container(data, resolve=True)
+    recipe.pop("cache_dir", None)
+    return recipe
 
 
 def check_positive_int(value: Any, name: str, *, allow_null: bool = False) -> None:
@@ -41,7 +45,7 @@ def check_positive_int(value: Any, name: str, *, allow_null: bool = False) -> No
 def check_optim(optim: Any, max_steps: int) -> None:
     """One-line errors for the optim group (conf/optim/adamw.yaml) before any model is built."""
     for key in ("lr", "min_lr", "eps", "weight_decay", "grad_clip"):
-        require(is_number(optim[key]), f"optim.{key} must be a number, got {optim[key]!r}")
+        require(is_finite_number(optim[key]), f"optim.{key} must be a number, got {optim[key]!r}")
     require(optim.lr > 0, f"optim.lr must be positive, got {optim.lr}")
     require(0 <= optim.min_lr <= optim.lr, f"optim.min_lr must lie in [0, optim.lr={optim.lr}], got {optim.min_lr}")
     require(is_int(optim.warmup_steps) and optim.warmup_steps >= 0,
@@ -49,7 +53,7 @@ def check_optim(optim: Any, max_steps: int) -> None:
     require(optim.warmup_steps <= max_steps,
             f"optim.warmup_steps ({optim.warmup_steps}) must not exceed max_steps ({max_steps})")
     betas = list(optim.betas)
-    require(len(betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in betas),
+    require(len(betas) == 2 and all(is_finite_number(b) and 0 <= b < 1 for b in betas),
             f"optim.betas must be two numbers in [0, 1), got {betas}")
     require(optim.eps > 0, f"optim.eps must be positive, got {optim.eps}")
     require(optim.weight_decay >= 0, f"optim.weight_decay must be non-negative, got {optim.weight_decay}")
@@ -61,7 +65,7 @@ def check_loop_config(cfg: Any) -> None:
     for key in ("max_steps", "log_every", "eval_every", "eval_blocks", "checkpoint_every", "grad_accum"):
         check_positive_int(cfg[key], key)
     require(is_int(cfg.seed) and 0 <= cfg.seed < 2**32, f"seed must be an integer in [0, 2**32), got {cfg.seed!r}")
-    require(cfg.max_minutes is None or (is_number(cfg.max_minutes) and cfg.max_minutes > 0),
+    require(cfg.max_minutes is None or (is_finite_number(cfg.max_minutes) and cfg.max_minutes > 0),
             f"max_minutes must be positive or null, got {cfg.max_minutes!r}")
     require(isinstance(cfg.resume, bool), f"resume must be true or false, got {cfg.resume!r}")
     check_positive_int(cfg.threads, "threads", allow_null=True)

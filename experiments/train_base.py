@@ -34,7 +34,7 @@ from experiments.data import PreparedData, prepare_data
 from experiments.distributed import Dist, main_first, shard
 from experiments.lm import check_lm_sizes, count_parameters
 from experiments.precision import check_precision, resolve_precision
-from experiments.settings import check_loop_config, check_recipe, is_int, require
+from experiments.settings import check_loop_config, check_recipe, data_recipe, is_int, require
 from experiments.training import (
     batch_for_step, launch, LoopSettings, LoopState, make_logger, make_optimizer, TrainLoop, validation_blocks,
 )
@@ -71,9 +71,7 @@ def validate_config(cfg: DictConfig) -> None:
 def recipe(cfg: DictConfig) -> dict[str, Any]:
     """What decides the trained weights besides the model config (checked on resume): not the budgets
     (max_steps, max_minutes extend a run), not where the data cache lives, not the number of processes."""
-    data = OmegaConf.to_container(cfg.data, resolve=True)
-    data.pop("cache_dir", None)
-    return {"seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "data": data,
+    return {"seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "data": data_recipe(cfg.data),
             "optim": OmegaConf.to_container(cfg.optim, resolve=True)}
 
 

@@ -41,7 +41,7 @@ from experiments.distributed import Dist, main_first, shard
 from experiments.features import FeatureBatch, check_features_config, feature_spec, open_features, teacher_batch
 from experiments.lm import count_parameters
 from experiments.precision import check_precision, resolve_precision
-from experiments.settings import check_loop_config, check_positive_int, check_recipe, require
+from experiments.settings import check_loop_config, check_positive_int, check_recipe, data_recipe, require
 from experiments.training import (
     batch_for_step, launch, LoopSettings, LoopState, make_logger, make_optimizer, TrainLoop, validation_blocks,
 )
@@ -80,12 +80,12 @@ def recipe(cfg: DictConfig, *, base_meta: dict, seq_len: int, batch_size: int) -
     """What decides the drafter's weights (checked on resume): the base, the drafter config, data, batches,
     optimizer, feature cache settings; not the budgets, not where caches live, not the number of processes."""
     container = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
-    data, features = container(cfg.data), container(cfg.features)
-    data.pop("cache_dir", None)
+    features = container(cfg.features)
     for key in ("dir", "root"):
         features.pop(key, None)
     return {"base_fingerprint": base_meta["fingerprint"], "drafter": container(cfg.drafter), "seed": cfg.seed,
-            "seq_len": seq_len, "batch_size": batch_size, "vocab": cfg.vocab, "data": data, "features": features,
+            "seq_len": seq_len, "batch_size": batch_size, "vocab": cfg.vocab, "data": data_recipe(cfg.data),
+            "features": features,
             "optim": container(cfg.optim)}
 
 

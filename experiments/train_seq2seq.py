@@ -36,10 +36,11 @@ from experiments.data import prepare_data
 from experiments.distributed import Dist
 from experiments.rundir import RunLock, check_checkpoint_dir
 from experiments.seq2seq_data import Pairs, pad_batch, seq2seq_pairs
-from experiments.settings import check_recipe, is_number, resolve_device
+from experiments.settings import check_recipe, data_recipe, resolve_device
 from experiments.training import (
     LoopSettings, LoopState, make_logger, make_optimizer, prepare_run_dir, SEED_STRIDE, TrainLoop,
 )
+from verify.numerics import is_finite_number
 from verify.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def validate_config(cfg: DictConfig) -> None:
     for key in ("batch_size", "target_steps", "draft_steps", "log_every", "eval_pairs", "checkpoint_every"):
         need(is_int(t[key]) and t[key] >= 1, f"train.{key}={t[key]!r}: must be an integer >= 1")
     need(is_int(t.warmup_steps) and t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps!r}: must be an integer >= 0")
-    need(is_number(t.lr) and t.lr > 0, f"train.lr={t.lr!r}: must be a finite number > 0")
+    need(is_finite_number(t.lr) and t.lr > 0, f"train.lr={t.lr!r}: must be a finite number > 0")
     for key in ("target_minutes", "draft_minutes"):
         need(t[key] is None or (isinstance(t[key], (int, float)) and t[key] > 0),
              f"train.{key}={t[key]!r}: must be a number > 0, or null for the step budget only")
@@ -98,7 +99,7 @@ def validate_config(cfg: DictConfig) -> None:
     need(b.max_new_tokens <= cfg.pairs.max_target_tokens, f"bench.max_new_tokens={b.max_new_tokens}: must be at most "
          f"pairs.max_target_tokens={cfg.pairs.max_target_tokens} (the decoder's length)")
     temps = list(b.temperatures)
-    need(len(temps) > 0 and all(is_number(x) and x >= 0 for x in temps),
+    need(len(temps) > 0 and all(is_finite_number(x) and x >= 0 for x in temps),
          f"bench.temperatures={temps!r}: must be a non-empty list of finite numbers >= 0")
     for x in temps:
         SamplingConfig(temperature=float(x))  # the sampler's own checks, now rather than after training
@@ -147,11 +148,9 @@ def evaluate(model: XTransformer, pairs: Pairs, *, count: int, batch_size: int, 
 
 def recipe(cfg: DictConfig, config: dict[str, Any]) -> dict[str, Any]:
     """What decides a model's weights (checked on resume); not the budgets, not where the data cache lives."""
-    data = OmegaConf.to_container(cfg.data, resolve=True)
-    data.pop("cache_dir", None)
     t = cfg.train
     return {"seed": cfg.seed, "model_config": config, "pairs": OmegaConf.to_container(cfg.pairs, resolve=True),
-            "data": data, "batch_size": t.batch_size, "lr": t.lr, "warmup_steps": t.warmup_steps}
+            "data": data_recipe(cfg.data), "batch_size": t.batch_size, "lr": t.lr, "warmup_steps": t.warmup_steps}
 
 
 def train_model(name: str, cfg: DictConfig, config: dict[str, Any], train: Pairs, val: Pairs, *, bos_id: int,

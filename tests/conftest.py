@@ -29,3 +29,23 @@ def one_thread():
 @pytest.fixture
 def lm():
     return make_lm()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A data cache per test module: its tokenizer is trained once per module (modules may define their own)."""
+    return str(tmp_path_factory.mktemp("data_cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: str):
+    """Checkpoint directory of a tiny base trained through experiments.train_base.train (the recipe is
+    tests/test_experiments.py's BASE), one per test module."""
+    from pathlib import Path
+
+    from experiments import train_base
+    from tests.test_experiments import BASE, make_cfg
+
+    out_dir = tmp_path_factory.mktemp("base")
+    result = train_base.train(make_cfg("train_base", *BASE, f"data.cache_dir={cache_dir}", f"out_dir={out_dir}"))
+    return Path(result["checkpoint"])

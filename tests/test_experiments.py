@@ -67,17 +67,7 @@ def options(group: str) -> list[str]:
 # ------------------------------------------------------------------------------------------ fixtures
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tmp_path_factory.mktemp("data_cache"))
-
-
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: str) -> Path:
-    """Checkpoint directory of a tiny base trained through experiments.train_base.train."""
-    out_dir = tmp_path_factory.mktemp("base")
-    result = train_base.train(make_cfg("train_base", *BASE, f"data.cache_dir={cache_dir}", f"out_dir={out_dir}"))
-    return Path(result["checkpoint"])
+# cache_dir and tiny_base (a base trained through experiments.train_base.train): tests/conftest.py
 
 
 def drafter_cfg(family: str, base: Path, cache_dir: str, out_dir: Path, *overrides: str) -> DictConfig:

@@ -29,18 +29,6 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tmp_path_factory.mktemp("data_cache"))
-
-
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: str) -> Path:
-    out_dir = tmp_path_factory.mktemp("base")
-    cfg = make_cfg("train_base", *BASE, *FP32, f"data.cache_dir={cache_dir}", f"out_dir={out_dir}")
-    return Path(train_base.train(cfg)["checkpoint"])
-
-
 def base_cfg(out_dir: Path, cache_dir: str, *overrides: str):
     return make_cfg("train_base", *BASE, *FP32, f"data.cache_dir={cache_dir}", f"out_dir={out_dir}", *overrides)
 
