@@ -22,8 +22,8 @@ from x_transformers import AutoregressiveWrapper
 from experiments.benchmark import (
     _positive_int, check_checkpoints, check_decode, check_prompts, check_run, checkpoint_for, command_line_keys, get_prompts,
 )
-from experiments.checkpoint import load_lm
-from experiments.cli import exit_on_user_error
+from experiments.lib.checkpoint import load_lm
+from experiments.lib.cli import exit_on_user_error
 from verify.hf import HFBase
 from verify.plain import plain_generate
 from verify.target import Target

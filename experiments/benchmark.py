@@ -33,16 +33,16 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tokenizers import Tokenizer, models
 
-from experiments.artifacts import ENTRY, check_artifact, ensure
-from experiments.calibrate import cached_verify_cost, choose_chain_budget, choose_tree_budget, cpu_model, format_cost_table
-from experiments.checkpoint import CheckpointError, check_lm_meta, is_hf_directory, load_lm, read_meta
-from experiments.cli import exit_on_user_error
-from experiments.data import base_data_config, prepare_data, token_counts
-from experiments.prompts import heldout_prompts, load_prompts
-from experiments.report import mode, repeated_ngram_share, write_report
-from experiments.rundir import check_writable
-from experiments.train_drafter import call_with_settings, drafter_family, load_drafter
-from experiments.settings import resolve_device
+from experiments.lib.artifacts import ENTRY, check_artifact, ensure
+from experiments.lib.calibrate import cached_verify_cost, choose_chain_budget, choose_tree_budget, cpu_model, format_cost_table
+from experiments.lib.checkpoint import CheckpointError, check_lm_meta, is_hf_directory, load_lm, read_meta
+from experiments.lib.cli import exit_on_user_error
+from experiments.lib.data import base_data_config, prepare_data, token_counts
+from experiments.lib.prompts import heldout_prompts, load_prompts
+from experiments.lib.report import mode, repeated_ngram_share, write_report
+from experiments.lib.rundir import check_writable
+from experiments.lib.families import FAMILIES, TREE_FAMILIES, call_with_settings, family as find_family, load_drafter
+from experiments.lib.settings import resolve_device
 from medusa.trees import accuracies_from_metrics
 from verify.acceptance import RULES, check_rule, is_lossless
 from verify.draft_model import DraftModelDrafter
@@ -57,9 +57,6 @@ log = logging.getLogger(__name__)
 DRAFTER_KINDS = ("draft", "medusa", "prophet", "sequential", "early_exit")  # trained by train_drafter on the frozen base
 METHODS = ("draft_model", "prompt_lookup", "medusa_chain", "medusa_tree", "prophet_chain", "prophet_tree",
            "sequential_chain", "sequential_tree", "early_exit_chain")  # <family>_<mode>
-TREE_FAMILIES = ("medusa", "prophet", "sequential")  # families with a tree mode (decode.tree_nodes)
-HEAD_FAMILIES = ("medusa", "sequential")  # static trees of head ranks, as deep as the loop's gamma
-COMPILED_FAMILIES = ("prophet", "early_exit")  # families with decoder steps of their own to torch.compile
 
 
 class ExactnessError(RuntimeError):
@@ -373,7 +370,7 @@ def check_untrained_drafters(cfg: DictConfig, base) -> None:
         kind = "draft" if name == "draft_model" else name.rsplit("_", 1)[0]
         if kind in DRAFTER_KINDS and cfg.checkpoints[kind] is None:
             module = OmegaConf.to_container(cfg[kind].module, resolve=True)
-            call_with_settings(drafter_family(kind).build, f"{kind}.module", base, **module)
+            call_with_settings(find_family(kind).build, f"{kind}.module", base, **module)
 
 
 def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str,
@@ -408,8 +405,8 @@ def make_methods(cfg: DictConfig, base, base_meta: dict, base_ckpt: str,
             decode = {**OmegaConf.to_container(cfg[family].decode, resolve=True), "mode": mode, **accuracies}
             if mode == "chain" and "tree" in decode:  # a static tree configures the tree method only
                 decode["tree"] = None
-            compiles = family in COMPILED_FAMILIES  # heads have no decoder to compile
-            methods[name] = lambda m=module, p=package, d=decode, c=compiles, compile=False, **over: p.drafter(
+            compiles = FAMILIES[family].compiles  # heads have no decoder to compile
+            methods[name] = lambda m=module, p=package, d=decode, c=compiles, compile=False, **over: p.make_drafter(
                 m, base, **{**d, **over}, vocab=vocab, **({"compile": compile} if c else {}))
     return methods, loaded
 
@@ -431,7 +428,7 @@ def recorded_config(cfg: DictConfig, loaded: dict[str, dict]) -> dict[str, Any]:
 def head_accuracies(family: str, module, meta: dict) -> dict:
     """{"accuracies": ...} for head families whose checkpoint measured its heads' rank accuracies on
     validation: their default trees grow from them (not from typical Medusa accuracies); else {}."""
-    if family not in HEAD_FAMILIES or "head1_rank0" not in meta.get("metrics", {}):
+    if not FAMILIES[family].head_tree or "head1_rank0" not in meta.get("metrics", {}):
         return {}
     return {"accuracies": accuracies_from_metrics(meta["metrics"], module.num_heads)}
 
@@ -697,7 +694,7 @@ def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_i
             family = name.rsplit("_", 1)[0]
             candidates = [dict(c) for c in search[f"{family}_trees"]]
             # A head tree's depth is the loop's gamma (one head per level), not a drafter argument
-            heads = family in HEAD_FAMILIES
+            heads = FAMILIES[family].head_tree
             over = (lambda c: {k: v for k, v in c.items() if k != "depth"} | {"tree": None}) if heads else dict
             result = choose_tree_budget(setup["target"], lambda c: (lambda: make(compile=compile_, **over(c))),
                                         setup["pilot_prompts"], candidates=candidates, **common)

@@ -19,11 +19,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.checkpoint import load_lm
-from experiments.cli import exit_on_user_error
-from experiments.data import base_data_config, prepare_data
-from experiments.features import check_features_config, feature_spec, open_features
-from experiments.settings import resolve_device
+from experiments.lib.checkpoint import load_lm
+from experiments.lib.cli import exit_on_user_error
+from experiments.lib.data import base_data_config, prepare_data
+from experiments.lib.features import check_features_config, feature_spec, open_features
+from experiments.lib.settings import resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from experiments.benchmark import (
     check_family_decode, check_prompt_lookup, check_run, check_temperature, checkpoint_for, checkpoint_kinds,
     command_line_keys, make_methods, sampling_for,
 )
-from experiments.checkpoint import load_lm
-from experiments.cli import USER_ERRORS, exit_on_user_error, one_line
+from experiments.lib.checkpoint import load_lm
+from experiments.lib.cli import USER_ERRORS, exit_on_user_error, one_line
 from verify.acceptance import is_lossless
 from verify.drafter import Draft, Verdict
 from verify.plain import Generation, plain_generate

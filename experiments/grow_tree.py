@@ -17,8 +17,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from experiments.checkpoint import load_checkpoint
-from experiments.cli import exit_on_user_error
+from experiments.lib.checkpoint import load_checkpoint
+from experiments.lib.cli import exit_on_user_error
 from medusa.trees import tree_from_accuracies
 
 

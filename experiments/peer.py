@@ -30,14 +30,14 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.artifacts import ensure
+from experiments.lib.artifacts import ensure
 from experiments.benchmark import _positive_int, check_checkpoints, check_prompt_lookup, check_run
-from experiments.calibrate import cpu_model
-from experiments.checkpoint import is_hf_directory, load_lm, read_meta
-from experiments.cli import exit_on_user_error, write_atomic
-from experiments.data import base_data_config, prepare_data
-from experiments.prompts import heldout_prompts
-from experiments.rundir import check_writable
+from experiments.lib.calibrate import cpu_model
+from experiments.lib.checkpoint import is_hf_directory, load_lm, read_meta
+from experiments.lib.cli import exit_on_user_error, write_atomic
+from experiments.lib.data import base_data_config, prepare_data
+from experiments.lib.prompts import heldout_prompts
+from experiments.lib.rundir import check_writable
 from verify.draft_model import DraftModelDrafter
 from verify.hf import HFBase
 from verify.plain import Generation, plain_generate

@@ -1,13 +1,13 @@
 """Encoder-decoder targets end to end: train a target and a smaller draft encoder-decoder on stdlib
-function -> docstring summary (experiments/seq2seq_data.py), then benchmark plain decoding against
-draft-model and prompt-lookup speculative decoding on held-out pairs (experiments/seq2seq_bench.py).
+function -> docstring summary (experiments/lib/seq2seq_data.py), then benchmark plain decoding against
+draft-model and prompt-lookup speculative decoding on held-out pairs (experiments/lib/seq2seq_bench.py).
 
     python -m experiments.train_seq2seq                                  # mode=all: train both, benchmark
     python -m experiments.train_seq2seq mode=train train.target_minutes=3 train.draft_minutes=1
     python -m experiments.train_seq2seq mode=bench checkpoints=outputs/seq2seq/<run>
 
 `run(cfg)` is a plain function (tests call it through Hydra's compose API); `main` only wraps it. The
-run directory gets target/ and draft/, each a training run of the shared loop (experiments/training.py:
+run directory gets target/ and draft/, each a training run of the shared loop (experiments/lib/training.py:
 checkpoint/ written every train.checkpoint_every steps, metrics.jsonl), and the benchmark's results.md /
 results.json. Rerun with the same run directory after a crash: a finished model is reused, an unfinished
 one resumes exactly where its last checkpoint left it.
@@ -30,14 +30,14 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from x_transformers import XTransformer
 
-from experiments.checkpoint import checkpoint_exists, load_checkpoint, load_model, read_meta, save_checkpoint
-from experiments.cli import exit_on_user_error
-from experiments.data import prepare_data
-from experiments.distributed import Dist
-from experiments.rundir import RunLock, check_checkpoint_dir
-from experiments.seq2seq_data import Pairs, pad_batch, seq2seq_pairs
-from experiments.settings import check_recipe, data_recipe, resolve_device
-from experiments.training import (
+from experiments.lib.checkpoint import checkpoint_exists, load_checkpoint, load_model, read_meta, save_checkpoint
+from experiments.lib.cli import exit_on_user_error
+from experiments.lib.data import prepare_data
+from experiments.lib.distributed import Dist
+from experiments.lib.rundir import RunLock, check_checkpoint_dir
+from experiments.lib.seq2seq_data import Pairs, pad_batch, seq2seq_pairs
+from experiments.lib.settings import check_recipe, data_recipe, resolve_device
+from experiments.lib.training import (
     LoopSettings, LoopState, make_logger, make_optimizer, prepare_run_dir, SEED_STRIDE, TrainLoop,
 )
 from verify.numerics import is_finite_number
@@ -217,7 +217,7 @@ def load_seq2seq(directory: Path, device: torch.device) -> tuple[XTransformer, d
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train (mode train/all) and benchmark (mode bench/all) as configured; returns the results."""
-    from experiments.seq2seq_bench import benchmark  # the benchmark imports this module's loaders
+    from experiments.lib.seq2seq_bench import benchmark  # the benchmark imports this module's loaders
 
     validate_config(cfg)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

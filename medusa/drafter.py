@@ -102,3 +102,11 @@ class MedusaDrafter:
         if depth not in self._tables:
             self._tables[depth] = tuple(t.to(device) for t in node_table(self.paths, depth))
         return self._tables[depth]
+
+
+def make_drafter(module: MedusaHeads, base: object, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
+            vocab: Tensor | None = None, accuracies: list[list[float]] | None = None) -> MedusaDrafter:
+    """The drafter for decoding (decode kwargs from conf/drafter/medusa.yaml `decode:`); `vocab` the sorted
+    token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary;
+    `accuracies` the heads' measured rank accuracies, to grow the default tree from (see MedusaDrafter)."""
+    return MedusaDrafter(module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies)

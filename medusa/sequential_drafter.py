@@ -124,3 +124,11 @@ class SequentialDrafter(MedusaDrafter):
             self._levels[depth] = (move(parents), [Level(move(lv.reads), move(lv.slot), move(lv.rank), lv.width)
                                                    for lv in levels])
         return self._levels[depth]
+
+
+def make_drafter(module: SequentialHeads, base: object, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
+            vocab: Tensor | None = None, accuracies: list[list[float]] | None = None) -> SequentialDrafter:
+    """The drafter for decoding (decode kwargs from conf/drafter/sequential.yaml `decode:`); `vocab` the sorted
+    token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary;
+    `accuracies` the heads' measured rank accuracies, to grow the default tree from (see MedusaDrafter)."""
+    return SequentialDrafter(module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies)

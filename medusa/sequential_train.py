@@ -1,11 +1,12 @@
-"""The sequential (Hydra) heads' side of the generic drafter training entry point (experiments/train_drafter.py).
+"""The sequential (Hydra) heads' training side, as registered in experiments/lib/families.py.
 
-The same four functions, signatures and conventions as medusa/train.py (read its docstring):
+The same three functions, signatures and conventions as medusa/train.py (read its docstring):
 
     build(base, **module)                   -> the heads (module kwargs are JSON-able: a checkpoint rebuilds them)
     loss(heads, base, batch, **loss)        -> (scalar to minimise, per-head metrics)
     evaluate(heads, base, batch)            -> agreement with the base, and the rank rates a static tree grows from
-    drafter(heads, base, **decode)          -> a SequentialDrafter for verify.speculative_generate
+
+The inference side, make_drafter(heads, base, **decode) -> a SequentialDrafter, is in medusa/sequential_drafter.py.
 
 Alignment. Head k at position t reads hidden[t] and the TRUE tokens x_{t+1} .. x_{t+k} = batch.tokens[:, t + 1 ..
 t + k] (teacher forcing: while drafting it reads its predecessors' guesses, which equal these whenever the
@@ -24,13 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from experiments.features import FeatureBatch
+from experiments.lib.features import FeatureBatch
 from medusa import train as medusa_train
 from medusa.sequential import SequentialHeads
-from medusa.sequential_drafter import SequentialDrafter
 from medusa.train import check_batch, heads_loss, sample_positions
 
-__all__ = ["build", "loss", "evaluate", "drafter"]
+__all__ = ["build", "loss", "evaluate"]
 
 
 def build(base: nn.Module, *, num_heads: int = 4, num_layers: int = 1) -> SequentialHeads:
@@ -78,11 +78,3 @@ def evaluate(module: SequentialHeads, base: nn.Module, batch: FeatureBatch, *, v
     `head{k}_rank{r}` for r < 10 (the rank-r guess is the base's top-1; rank0 = agree)."""
     check_batch(module, batch)
     return medusa_train.evaluate(_TeacherForced(module, batch.tokens), base, batch, vocab=vocab)
-
-
-def drafter(module: SequentialHeads, base: nn.Module, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
-            vocab: Tensor | None = None, accuracies: list[list[float]] | None = None) -> SequentialDrafter:
-    """The drafter for decoding (decode kwargs from conf/drafter/sequential.yaml `decode:`); `vocab` the sorted
-    token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary;
-    `accuracies` the heads' measured rank accuracies, to grow the default tree from (see MedusaDrafter)."""
-    return SequentialDrafter(module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies)

@@ -1,13 +1,14 @@
-"""Medusa's side of the generic drafter training entry point (experiments/train_drafter.py).
+"""Medusa's training side, as registered in experiments/lib/families.py (the drafter training loop calls it).
 
-The entry point owns the loop and hands over a FeatureBatch (experiments/features.py): tokens (B, T + 1)
+The entry point owns the loop and hands over a FeatureBatch (experiments/lib/features.py): tokens (B, T + 1)
 and the frozen base's outputs on tokens[:, :-1]: hidden (B, T, d) and its top-k next-token distribution
-(top_ids, top_logp (B, T, k)). These four functions are Medusa's:
+(top_ids, top_logp (B, T, k)). These three functions are Medusa's:
 
     build(base, **module)                   -> the heads (module kwargs are JSON-able: a checkpoint rebuilds them)
     loss(heads, base, batch, **loss)        -> (scalar to minimise, per-head metrics)
     evaluate(heads, base, batch)            -> agreement with the base, and the rank rates a static tree grows from
-    drafter(heads, base, **decode)          -> a MedusaDrafter for verify.speculative_generate
+
+The inference side, make_drafter(heads, base, **decode) -> a MedusaDrafter, lives beside it in medusa/drafter.py.
 
 Alignment. Head k at position t guesses tokens[:, t + 1 + k]. The base's own distribution for that token,
 given the true prefix, is its output at t + k: the teacher of self-distillation and the reference of
@@ -24,14 +25,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from experiments.distill import check_target, distill_loss, subset_index
-from experiments.features import FeatureBatch
-from medusa.drafter import MedusaDrafter
+from experiments.lib.distill import check_target, distill_loss, subset_index
+from experiments.lib.features import FeatureBatch
 from medusa.heads import MedusaHeads
 from medusa.trees import RANKS
 from verify.vocab import full_ids
 
-__all__ = ["build", "loss", "evaluate", "drafter"]
+__all__ = ["build", "loss", "evaluate"]
 
 
 def build(base: nn.Module, *, num_heads: int = 4, num_layers: int = 1, share_base_projection: bool = False) -> MedusaHeads:
@@ -119,11 +119,3 @@ def evaluate(module: MedusaHeads, base: nn.Module, batch: FeatureBatch, *, vocab
         names += [f"head{k}_rank{r}" for r in range(ranks)]
         values += list((top == base_pick[..., None]).float().mean(dim=(0, 1)))
     return dict(zip(names, torch.stack(values).tolist()))  # one host sync
-
-
-def drafter(module: MedusaHeads, base: nn.Module, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
-            vocab: Tensor | None = None, accuracies: list[list[float]] | None = None) -> MedusaDrafter:
-    """The drafter for decoding (decode kwargs from conf/drafter/medusa.yaml `decode:`); `vocab` the sorted
-    token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary;
-    `accuracies` the heads' measured rank accuracies, to grow the default tree from (see MedusaDrafter)."""
-    return MedusaDrafter(module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import Tensor
 
-from prophet.model import Prophet
+from prophet.model import Prophet, check_same_base
 from verify.drafter import Draft, Verdict
 from verify.sampling import SamplingConfig, draft_from_logits
 from verify.target import TargetOutput, left_to_right, pad_prompts
@@ -237,3 +237,10 @@ def _best_subtree(scores: Tensor, tokens: Tensor, parents: Tensor, budget: int) 
     parent = parents.gather(1, keep)
     parent = torch.where(parent >= 0, draft_index.gather(1, parent.clamp(min=0)), parent)
     return Draft(tokens=tokens.gather(1, keep), parents=parent)
+
+
+def make_drafter(module: Prophet, base: torch.nn.Module, *, vocab: Tensor | None = None, **decode_kwargs) -> ProphetDrafter:
+    """decode_kwargs: `decode:` of conf/drafter/prophet.yaml (mode, top_k, depth, tree_nodes); `vocab` the
+    sorted token ids (N,) the drafts may use (verify.vocab.frequent_tokens), None for the full vocabulary."""
+    check_same_base(module, base)
+    return ProphetDrafter(module, vocab=vocab, **decode_kwargs)

@@ -236,3 +236,8 @@ def unroll_attention(steps: int, t: int, device: torch.device) -> tuple[Tensor, 
 def _grid(step: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
     """Step and index of every entry in step-major order: (S*T,), (S*T,)."""
     return repeat(step, "s -> (s t)", t=index.shape[0]), repeat(index, "t -> (s t)", s=step.shape[0])
+
+
+def check_same_base(module: Prophet, base: nn.Module) -> None:
+    if module.head.to_logits is not base.to_logits:
+        raise ValueError("the prophet was built on another base: build it with prophet.train.build(base)")

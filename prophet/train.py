@@ -1,14 +1,14 @@
-"""The prophet's side of the generic drafter training entry point (experiments/train_drafter.py).
+"""The prophet's training side, as registered in experiments/lib/families.py.
 
-Four functions, nothing else: `build` the module on a frozen base, its `loss` on a batch, `evaluate`
-its multi-step agreement with the base, and turn it into a `drafter` for the one speculative loop.
-The loop hands over a FeatureBatch (experiments/features.py) for inputs tokens[:, :-1]: hidden (B, T, d) =
+Three functions, nothing else: `build` the module on a frozen base, its `loss` on a batch, `evaluate`
+its multi-step agreement with the base (the inference side, make_drafter, is in prophet/drafter.py).
+The loop hands over a FeatureBatch (experiments/lib/features.py) for inputs tokens[:, :-1]: hidden (B, T, d) =
 f_0 .. f_{T-1} (final hidden, after the final norm), the base's top-k next-token distribution
 (top_ids, top_logp (B, T, k)) and, for a prophet with fuse_layers, the residual states of those blocks.
 
 Step 1 (EAGLE-1): the input (f_t, x_{t+1}) predicts f_{t+1}, with feature regression (SmoothL1) to the
 base's f_{t+1} plus cross-entropy of the prophet's logits against the base's own distribution at
-t + 1 (weights 1.0 and 0.1; `target` as in experiments/distill.py). Steps 2..unroll (EAGLE-3's
+t + 1 (weights 1.0 and 0.1; `target` as in experiments/lib/distill.py). Steps 2..unroll (EAGLE-3's
 training-time test): the prophet reads its own predicted features, as it does when drafting; step j is
 weighted decay^(j - 1).
 """
@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from experiments.distill import agreement, check_target, distill_loss, subset_index
-from experiments.features import FeatureBatch
-from prophet.drafter import ProphetDrafter
-from prophet.model import Prophet
+from experiments.lib.distill import agreement, check_target, distill_loss, subset_index
+from experiments.lib.features import FeatureBatch
+from prophet.model import Prophet, check_same_base
 from verify.vocab import trim_linear
 
 
@@ -82,13 +81,6 @@ def evaluate(module: Prophet, base: nn.Module, batch: FeatureBatch, *, vocab: Te
     return dict(zip(out, torch.stack(list(out.values())).tolist()))
 
 
-def drafter(module: Prophet, base: nn.Module, *, vocab: Tensor | None = None, **decode_kwargs) -> ProphetDrafter:
-    """decode_kwargs: `decode:` of conf/drafter/prophet.yaml (mode, top_k, depth, tree_nodes); `vocab` the
-    sorted token ids (N,) the drafts may use (verify.vocab.frequent_tokens), None for the full vocabulary."""
-    _check_same_base(module, base)
-    return ProphetDrafter(module, vocab=vocab, **decode_kwargs)
-
-
 def _valid(pred: Tensor, batch: FeatureBatch, j: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Step j's predictions at indices t in [j - 1, T - 2] (B, T - j, d), with their targets f_{t+1} and
     the base's top-k at t + 1 (B, T - j, k). Earlier indices have no j - 1 predictions before them; the
@@ -97,14 +89,9 @@ def _valid(pred: Tensor, batch: FeatureBatch, j: int) -> tuple[Tensor, Tensor, T
 
 
 def _check_batch(module: Prophet, base: nn.Module, batch: FeatureBatch, *, steps, name) -> None:
-    _check_same_base(module, base)
+    check_same_base(module, base)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"{name}={steps!r}: must be an integer >= 1")
     _, t = batch.check()
     if t < steps + 1:
         raise ValueError(f"{name}={steps} needs sequences of at least {steps + 1} positions; got T={t}")
-
-
-def _check_same_base(module: Prophet, base: nn.Module) -> None:
-    if module.head.to_logits is not base.to_logits:
-        raise ValueError("the prophet was built on another base: build it with prophet.train.build(base)")

@@ -26,10 +26,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tokenizers import Tokenizer, models
 
-from experiments import artifacts, baseline, benchmark as bench_mod, generate as gen, peer as peer_mod, report
-from experiments.cli import USER_ERRORS, write_atomic
-from experiments.checkpoint import save_checkpoint
-from experiments.lm import build_lm
+from experiments import baseline, benchmark as bench_mod, generate as gen, peer as peer_mod
+from experiments.lib import artifacts, report
+from experiments.lib.cli import USER_ERRORS, write_atomic
+from experiments.lib.checkpoint import save_checkpoint
+from experiments.lib.lm import build_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 PARSER = OverridesParser.create()
@@ -421,9 +422,9 @@ def test_report_on_a_full_disk_keeps_the_previous_results(tmp_path: Path, monkey
 
 
 def test_artifact_result_on_a_full_disk_leaves_no_partial_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from experiments import train_base
+    from experiments.lib import base_trainer
 
-    monkeypatch.setattr(train_base, "train", lambda cfg: {"step": 1})
+    monkeypatch.setattr(base_trainer, "train", lambda cfg: {"step": 1})
     monkeypatch.setattr(os, "fsync", full_disk)
     with pytest.raises(OSError, match="No space left"):
         artifacts.ensure("base", ["max_steps=3"], root=tmp_path)

@@ -103,8 +103,8 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from experiments import calibrate  # noqa: E402
-from experiments.calibrate import (  # noqa: E402
+from experiments.lib import calibrate  # noqa: E402
+from experiments.lib.calibrate import (  # noqa: E402
     cached_verify_cost, choose_chain_budget, choose_tree_budget, format_cost_table, machine_key, measure_verify_cost, pilot,
 )
 from verify.drafter import Draft  # noqa: E402
@@ -229,7 +229,7 @@ def test_timing_and_recording_wrappers_pass_the_optional_protocol_members_on():
     """A fused prophet reads the target's layer states, which speculative_generate asks for from
     drafter.target_layers; an early-exit drafter needs `attach(target)`. A wrapper that hid either would
     make every such pilot or recording fail; one that invented them would change what the loop does."""
-    from experiments.calibrate import _BeginTimer
+    from experiments.lib.calibrate import _BeginTimer
     from experiments.generate import RecordingDrafter
 
     class Fused:

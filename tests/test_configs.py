@@ -11,9 +11,9 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.data import prepare_data
-from experiments.lm import count_parameters
-from experiments.train_base import validate_config
+from experiments.lib.data import prepare_data
+from experiments.lib.lm import count_parameters
+from experiments.lib.base_trainer import validate_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ["base", "data", "optim", "logger", "experiment"]  # the groups train_base composes
@@ -54,7 +54,7 @@ def test_every_option_composes_and_validates(choice: str) -> None:
 @pytest.mark.parametrize("name", options("base"))
 def test_base_presets_build(name: str) -> None:
     cfg = make_cfg(f"base={name}")
-    assert cfg.base._target_ == "experiments.lm.build_lm"
+    assert cfg.base._target_ == "experiments.lib.lm.build_lm"
     assert cfg.base.num_tokens == cfg.data.vocab_size and cfg.base.max_seq_len == 256
     model = instantiate(cfg.base)
     assert 1e6 < count_parameters(model) < 12e6

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import data as D
-from experiments.cli import one_line
-from experiments.data import heldout_prompts, iter_blocks, prepare_data, sample_batch, token_counts
-from experiments.features import corpus_windows
-from experiments.prompts import document_regions
-from experiments.training import batch_for_step, validation_blocks
+from experiments.lib import data as D
+from experiments.lib.cli import one_line
+from experiments.lib.data import heldout_prompts, iter_blocks, prepare_data, sample_batch, token_counts
+from experiments.lib.features import corpus_windows
+from experiments.lib.prompts import document_regions
+from experiments.lib.training import batch_for_step, validation_blocks
 
 WORDS = ["def", "return", "self", "value", "items", "index", "parse", "line", "token", "count", "None", "True"]
 needs_proc_maps = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")

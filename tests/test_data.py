@@ -1,4 +1,4 @@
-"""Fast tests for experiments/data.py and experiments/prompts.py (small corpora, tmp cache dirs)."""
+"""Fast tests for experiments/lib/data.py and experiments/lib/prompts.py (small corpora, tmp cache dirs)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import data as D
-from experiments.data import heldout_prompts, iter_blocks, load_prompts, prepare_data, sample_batch, stdlib_files
-from experiments.prompts import document_regions
+from experiments.lib import data as D
+from experiments.lib.data import heldout_prompts, iter_blocks, load_prompts, prepare_data, sample_batch, stdlib_files
+from experiments.lib.prompts import document_regions
 
 SMALL = dict(source="stdlib", max_files=40, vocab_size=512)
 

@@ -4,9 +4,10 @@
 import pytest
 import torch
 
-from experiments import exit_family
-from experiments.features import teacher_batch
+from experiments.lib import exit_family
+from experiments.lib.features import teacher_batch
 from prophet.model import base_features
+from verify.early_exit import make_drafter
 from tests.conftest import make_lm
 from tests.test_lossless import NEW, PROMPT, TRIALS, VOCAB, chi_square, exact_joint
 from verify.drafter import Verdict
@@ -87,7 +88,7 @@ def test_greedy_early_exit_equals_plain_greedy(share, batch, gamma):
     lm = make_lm(depth=4)
     prompts = PROMPTS[:batch]
     reference = plain_generate(Target(lm), prompts, max_new_tokens=24).tokens
-    drafter = exit_family.drafter(noisy_head(lm, layer=2), lm, share_cache=share)
+    drafter = make_drafter(noisy_head(lm, layer=2), lm, share_cache=share)
     out = speculative_generate(Target(lm), drafter, prompts, max_new_tokens=24, spec=SpecConfig(gamma=gamma))
     assert out.tokens == reference
     assert int(out.stats.accepted.sum()) > 0  # drafts were accepted, so the rollbacks were exercised
@@ -97,7 +98,7 @@ def test_trimmed_vocabulary_and_eos_stay_exact():
     lm = make_lm(depth=3)
     vocab = torch.arange(0, 97, 2)  # even ids only: odd tokens can never be drafted
     reference = plain_generate(Target(lm), PROMPTS, max_new_tokens=20, eos_id=5).tokens
-    drafter = exit_family.drafter(noisy_head(lm, layer=1), lm, vocab=vocab)
+    drafter = make_drafter(noisy_head(lm, layer=1), lm, vocab=vocab)
     out = speculative_generate(Target(lm), drafter, PROMPTS, max_new_tokens=20, spec=SpecConfig(gamma=3), eos_id=5)
     assert out.tokens == reference
 
@@ -107,7 +108,7 @@ def test_shared_and_own_cache_draft_the_same_tokens():
     head = noisy_head(lm, layer=2)
     runs = []
     for share in (True, False):
-        out = speculative_generate(Target(lm), exit_family.drafter(head, lm, share_cache=share), PROMPTS,
+        out = speculative_generate(Target(lm), make_drafter(head, lm, share_cache=share), PROMPTS,
                                    max_new_tokens=24, spec=SpecConfig(gamma=3))
         runs.append(out.stats.accepted.tolist())
     assert runs[0] == runs[1]
@@ -116,7 +117,7 @@ def test_shared_and_own_cache_draft_the_same_tokens():
 def test_propose_leaves_the_targets_cache_as_it_found_it():
     lm = make_lm(depth=4)
     target = Target(lm)
-    drafter = exit_family.drafter(noisy_head(lm, layer=3), lm)
+    drafter = make_drafter(noisy_head(lm, layer=3), lm)
     drafter.attach(target)
     prefill = target.prefill(PROMPTS)
     pending = prefill.logits[:, -1].argmax(-1)
@@ -146,7 +147,7 @@ def test_sampling_reproduces_the_target_distribution():
     lm = sharp(make_lm(num_tokens=VOCAB, dim=16, depth=2, seed=0))
     head = noisy_head(lm, layer=1, scale=0.3)
     sampling = SamplingConfig(temperature=1.0)
-    out = speculative_generate(Target(lm), exit_family.drafter(head, lm), [PROMPT] * TRIALS, max_new_tokens=NEW + 1,
+    out = speculative_generate(Target(lm), make_drafter(head, lm), [PROMPT] * TRIALS, max_new_tokens=NEW + 1,
                                spec=SpecConfig(gamma=2), sampling=sampling, generator=torch.Generator().manual_seed(0))
     assert 0 < out.stats.alpha < 1  # both acceptance and rejection were exercised
     stat, critical = chi_square([t[:NEW] for t in out.tokens], exact_joint(lm, sampling))
@@ -158,8 +159,8 @@ def test_sampling_reproduces_the_target_distribution():
     (lambda lm: exit_family.build(lm, layer=4), r"4 is not a block index in \[1, 3\]"),
     (lambda lm: exit_family.build(lm, layer=True), r"True is not a block index"),
     (lambda lm: exit_family.build(lm, layer=1, num_layers=-1), r"num_layers=-1: must be an integer >= 0"),
-    (lambda lm: exit_family.drafter(exit_family.build(lm, layer=1), lm, share_cache="yes"), r"share_cache='yes'"),
-    (lambda lm: exit_family.drafter(exit_family.build(lm, layer=1), make_lm(depth=4, seed=1)).attach(Target(lm)),
+    (lambda lm: make_drafter(exit_family.build(lm, layer=1), lm, share_cache="yes"), r"share_cache='yes'"),
+    (lambda lm: make_drafter(exit_family.build(lm, layer=1), make_lm(depth=4, seed=1)).attach(Target(lm)),
      r"built on another model than the target"),
 ])
 def test_bad_arguments_raise_one_line_errors(make, match):
@@ -170,7 +171,7 @@ def test_bad_arguments_raise_one_line_errors(make, match):
 
 def test_shared_cache_without_the_loop_says_how_to_decode():
     lm = make_lm(depth=2)
-    drafter = exit_family.drafter(exit_family.build(lm, layer=1), lm)
+    drafter = make_drafter(exit_family.build(lm, layer=1), lm)
     prefill = Target(lm).prefill(PROMPTS)
     with pytest.raises(ValueError, match="speculative_generate, which calls drafter.attach"):
         drafter.begin(PROMPTS, prefill, prefill.logits[:, -1].argmax(-1))
@@ -189,7 +190,7 @@ def test_verdict_commit_keeps_the_own_cache_in_step():
     without drafts), in every row still generating."""
     lm = make_lm(depth=4)
     target = Target(lm)
-    drafter = exit_family.drafter(noisy_head(lm, layer=2), lm, share_cache=False)
+    drafter = make_drafter(noisy_head(lm, layer=2), lm, share_cache=False)
     seen = []
     original = drafter.commit
 
@@ -209,7 +210,7 @@ def test_compiled_early_exit_equals_plain_greedy(share):
     """torch.compile'd draft steps (the first blocks on the cache's whole buffers) against a compiled target."""
     lm = make_lm(depth=4)
     reference = plain_generate(Target(lm), PROMPTS, max_new_tokens=24).tokens
-    drafter = exit_family.drafter(noisy_head(lm, layer=2), lm, share_cache=share, compile=True)
+    drafter = make_drafter(noisy_head(lm, layer=2), lm, share_cache=share, compile=True)
     out = speculative_generate(Target(lm, compile=True, widths=(1, 4)), drafter, PROMPTS, max_new_tokens=24,
                                spec=SpecConfig(gamma=3))
     assert out.tokens == reference and int(out.stats.accepted.sum()) > 0

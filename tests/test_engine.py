@@ -5,7 +5,7 @@ import pytest
 import torch
 from x_transformers import Decoder, TransformerWrapper
 
-from experiments.lm import build_lm
+from experiments.lib.lm import build_lm
 from verify.cache import tree_attention
 from verify.engine import LeanDecoder, UnsupportedModel, check_against_reference, lean
 from verify.target import Target
@@ -200,6 +200,7 @@ def test_compiled_target_matches_eager():
 def test_compiled_drafters_stay_exact(family):
     """Greedy speculative decoding with compiled target and drafter steps equals compiled plain decoding."""
     from prophet import train as prophet_train
+    from prophet.drafter import make_drafter
     from verify.draft_model import DraftModelDrafter
     from verify.plain import plain_generate
     from verify.speculative import SpecConfig, speculative_generate
@@ -214,7 +215,7 @@ def test_compiled_drafters_stay_exact(family):
         if fuse:
             with torch.no_grad():  # a mix that really reads the layer states (a fresh one ignores them)
                 prophet.mix.weight.add_(0.1 * torch.randn(prophet.mix.weight.shape, generator=torch.Generator().manual_seed(0)))
-        drafter = prophet_train.drafter(prophet, base, mode=family.split("_")[1], compile=True)
+        drafter = make_drafter(prophet, base, mode=family.split("_")[1], compile=True)
     target = Target(base, compile=True, widths=(1, 4, 17))
     ref = plain_generate(target, prompts, max_new_tokens=12).tokens
     out = speculative_generate(target, drafter, prompts, max_new_tokens=12, spec=SpecConfig(gamma=3))

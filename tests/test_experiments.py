@@ -20,12 +20,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import artifacts, benchmark as bench_mod, summarize as summ_mod, train_base, train_drafter
-from experiments.checkpoint import (
+from experiments import benchmark as bench_mod, summarize as summ_mod
+from experiments.lib import base_trainer, drafter_trainer, families
+from experiments.lib import artifacts
+from experiments.lib.checkpoint import (
     RESERVED_META_KEYS, CheckpointError, fingerprint, load_checkpoint, load_lm, save_checkpoint,
 )
-from experiments.lm import build_lm
-from experiments.report import repeated_ngram_share
+from experiments.lib.lm import build_lm
+from experiments.lib.report import repeated_ngram_share
 from verify.plain import plain_generate
 from verify.target import Target
 
@@ -67,7 +69,7 @@ def options(group: str) -> list[str]:
 # ------------------------------------------------------------------------------------------ fixtures
 
 
-# cache_dir and tiny_base (a base trained through experiments.train_base.train): tests/conftest.py
+# cache_dir and tiny_base (a base trained through experiments.lib.base_trainer.train): tests/conftest.py
 
 
 def drafter_cfg(family: str, base: Path, cache_dir: str, out_dir: Path, *overrides: str) -> DictConfig:
@@ -90,8 +92,8 @@ def drafters(tmp_path_factory: pytest.TempPathFactory, tiny_base: Path, cache_di
             return loaded
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(train_drafter, "load_lm", capturing_load_lm)
-            result = train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, out_dir))
+            mp.setattr(drafter_trainer, "load_lm", capturing_load_lm)
+            result = drafter_trainer.train(drafter_cfg(family, tiny_base, cache_dir, out_dir))
         trained[family] = {"result": result, "base": captured[0], "out_dir": out_dir}
     return trained
 
@@ -151,9 +153,9 @@ def test_experiment_composes_for_its_entry_point(experiment: str) -> None:
     for job in sweep_ends(make_cfg(entry, *common, hydra_node=True)):
         cfg = make_cfg(entry, *common, *job)
         if entry == "train_base":
-            train_base.validate_config(cfg)
+            base_trainer.validate_config(cfg)
         elif entry == "train_drafter":
-            train_drafter.validate_config(cfg)
+            drafter_trainer.validate_config(cfg)
         else:
             check_benchmark_cfg(cfg)
 
@@ -173,17 +175,17 @@ def test_train_drafter_composes_with_each_drafter(family: str) -> None:
     cfg = make_cfg("train_drafter", f"drafter={family}", "base_checkpoint=/some/base", "out_dir=/tmp/unused")
     assert cfg.drafter.package == family
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    train_drafter.validate_config(cfg)  # also imports <family>.train and checks its four functions
+    drafter_trainer.validate_config(cfg)  # also checks the family is registered (experiments.lib.families)
 
 
 def test_train_drafter_null_base_is_one_line_error() -> None:
     with pytest.raises(ValueError, match="base_checkpoint is required"):
-        train_drafter.validate_config(make_cfg("train_drafter", "base_checkpoint=null", "out_dir=/tmp/unused"))
+        drafter_trainer.validate_config(make_cfg("train_drafter", "base_checkpoint=null", "out_dir=/tmp/unused"))
 
 
 def test_train_drafter_missing_base_is_one_line_error() -> None:
     with pytest.raises(ValueError, match="base_checkpoint is required"):
-        train_drafter.validate_config(make_cfg("train_drafter", "out_dir=/tmp/unused"))
+        drafter_trainer.validate_config(make_cfg("train_drafter", "out_dir=/tmp/unused"))
 
 
 def check_benchmark_cfg(cfg: DictConfig) -> None:
@@ -191,11 +193,11 @@ def check_benchmark_cfg(cfg: DictConfig) -> None:
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert set(cfg.methods) <= set(bench_mod.METHODS)
     bench_mod.check_decode(cfg.decode)
-    train_base.validate_config(make_cfg("train_base", *cfg.artifacts.base, "out_dir=/tmp/unused"))
+    base_trainer.validate_config(make_cfg("train_base", *cfg.artifacts.base, "out_dir=/tmp/unused"))
     for family in ("draft", *FAMILIES):  # the draft model is distilled from the base like the others
         recipe = make_cfg("train_drafter", *cfg.artifacts[family], f"drafter={family}", "base_checkpoint=/b",
                           *bench_mod._overrides(cfg[family], "drafter"), "out_dir=/tmp/unused")
-        train_drafter.validate_config(recipe)
+        drafter_trainer.validate_config(recipe)
         assert recipe.drafter.module == cfg[family].module and recipe.drafter.loss == cfg[family].loss
 
 
@@ -275,11 +277,11 @@ def test_base_unchanged_by_drafter_training(family: str, drafters: dict, tiny_ba
 def test_load_drafter_same_base_and_another_base(family: str, drafters: dict, tiny_base: Path) -> None:
     ckpt = drafters[family]["result"]["checkpoint"]
     base, _, base_meta = load_lm(tiny_base)
-    module, package, meta = train_drafter.load_drafter(ckpt, base, base_meta)
-    assert package is train_drafter.FAMILIES[family] and not module.training
+    module, package, meta = families.load_drafter(ckpt, base, base_meta)
+    assert package is families.FAMILIES[family] and not module.training
     saved = load_checkpoint(ckpt).state_dict
     assert all(torch.equal(module.state_dict()[k], v) for k, v in saved.items())
-    assert package.drafter(module, base, **dict(make_cfg("train_drafter", f"drafter={family}",
+    assert package.make_drafter(module, base, **dict(make_cfg("train_drafter", f"drafter={family}",
                                                          "base_checkpoint=/b").drafter.decode)) is not None
     # another base: same architecture, another seed
     torch.manual_seed(1)
@@ -287,7 +289,7 @@ def test_load_drafter_same_base_and_another_base(family: str, drafters: dict, ti
     other_meta = {**base_meta, "fingerprint": fingerprint(other.state_dict())}
     assert other_meta["fingerprint"] != base_meta["fingerprint"]
     with pytest.raises(CheckpointError) as excinfo:
-        train_drafter.load_drafter(ckpt, other, other_meta)
+        families.load_drafter(ckpt, other, other_meta)
     message = str(excinfo.value)
     assert base_meta["fingerprint"] in message and other_meta["fingerprint"] in message and "\n" not in message
 
@@ -295,16 +297,16 @@ def test_load_drafter_same_base_and_another_base(family: str, drafters: dict, ti
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_drafter_training_reads_the_cache_instead_of_running_the_base(use_cache: bool, tiny_base: Path, cache_dir: str,
                                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from experiments import features
+    from experiments.lib import features
 
     calls = []
     original = features.base_features
     monkeypatch.setattr(features, "base_features", lambda *a, **k: calls.append(a[1].shape) or original(*a, **k))
     cfg = lambda out: drafter_cfg("medusa", tiny_base, cache_dir, out, f"features.use={str(use_cache).lower()}",  # noqa: E731
                                   f"features.root={tmp_path / 'features'}", "features.windows=6")
-    train_drafter.train(cfg(tmp_path / "a"))  # writes the cache (when used) on first use
+    drafter_trainer.train(cfg(tmp_path / "a"))  # writes the cache (when used) on first use
     calls.clear()
-    train_drafter.train(cfg(tmp_path / "b"))
+    drafter_trainer.train(cfg(tmp_path / "b"))
     # with the cache the base runs twice: on one window to check the loss settings before any work, and on the
     # validation blocks; without the cache, also once per training step
     assert len(calls) == (2 if use_cache else 2 + 4), calls
@@ -314,7 +316,7 @@ def test_drafter_training_reads_the_cache_instead_of_running_the_base(use_cache:
 def test_load_drafter_refuses_a_base_checkpoint(tiny_base: Path) -> None:
     base, _, base_meta = load_lm(tiny_base)
     with pytest.raises(CheckpointError, match="not a drafter checkpoint"):
-        train_drafter.load_drafter(tiny_base, base, base_meta)
+        families.load_drafter(tiny_base, base, base_meta)
 
 
 @pytest.mark.parametrize("override, fragment", [
@@ -336,11 +338,11 @@ def test_train_drafter_bad_config_fails_before_work(override: str, fragment: str
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the config was validated")
 
-    monkeypatch.setattr(train_drafter, "load_lm", no_work)
-    monkeypatch.setattr(train_drafter, "prepare_data", no_work)
+    monkeypatch.setattr(drafter_trainer, "load_lm", no_work)
+    monkeypatch.setattr(drafter_trainer, "prepare_data", no_work)
     cfg = drafter_cfg("medusa", Path("/no/base"), "unused", tmp_path / "out", override)
     with pytest.raises(ValueError) as excinfo:
-        train_drafter.train(cfg)
+        drafter_trainer.train(cfg)
     assert "\n" not in str(excinfo.value) and fragment in str(excinfo.value), str(excinfo.value)
     assert not (tmp_path / "out").exists()
 
@@ -348,7 +350,7 @@ def test_train_drafter_bad_config_fails_before_work(override: str, fragment: str
 def test_train_drafter_refuses_another_tokenizer(tiny_base: Path, cache_dir: str, tmp_path: Path) -> None:
     cfg = drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "data.vocab_size=400")
     with pytest.raises(ValueError, match="another tokenizer"):
-        train_drafter.train(cfg)
+        drafter_trainer.train(cfg)
 
 
 @pytest.mark.parametrize("seq_len", [-1, 300])
@@ -357,9 +359,9 @@ def test_train_drafter_bad_seq_len_fails_before_data(seq_len: int, tiny_base: Pa
     def no_work(*args, **kwargs):
         raise AssertionError("data was prepared before seq_len was validated")
 
-    monkeypatch.setattr(train_drafter, "prepare_data", no_work)
+    monkeypatch.setattr(drafter_trainer, "prepare_data", no_work)
     with pytest.raises(ValueError, match="seq_len"):
-        train_drafter.train(drafter_cfg("medusa", tiny_base, "unused", tmp_path, f"seq_len={seq_len}"))
+        drafter_trainer.train(drafter_cfg("medusa", tiny_base, "unused", tmp_path, f"seq_len={seq_len}"))
 
 
 # ------------------------------------------------------------------------------ 3. artifact cache
@@ -381,7 +383,7 @@ def test_artifacts_ensure_trains_once_and_keys_by_recipe(tmp_path: Path, cache_d
         calls.append(cfg.out_dir)
         raise RuntimeError("trained again")
 
-    monkeypatch.setattr(train_base, "train", no_training)
+    monkeypatch.setattr(base_trainer, "train", no_training)
     assert artifacts.ensure("base", recipe, root=tmp_path) == ckpt  # same recipe: reused
     assert artifacts.ensure("base", [*recipe, "logger=wandb", "threads=1"], root=tmp_path) == ckpt  # not recipe
     assert (ckpt / "meta.json").stat().st_mtime_ns == mtime
@@ -398,8 +400,8 @@ def test_artifacts_kinds_have_their_own_directories(tmp_path: Path, monkeypatch:
         out_dirs.append(Path(cfg.out_dir))
         return {}
 
-    monkeypatch.setattr(train_base, "train", fake_train)
-    monkeypatch.setattr(train_drafter, "train", fake_train)
+    monkeypatch.setattr(base_trainer, "train", fake_train)
+    monkeypatch.setattr(drafter_trainer, "train", fake_train)
     artifacts.ensure("base", ["max_steps=3"], root=tmp_path)
     artifacts.ensure("draft", ["max_steps=3"], root=tmp_path)
     artifacts.ensure("medusa", ["base_checkpoint=/b"], root=tmp_path)
@@ -423,7 +425,7 @@ def test_artifacts_drafter_follows_the_base_at_its_path(tiny_base: Path, cache_d
     assert new_meta["fingerprint"] != meta["fingerprint"]
     second = artifacts.ensure("medusa", recipe, root=tmp_path / "artifacts")
     assert load_checkpoint(first).meta["base_fingerprint"] == meta["fingerprint"]
-    train_drafter.load_drafter(second, new_base, new_meta)  # raises CheckpointError while the key ignores the base
+    families.load_drafter(second, new_base, new_meta)  # raises CheckpointError while the key ignores the base
 
 
 def test_artifacts_unknown_kind_raises(tmp_path: Path) -> None:
@@ -627,7 +629,7 @@ def base_other_tokenizer(tmp_path_factory: pytest.TempPathFactory, cache_dir: st
     out_dir = tmp_path_factory.mktemp("base31")
     cfg = make_cfg("train_base", *BASE, "data.max_files=31", f"data.cache_dir={cache_dir}", f"out_dir={out_dir}",
                    "max_steps=2", "eval_every=2", "checkpoint_every=2")
-    ckpt = Path(train_base.train(cfg)["checkpoint"])
+    ckpt = Path(base_trainer.train(cfg)["checkpoint"])
     assert load_checkpoint(ckpt).meta["tokenizer"] != load_checkpoint(tiny_base).meta["tokenizer"]
     return ckpt
 

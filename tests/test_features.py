@@ -9,13 +9,13 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from experiments import draft_family
-from experiments.distill import agreement, distill_loss, subset_index
-from experiments.features import (
+from experiments.lib import draft_family
+from experiments.lib.distill import agreement, distill_loss, subset_index
+from experiments.lib.features import (
     FeatureBatch, FeatureCache, FeatureSpec, StaleFeatures, check_features_config, corpus_windows, open_features,
     teacher_batch, write_features,
 )
-from experiments.lm import build_lm
+from experiments.lib.lm import build_lm
 from prophet.model import base_features
 from verify.plain import plain_generate
 from verify.target import Target

@@ -15,8 +15,8 @@ from rich.console import Console
 
 from experiments import generate as gen
 from experiments.benchmark import DRAFTER_KINDS, METHODS
-from experiments.checkpoint import load_lm
-from experiments.train_base import train
+from experiments.lib.checkpoint import load_lm
+from experiments.lib.base_trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST_BASE = ["base.dim=32", "base.depth=1", "data.max_files=30", "data.vocab_size=512", "logger=none",

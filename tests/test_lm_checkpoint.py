@@ -14,12 +14,12 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer, models
 
-from experiments import checkpoint as ckpt_mod
-from experiments.checkpoint import (
+from experiments.lib import checkpoint as ckpt_mod
+from experiments.lib.checkpoint import (
     CheckpointError, checkpoint_exists, fingerprint, load_checkpoint, load_lm, save_checkpoint,
 )
-from experiments.cli import exit_on_user_error
-from experiments.lm import build_lm, count_parameters
+from experiments.lib.cli import exit_on_user_error
+from experiments.lib.lm import build_lm, count_parameters
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 SMALL = dict(num_tokens=64, dim=32, depth=1, heads=4, max_seq_len=32)
@@ -336,7 +336,7 @@ def test_the_project_imports_and_refuses_llama_without_transformers():
     code = ("import sys; sys.modules['transformers'] = None\n"
             "import prophet.model, medusa.drafter, verify.hf, verify.early_exit, verify.speculative\n"
             "import experiments.benchmark, experiments.generate, experiments.train_drafter, experiments.peer\n"
-            "from experiments.lm import build_lm\n"
+            "from experiments.lib.lm import build_lm\n"
             "try:\n    build_lm(arch='llama', num_tokens=10, dim=8, depth=1, heads=2, max_seq_len=8)\n"
             "except ValueError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])

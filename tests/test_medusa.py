@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from experiments.features import FeatureBatch, teacher_batch
-from experiments.lm import build_lm
+from experiments.lib.features import FeatureBatch, teacher_batch
+from experiments.lib.lm import build_lm
 from medusa import train
-from medusa.drafter import MedusaDrafter
+from medusa.drafter import MedusaDrafter, make_drafter
 from medusa.heads import MedusaHeads, ResBlock
 from medusa.trees import default_tree, node_table, tree_from_accuracies
 from tests.test_lossless import run as run_lossless, sharp_lm
@@ -262,7 +262,7 @@ def test_greedy_medusa_equals_plain_with_random_heads(mode, batch, gamma):
     base = make_base()
     heads = perturb(train.build(base, num_heads=3, num_layers=1), seed=gamma)
     prompts = PROMPTS[:batch]
-    out = spec(base, train.drafter(heads, base, mode=mode, tree=None, tree_nodes=12), prompts, 20, gamma)
+    out = spec(base, make_drafter(heads, base, mode=mode, tree=None, tree_nodes=12), prompts, 20, gamma)
     assert out.tokens == plain(base, prompts, 20)
 
 
@@ -300,7 +300,7 @@ def test_trained_heads_accept_often_exactly_and_track_the_accepted_position(trai
     base, heads, prompts, batch, _ = trained
     # ragged: a training prompt, a shortened one (unseen), a prompt extended into its own continuation
     ragged = [prompts[0], prompts[1][2:], batch.tokens[2, :11].tolist()]
-    spy = HiddenSpy(train.drafter(heads, base, mode=mode), base, 30)
+    spy = HiddenSpy(make_drafter(heads, base, mode=mode), base, 30)
     out = spec(base, spy, ragged, 30, gamma)
     assert out.tokens == plain(base, ragged, 30)
     assert out.stats.tau > 1.4 and spy.checked > 10
@@ -366,7 +366,7 @@ def test_grow_tree_command_reads_measured_accuracies(tmp_path):
     import subprocess
     import sys
 
-    from experiments.checkpoint import save_checkpoint
+    from experiments.lib.checkpoint import save_checkpoint
     from verify.tree import sort_paths
 
     base = build_lm(num_tokens=64, dim=16, depth=1, heads=2, max_seq_len=32)

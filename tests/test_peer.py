@@ -14,10 +14,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from experiments import baseline, peer as peer_mod, train_base, train_drafter  # noqa: E402
-from experiments.checkpoint import CheckpointError, load_lm  # noqa: E402
-from experiments.data import load_tokenizer, prepare_data  # noqa: E402
-from experiments.lm import build_lm  # noqa: E402
+from experiments import baseline, peer as peer_mod  # noqa: E402
+from experiments.lib import base_trainer, drafter_trainer  # noqa: E402
+from experiments.lib.checkpoint import CheckpointError, load_lm  # noqa: E402
+from experiments.lib.data import load_tokenizer, prepare_data  # noqa: E402
+from experiments.lib.lm import build_lm  # noqa: E402
 from tests.test_experiments import DATA, make_cfg  # noqa: E402
 from verify.hf import HFBase  # noqa: E402
 
@@ -37,7 +38,7 @@ def cache_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def llama_base(tmp_path_factory, cache_dir) -> Path:
     out_dir = tmp_path_factory.mktemp("llama")
-    result = train_base.train(make_cfg("train_base", *LLAMA, f"data.cache_dir={cache_dir}", f"out_dir={out_dir}"))
+    result = base_trainer.train(make_cfg("train_base", *LLAMA, f"data.cache_dir={cache_dir}", f"out_dir={out_dir}"))
     return Path(result["checkpoint"])
 
 
@@ -87,13 +88,13 @@ def drafter_on(base: Path, family: str, cache_dir: str, out_dir: Path, *override
     ("draft", ["drafter.module.dim=32", "drafter.module.depth=1", "drafter.module.heads=2"]),
 ])
 def test_every_drafter_family_trains_on_an_hf_directory_base(family, overrides, hf_dir, cache_dir, tmp_path):
-    result = train_drafter.train(drafter_on(hf_dir, family, cache_dir, tmp_path, *overrides))
+    result = drafter_trainer.train(drafter_on(hf_dir, family, cache_dir, tmp_path, *overrides))
     assert result["step"] == 2 and Path(result["checkpoint"]).is_dir()
 
 
 def test_early_exit_on_an_hf_base_is_refused_in_one_line(hf_dir, cache_dir, tmp_path):
     with pytest.raises(ValueError, match="early exit needs an x-transformers base") as excinfo:
-        train_drafter.train(drafter_on(hf_dir, "early_exit", cache_dir, tmp_path, "drafter.module.layer=1"))
+        drafter_trainer.train(drafter_on(hf_dir, "early_exit", cache_dir, tmp_path, "drafter.module.layer=1"))
     assert "\n" not in str(excinfo.value)
 
 
@@ -136,7 +137,7 @@ def test_peer_settings_fail_before_any_model_loads(override, match, tmp_path):
 
 def test_peer_refuses_an_x_transformers_base(tmp_path, cache_dir, llama_base):
     xt = tmp_path / "xt"
-    train_base.train(make_cfg("train_base", *[o for o in LLAMA if not o.startswith(("base=", "base.kv_heads"))],
+    base_trainer.train(make_cfg("train_base", *[o for o in LLAMA if not o.startswith(("base=", "base.kv_heads"))],
                               "max_steps=1", "eval_every=1", "checkpoint_every=1", f"data.cache_dir={cache_dir}", f"out_dir={xt}"))
     cfg = make_cfg("peer", f"checkpoints.base={xt / 'checkpoint'}", f"checkpoints.assistant={llama_base}", *PEER,
                    f"data.cache_dir={cache_dir}", f"out_dir={tmp_path}")

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from einops import repeat
 from omegaconf import OmegaConf
 
-from experiments.features import teacher_batch
-from experiments.lm import build_lm
+from experiments.lib.features import teacher_batch
+from experiments.lib.lm import build_lm
 import prophet.drafter as drafter_module
 from prophet import train
-from prophet.drafter import ProphetDrafter, _settled
+from prophet.drafter import ProphetDrafter, _settled, make_drafter
 from prophet.model import Prophet, base_features
 from tests.test_lossless import run, sharp_lm
 from verify.cache import tree_attention
@@ -374,7 +374,7 @@ def test_config_drives_the_four_functions():
     steps = range(1, cfg["loss"]["unroll"] + 1)
     assert torch.isfinite(loss) and set(metrics) == {f"step{j}_{m}" for j in steps for m in ("feature", "ce", "agree")} | {"loss"}
     assert set(train.evaluate(module, base, data)) == {f"step{j}_agree" for j in range(1, 6)}
-    drafter = train.drafter(module, base, **cfg["decode"])
+    drafter = make_drafter(module, base, **cfg["decode"])
     out = speculative_generate(Target(base), drafter, PROMPTS, max_new_tokens=8, spec=SpecConfig(gamma=5))
     assert out.tokens == plain_generate(Target(base), PROMPTS, max_new_tokens=8).tokens
 
@@ -396,7 +396,7 @@ def test_config_drives_the_four_functions():
         (lambda b, p: train.loss(p, b, batch(b, t=3), unroll=3), "unroll=3 needs sequences of at least 4"),
         (lambda b, p: train.evaluate(p, b, batch(b, t=4), eval_steps=5), "eval_steps=5 needs"),
         (lambda b, p: train.loss(p, tiny_base(1), batch(b)), "built on another base"),
-        (lambda b, p: train.drafter(p, b, mode="x"), "mode='x'"),
+        (lambda b, p: make_drafter(p, b, mode="x"), "mode='x'"),
     ],
 )
 def test_bad_arguments_raise_one_line_errors(make, match):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments.report import repeated_ngram_share
+from experiments.lib.report import repeated_ngram_share
 
 
 def test_no_repeats_is_zero() -> None:

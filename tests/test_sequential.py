@@ -11,7 +11,7 @@ from torch import nn
 from medusa import sequential_train as train
 from medusa.heads import ResBlock
 from medusa.sequential import SequentialHeads
-from medusa.sequential_drafter import SequentialDrafter
+from medusa.sequential_drafter import SequentialDrafter, make_drafter
 from medusa.trees import node_table
 from tests.test_lossless import run as run_lossless, sharp_lm
 from tests.test_medusa import PROMPTS, SMALL_TREE, HiddenSpy, batch_of, fake_prefill, make_base, perturb, plain, random_batch, spec
@@ -224,7 +224,7 @@ def test_greedy_equals_plain_with_random_heads(mode, batch, gamma):
     base = make_base()
     heads = heads_on(base, seed=gamma)
     prompts = PROMPTS[:batch]  # three prompts of different lengths
-    out = spec(base, train.drafter(heads, base, mode=mode, tree_nodes=12), prompts, 20, gamma)
+    out = spec(base, make_drafter(heads, base, mode=mode, tree_nodes=12), prompts, 20, gamma)
     assert out.tokens == plain(base, prompts, 20)
 
 
@@ -251,7 +251,7 @@ def test_trained_heads_accept_often_exactly_and_track_the_accepted_position(trai
     base, heads, prompts, batch, _ = trained
     # ragged: a training prompt, a shortened one (unseen), a prompt extended into its own continuation
     ragged = [prompts[0], prompts[1][2:], batch.tokens[2, :11].tolist()]
-    spy = StateSpy(train.drafter(heads, base, mode=mode), base, 30)
+    spy = StateSpy(make_drafter(heads, base, mode=mode), base, 30)
     out = spec(base, spy, ragged, 30, gamma)
     assert out.tokens == plain(base, ragged, 30)
     # measured tau: chain 1.80, 2.57, 3.10, 3.10; tree 1.88, 2.73, 3.33, 3.33 (3 heads: gamma 4 drafts 3 deep)
@@ -262,7 +262,7 @@ def test_trained_heads_accept_often_exactly_and_track_the_accepted_position(trai
 def test_trimmed_vocabulary_drafts_only_its_tokens_and_stays_exact(trained, mode):
     base, heads, prompts, _, _ = trained
     vocab = torch.arange(0, 97, 2)
-    spy = StateSpy(train.drafter(heads, base, mode=mode, vocab=vocab), base, 20)
+    spy = StateSpy(make_drafter(heads, base, mode=mode, vocab=vocab), base, 20)
     out = spec(base, spy, prompts[:3], 20, 3)
     assert out.tokens == plain(base, prompts[:3], 20)
     drafted = torch.cat([d.flatten() for d in spy.drafts])
@@ -329,7 +329,7 @@ def test_bad_arguments_raise_one_line_errors(make, match):
 def test_grow_tree_reads_sequential_checkpoints_and_refuses_others(package, tmp_path):
     from omegaconf import OmegaConf
 
-    from experiments.checkpoint import save_checkpoint
+    from experiments.lib.checkpoint import save_checkpoint
     from experiments.grow_tree import grow
     from tests.conftest import make_lm
 

@@ -13,10 +13,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from experiments import precision, train_base, training
-from experiments.checkpoint import load_checkpoint, load_lm
-from experiments.train_base import train
-from experiments.training import MetricsFile, lr_at
+from experiments.lib import base_trainer, precision, training
+from experiments.lib.checkpoint import load_checkpoint, load_lm
+from experiments.lib.base_trainer import train
+from experiments.lib.training import MetricsFile, lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 # A model and corpus small enough for a few seconds per run; 30 stdlib files, a 512-token BPE.
@@ -166,7 +166,7 @@ def test_bad_config_fails_before_work(tmp_path: Path, override: str, fragment: s
     def no_work(**kwargs):
         raise AssertionError("prepare_data ran before the config was validated")
 
-    monkeypatch.setattr(train_base, "prepare_data", no_work)
+    monkeypatch.setattr(base_trainer, "prepare_data", no_work)
     cfg = make_cfg(tmp_path / "out", "unused", "max_steps=1000", override)
     with pytest.raises(ValueError) as excinfo:
         train(cfg)

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments import train_base, train_drafter, training
-from experiments.checkpoint import CheckpointError, load_checkpoint
-from experiments.rundir import RunDirectoryInUse, RunLock
-from experiments.training import MetricsFile
+from experiments.lib import base_trainer, drafter_trainer
+from experiments.lib import training
+from experiments.lib.checkpoint import CheckpointError, load_checkpoint
+from experiments.lib.rundir import RunDirectoryInUse, RunLock
+from experiments.lib.training import MetricsFile
 from tests.test_experiments import BASE, FAMILIES, drafter_cfg, make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,14 +56,14 @@ def crash_at(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
 def test_drafter_crash_and_resume_equals_uninterrupted(family: str, tiny_base: Path, cache_dir: str, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     common = ["max_steps=6", "checkpoint_every=2", "eval_every=2", *FP32]
-    clean = train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "clean", *common))
+    clean = drafter_trainer.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "clean", *common))
     crash_at(monkeypatch, 5)
     with pytest.raises(RuntimeError, match="killed"):
-        train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "crashed", *common))
+        drafter_trainer.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "crashed", *common))
     monkeypatch.undo()
     meta = load_checkpoint(tmp_path / "crashed" / "checkpoint").meta
     assert meta["step"] == 4 and meta["finished"] is False and meta["has_optimizer"]
-    resumed = train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "crashed", *common))
+    resumed = drafter_trainer.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "crashed", *common))
     assert resumed["start_step"] == 4 and resumed["step"] == 6
     # the batch and the RNG of step s are functions of (seed, s): the resumed run retraces the clean one
     assert fingerprint_of(resumed) == fingerprint_of(clean)
@@ -104,8 +105,8 @@ def test_drafter_survives_kill_9(tiny_base: Path, cache_dir: str, tmp_path: Path
     assert proc.returncode == -signal.SIGKILL
     meta = load_checkpoint(tmp_path / "killed" / "checkpoint").meta  # complete and verified (fingerprint)
     assert 3 <= meta["step"] < 150 and meta["finished"] is False
-    resumed = train_drafter.train(cfg)
-    clean = train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path / "clean", *args))
+    resumed = drafter_trainer.train(cfg)
+    clean = drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path / "clean", *args))
     assert resumed["start_step"] == meta["step"] and resumed["step"] == 150
     assert fingerprint_of(resumed) == fingerprint_of(clean)
 
@@ -120,7 +121,7 @@ def _cli_overrides(cfg, extra: list[str]) -> list[str]:
 
 def test_an_unfinished_artifact_is_resumed_not_reused(tiny_base: Path, cache_dir: str, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from experiments import artifacts
+    from experiments.lib import artifacts
     from tests.test_experiments import DRAFTER
 
     recipe = [f"base_checkpoint={tiny_base}", "drafter=medusa", *DRAFTER, f"data.cache_dir={cache_dir}",
@@ -143,14 +144,14 @@ def test_second_training_in_the_same_directory_fails_at_once(tmp_path: Path, cac
     def no_work(**kwargs):
         raise AssertionError("prepare_data ran although the run directory is in use")
 
-    monkeypatch.setattr(train_base, "prepare_data", no_work)
+    monkeypatch.setattr(base_trainer, "prepare_data", no_work)
     with RunLock(tmp_path):  # held as another training would hold it
         with pytest.raises(RunDirectoryInUse, match=rf"run directory {tmp_path} is in use by another training \(pid {os.getpid()}\)"):
-            train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
+            base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
 
 
 def test_lock_is_released_when_the_holder_dies(tmp_path: Path) -> None:
-    code = f"from experiments.rundir import RunLock; l = RunLock({str(tmp_path)!r}).__enter__(); import os; os.kill(os.getpid(), 9)"
+    code = f"from experiments.lib.rundir import RunLock; l = RunLock({str(tmp_path)!r}).__enter__(); import os; os.kill(os.getpid(), 9)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL and (tmp_path / ".lock").exists()
     with RunLock(tmp_path):  # the kernel dropped the dead process's lock: no stale lock to clean up
@@ -159,7 +160,7 @@ def test_lock_is_released_when_the_holder_dies(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_second_process_in_the_same_directory_gets_one_line(tmp_path: Path) -> None:
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from experiments.rundir import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from experiments.lib.rundir import RunLock; "
                                f"l = RunLock({str(tmp_path)!r}).__enter__(); print('locked', flush=True); time.sleep(60)"],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
@@ -178,16 +179,16 @@ def test_checkpoint_without_meta_is_refused_before_training(tmp_path: Path, cach
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "model.safetensors").write_bytes(b"weights copied without their meta.json")
-    monkeypatch.setattr(train_base, "prepare_data", lambda **kw: pytest.fail("trained before refusing"))
+    monkeypatch.setattr(base_trainer, "prepare_data", lambda **kw: pytest.fail("trained before refusing"))
     with pytest.raises(ValueError, match="holds files but no meta.json: it is not a complete checkpoint"):
-        train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
+        base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
     assert (tmp_path / "checkpoint" / "model.safetensors").read_bytes().startswith(b"weights")  # nothing lost
 
 
 def test_out_dir_that_cannot_be_written_is_one_line(tmp_path: Path, cache_dir: str) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"out_dir='.*file/run' is not a writable directory \(.*file is a file\)"):
-        train_base.train(base_cfg(tmp_path / "file" / "run", cache_dir, "max_steps=2"))
+        base_trainer.train(base_cfg(tmp_path / "file" / "run", cache_dir, "max_steps=2"))
 
 
 # ------------------------------------------------------------------------------------ recipe on resume
@@ -199,35 +200,35 @@ def test_out_dir_that_cannot_be_written_is_one_line(tmp_path: Path, cache_dir: s
     ("batch_size=2", "batch_size: checkpoint 4 vs now 2"),
 ])
 def test_base_resume_refuses_another_recipe(override: str, diff: str, tmp_path: Path, cache_dir: str) -> None:
-    train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
+    base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
     with pytest.raises(CheckpointError, match="was trained with another recipe") as excinfo:
-        train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=4", override))
+        base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=4", override))
     assert diff in str(excinfo.value) and "\n" not in str(excinfo.value)
-    assert train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=4", override, "resume=false"))["start_step"] == 0
+    assert base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=4", override, "resume=false"))["start_step"] == 0
 
 
 @pytest.mark.parametrize("override, diff", [("seed=1", "seed: checkpoint 0 vs now 1"),
                                             ("drafter.loss.target=argmax", "'target': 'kl'")])
 def test_drafter_resume_refuses_another_recipe(override: str, diff: str, tiny_base: Path, cache_dir: str,
                                                tmp_path: Path) -> None:
-    train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
+    drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
     with pytest.raises(CheckpointError, match="was trained with another recipe") as excinfo:
-        train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=4", override))
+        drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=4", override))
     assert diff in str(excinfo.value)
 
 
 def test_drafter_resume_refuses_a_base_checkpoint_in_its_directory(tiny_base: Path, cache_dir: str, tmp_path: Path) -> None:
-    train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))  # a base's run directory, given as a drafter's
+    base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))  # a base's run directory, given as a drafter's
     with pytest.raises(ValueError, match=r"checkpoint is not a drafter checkpoint \(kind='base_lm'\)"):
-        train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
+        drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
 
 
 # ------------------------------------------------------------------------------- gradient accumulation
 
 
 def test_gradient_accumulation_matches_the_whole_batch(tmp_path: Path, cache_dir: str) -> None:
-    whole = train_base.train(base_cfg(tmp_path / "whole", cache_dir, "max_steps=3"))
-    accumulated = train_base.train(base_cfg(tmp_path / "accum", cache_dir, "max_steps=3", "grad_accum=2"))
+    whole = base_trainer.train(base_cfg(tmp_path / "whole", cache_dir, "max_steps=3"))
+    accumulated = base_trainer.train(base_cfg(tmp_path / "accum", cache_dir, "max_steps=3", "grad_accum=2"))
     a = load_checkpoint(Path(whole["checkpoint"])).state_dict
     b = load_checkpoint(Path(accumulated["checkpoint"])).state_dict
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
@@ -236,7 +237,7 @@ def test_gradient_accumulation_matches_the_whole_batch(tmp_path: Path, cache_dir
 
 def test_grad_accum_larger_than_the_batch_is_one_line(tmp_path: Path, cache_dir: str) -> None:
     with pytest.raises(ValueError, match="grad_accum=8 must not exceed the rows per step and process \\(4\\)"):
-        train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2", "grad_accum=8"))
+        base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=2", "grad_accum=8"))
 
 
 # ------------------------------------------------------------------------------------------ torchrun
@@ -263,7 +264,7 @@ def test_torchrun_two_ranks_train_identical_replicas(tmp_path: Path, cache_dir: 
     meta = load_checkpoint(Path(result["checkpoint"])).meta
     assert result["replica_fingerprints"] == [meta["fingerprint"]] * 2  # both ranks end on the saved weights
     assert meta["world_size"] == 2 and result["train_tokens"] == 4 * 4 * 64  # the global batch, counted once
-    single = train_base.train(base_cfg(tmp_path / "single", cache_dir, "max_steps=4", "eval_every=2",
+    single = base_trainer.train(base_cfg(tmp_path / "single", cache_dir, "max_steps=4", "eval_every=2",
                                        "checkpoint_every=2"))
     # data sharded by rank and gradients averaged: the same training as one process on the whole batch
     assert _close(load_checkpoint(Path(result["checkpoint"])).state_dict,
@@ -280,7 +281,7 @@ def test_torchrun_two_ranks_train_a_drafter(family: str, tiny_base: Path, cache_
     result = _torchrun("experiments.train_drafter", *common, f"hydra.run.dir={tmp_path / 'ddp'}")
     meta = load_checkpoint(Path(result["checkpoint"])).meta
     assert result["world_size"] == 2 and result["replica_fingerprints"] == [meta["fingerprint"]] * 2
-    single = train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "single", *FP32))
+    single = drafter_trainer.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "single", *FP32))
     assert _close(load_checkpoint(Path(result["checkpoint"])).state_dict,
                   load_checkpoint(Path(single["checkpoint"])).state_dict)
 
@@ -298,9 +299,9 @@ def test_torchrun_two_ranks_train_a_drafter(family: str, tiny_base: Path, cache_
 def test_drafter_settings_fail_before_the_feature_cache(family: str, override: str, message: str, tiny_base: Path,
                                                         cache_dir: str, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(train_drafter, "open_features", lambda *a, **k: pytest.fail("the feature cache ran first"))
+    monkeypatch.setattr(drafter_trainer, "open_features", lambda *a, **k: pytest.fail("the feature cache ran first"))
     with pytest.raises(ValueError) as excinfo:
-        train_drafter.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path, override))
+        drafter_trainer.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path, override))
     assert message in str(excinfo.value) and "\n" not in str(excinfo.value)
 
 
@@ -315,12 +316,12 @@ def test_metrics_file_drops_a_line_cut_short_by_a_kill(tmp_path: Path) -> None:
 
 def test_a_nan_loss_stops_training_and_keeps_the_last_checkpoint(tmp_path: Path, cache_dir: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
+    base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
     before = load_checkpoint(tmp_path / "checkpoint").meta["fingerprint"]
-    real_loss = train_base.lm_loss
-    monkeypatch.setattr(train_base, "lm_loss", lambda model, batch: real_loss(model, batch) * float("nan"))
+    real_loss = base_trainer.lm_loss
+    monkeypatch.setattr(base_trainer, "lm_loss", lambda model, batch: real_loss(model, batch) * float("nan"))
     with pytest.raises(training.NonFiniteLoss, match="training loss is nan at step 2: lower optim.lr"):
-        train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=4"))
+        base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=4"))
     assert load_checkpoint(tmp_path / "checkpoint").meta["fingerprint"] == before
 
 
@@ -347,11 +348,11 @@ def small_disk(tmp_path: Path):
 def test_a_full_disk_keeps_the_last_checkpoint(small_disk, tmp_path: Path, cache_dir: str) -> None:
     """A real full disk: the save that does not fit fails as ENOSPC, leaves no partial file, and the checkpoint
     before it stays whole (the atomic swap needs room for both, so the disk holds one and a half)."""
-    probe = train_base.train(base_cfg(tmp_path / "probe", cache_dir, "max_steps=2"))
+    probe = base_trainer.train(base_cfg(tmp_path / "probe", cache_dir, "max_steps=2"))
     size = sum(f.stat().st_size for f in Path(probe["checkpoint"]).iterdir())
     disk = small_disk(int(size * 1.5) + 64 * 1024)
     with pytest.raises(OSError) as excinfo:
-        train_base.train(base_cfg(disk / "run", cache_dir, "max_steps=4", "checkpoint_every=2", "eval_every=2"))
+        base_trainer.train(base_cfg(disk / "run", cache_dir, "max_steps=4", "checkpoint_every=2", "eval_every=2"))
     assert excinfo.value.errno == 28  # ENOSPC, which the command line prints as one line
     meta = load_checkpoint(disk / "run" / "checkpoint").meta  # whole and verified
     assert meta["step"] == 2
@@ -363,9 +364,9 @@ def test_a_job_needing_an_artifact_another_job_is_training_waits_and_reuses_it(t
     """Parallel sweep jobs share artifacts: the second waits for the first's lock instead of failing."""
     import threading
 
-    from experiments import artifacts
+    from experiments.lib import artifacts
 
-    real_train = train_base.train
+    real_train = base_trainer.train
     recipe = [*BASE, f"data.cache_dir={cache_dir}", "max_steps=2", "optim.warmup_steps=1", *FP32]
     out_dir = tmp_path / f"base-{artifacts.recipe_key(artifacts._compose('train_base', recipe))}"
     out_dir.mkdir()
@@ -375,7 +376,7 @@ def test_a_job_needing_an_artifact_another_job_is_training_waits_and_reuses_it(t
     waiter.start()
     time.sleep(1.0)
     assert not done and waiter.is_alive()  # blocked on the lock, not failed
-    monkeypatch.setattr(train_base, "train", lambda cfg: pytest.fail("trained the artifact a second time"))
+    monkeypatch.setattr(base_trainer, "train", lambda cfg: pytest.fail("trained the artifact a second time"))
     # the first job's finished checkpoint appears (trained elsewhere here: our holder stands for its lock)
     trained = real_train(base_cfg(tmp_path / "first", cache_dir, "max_steps=2", "optim.warmup_steps=1"))
     shutil.copytree(trained["checkpoint"], out_dir / "checkpoint")
@@ -386,32 +387,32 @@ def test_a_job_needing_an_artifact_another_job_is_training_waits_and_reuses_it(t
 
 def test_another_recipe_is_refused_before_the_corpus_is_read(tmp_path: Path, cache_dir: str,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
-    monkeypatch.setattr(train_base, "prepare_data", lambda **kw: pytest.fail("read the corpus before refusing"))
+    base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
+    monkeypatch.setattr(base_trainer, "prepare_data", lambda **kw: pytest.fail("read the corpus before refusing"))
     with pytest.raises(CheckpointError, match="seed: checkpoint 0 vs now 1"):
-        train_base.train(base_cfg(tmp_path, cache_dir, "max_steps=4", "seed=1"))
+        base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=4", "seed=1"))
 
 
 def test_drafter_recipe_is_refused_before_the_feature_cache(tiny_base: Path, cache_dir: str, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
-    monkeypatch.setattr(train_drafter, "prepare_data", lambda **kw: pytest.fail("read the corpus before refusing"))
+    drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
+    monkeypatch.setattr(drafter_trainer, "prepare_data", lambda **kw: pytest.fail("read the corpus before refusing"))
     with pytest.raises(CheckpointError, match="seed: checkpoint 0 vs now 1"):
-        train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=4", "seed=1"))
+        drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=4", "seed=1"))
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_a_step_samples_as_many_positions_in_micro_batches(grad_accum: int, tiny_base: Path, cache_dir: str,
                                                            tmp_path: Path) -> None:
     """Medusa samples `positions` per loss call: split into micro-batches (or ranks), each samples its share."""
-    result = train_drafter.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "drafter.loss.positions=16",
+    result = drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "drafter.loss.positions=16",
                                              f"grad_accum={grad_accum}"))
     assert result["positions"] == 4 * 16  # 4 steps of 16 positions, however the batch was split
 
 
 def test_seed_out_of_range_is_one_line(tmp_path: Path, cache_dir: str) -> None:
     with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*32\), got 1099511627776"):
-        train_base.train(base_cfg(tmp_path, cache_dir, f"seed={2**40}"))
+        base_trainer.train(base_cfg(tmp_path, cache_dir, f"seed={2**40}"))
 
 
 def test_metrics_file_with_a_row_that_is_not_a_metrics_row_is_one_error(tmp_path: Path) -> None:

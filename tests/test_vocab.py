@@ -11,11 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from experiments.data import PreparedData, token_counts
+from experiments.lib.data import PreparedData, token_counts
 from medusa import train as medusa_train
+from medusa import drafter as medusa_drafter
 from medusa.drafter import MedusaDrafter
 from medusa.heads import MedusaHeads
-from prophet import train as prophet_train
+from prophet import drafter as prophet_drafter
 from prophet.drafter import ProphetDrafter
 from prophet.model import Prophet
 from tests.conftest import make_lm
@@ -194,10 +195,10 @@ def drafter_factory(name: str, base):
     if name.startswith("medusa"):
         heads = perturb(medusa_train.build(base, num_heads=3, num_layers=1), seed=2)
         tree = dict(mode="chain") if name == "medusa_chain" else dict(mode="tree", tree=SMALL_TREE)
-        return lambda vocab: medusa_train.drafter(heads, base, **tree, vocab=vocab)
+        return lambda vocab: medusa_drafter.make_drafter(heads, base, **tree, vocab=vocab)
     prophet = tiny_prophet(base)
     tree = dict(mode="chain") if name == "prophet_chain" else dict(mode="tree", top_k=3, depth=3, tree_nodes=8)
-    return lambda vocab: prophet_train.drafter(prophet, base, **tree, vocab=vocab)
+    return lambda vocab: prophet_drafter.make_drafter(prophet, base, **tree, vocab=vocab)
 
 
 def generate(base, drafter, n=20, gamma=3, sampling=SamplingConfig()):

@@ -69,3 +69,8 @@ def roll_uncached(cache: Target | StaticCache, uncached: Tensor, fed: int, verdi
     cache.commit(keep)
     last_accepted = torch.cat((uncached[:, -1:], verdict.tokens), dim=1).gather(1, verdict.accepted[:, None])
     return torch.cat((last_accepted, verdict.pending[:, None]), dim=1)
+
+
+def make_drafter(module: nn.Module, base: nn.Module, *, vocab: Tensor | None = None, compile: bool = False) -> DraftModelDrafter:
+    """The draft model in the one speculative loop; `vocab` its trimmed output layer (None: all tokens)."""
+    return DraftModelDrafter(module, compile=compile, vocab=vocab)

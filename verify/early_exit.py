@@ -114,3 +114,14 @@ class EarlyExitDrafter:
         else:  # an own cache rolls back as the draft model's does
             self.uncached = roll_uncached(self.cache, self.uncached, self.fed, verdict)
         self.fed = 0
+
+
+def make_drafter(module: nn.Module, base: nn.Module, *, mode: str = "chain", vocab: Tensor | None = None,
+            share_cache: bool = True, compile: bool = False) -> EarlyExitDrafter:
+    """The early-exit drafter: the base's first `module.layer` blocks and this head (decode kwargs from
+    conf/drafter/early_exit.yaml `decode:`). It drafts chains only (`mode` is there for the benchmark's
+    <family>_<mode> method names)."""
+    if mode != "chain":
+        raise ValueError(f"mode={mode!r}: the early-exit drafter drafts chains only (mode=chain)")
+    return EarlyExitDrafter(base, module.eval().for_decoding(vocab), layer=module.layer, vocab=vocab,
+                            share_cache=share_cache, compile=compile)

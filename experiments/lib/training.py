@@ -3,7 +3,7 @@ the loss.
 
 `TrainLoop.run` owns what every training needs: the learning-rate schedule, precision (autocast), gradient
 accumulation, clipping, the optimizer step, validation, metrics.jsonl and the logger, periodic checkpoints
-and resume, time budgets, and DistributedDataParallel under torchrun (experiments/distributed.py). The
+and resume, time budgets, and DistributedDataParallel under torchrun (experiments/lib/distributed.py). The
 caller (train_base, train_drafter, train_seq2seq) supplies the model being trained, `loss_fn(model, batch)
 -> (loss, metrics)`, `batch_fn(step)` (this rank's rows of the step's batch), `count_fn` (tokens, positions
 or pairs in a batch), `validate_fn()`, `save_fn` and optionally `after_backward` (a check after each backward).
@@ -36,17 +36,17 @@ from torch import Tensor, nn
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from experiments.checkpoint import fingerprint
-from experiments.cli import write_atomic
-from experiments.data import sample_batch
-from experiments.distributed import (
+from experiments.lib.checkpoint import fingerprint
+from experiments.lib.cli import write_atomic
+from experiments.lib.data import sample_batch
+from experiments.lib.distributed import (
     Dist, all_mean, batch_rows, broadcast_float, broadcast_text, close_distributed, gather_text, init_distributed,
     take_rows, wrap,
 )
-from experiments.loggers import NullLogger
-from experiments.precision import autocast
-from experiments.rundir import RunLock, check_checkpoint_dir, check_writable
-from experiments.settings import check_batch_split, require, resolve_device
+from experiments.lib.loggers import NullLogger
+from experiments.lib.precision import autocast
+from experiments.lib.rundir import RunLock, check_checkpoint_dir, check_writable
+from experiments.lib.settings import check_batch_split, require, resolve_device
 
 log = logging.getLogger(__name__)
 SEED_STRIDE = 1_000_003  # seed * stride + step: distinct streams for every (seed, step) in practice

@@ -5,7 +5,7 @@ given Hydra overrides, names the result by a hash of the resolved config, and tr
 `<root>/<kind>-<hash>/checkpoint` does not exist yet or is unfinished (a killed training: the next call
 resumes it). Training happens in-process through the same plain `train(cfg)` functions the command-line
 entry points wrap, so the cache cannot drift from them. result.json is written with
-experiments.cli.write_atomic (the old file or the whole new one, never a part, even on a full disk).
+experiments.lib.cli.write_atomic (the old file or the whole new one, never a part, even on a full disk).
 """
 
 from __future__ import annotations
@@ -21,14 +21,16 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from experiments.checkpoint import checkpoint_exists, read_meta
-from experiments.cli import one_line, write_atomic
-from experiments.rundir import RunDirectoryInUse, RunLock
+from experiments.lib import base_trainer, drafter_trainer
+from experiments.lib.checkpoint import checkpoint_exists, read_meta
+from experiments.lib.cli import one_line, write_atomic
+from experiments.lib.rundir import RunDirectoryInUse, RunLock
 
 log = logging.getLogger(__name__)
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 ENTRY = {"base": "train_base", "draft": "train_drafter", "medusa": "train_drafter", "prophet": "train_drafter",
          "sequential": "train_drafter", "early_exit": "train_drafter"}
+TRAINERS = {"train_base": base_trainer, "train_drafter": drafter_trainer}  # config name -> its validate_config, train
 
 
 def _compose(config_name: str, overrides: list[str]):
@@ -64,12 +66,8 @@ def check_artifact(kind: str, overrides: list[str]) -> None:
         raise ValueError(f"artifacts.{kind} does not compose: {one_line(e)}") from None
     with open_dict(cfg):
         cfg.out_dir = "unused"  # ensure() names it; its default needs a running Hydra app
-    if ENTRY[kind] == "train_base":
-        from experiments.train_base import validate_config
-    else:
-        from experiments.train_drafter import validate_config
     try:
-        validate_config(cfg)
+        TRAINERS[ENTRY[kind]].validate_config(cfg)
     except ValueError as e:
         raise ValueError(f"artifacts.{kind} (the recipe training {kind}): {one_line(e)}") from None
 
@@ -89,13 +87,9 @@ def ensure(kind: str, overrides: list[str], *, root: str | Path = "artifacts") -
         with open_dict(cfg):
             cfg.out_dir = str(out_dir)
         log.info("training %s artifact %s (%s)", kind, out_dir, " ".join(overrides))
-        if ENTRY[kind] == "train_base":
-            from experiments.train_base import train
-        else:
-            from experiments.train_drafter import train
         out_dir.mkdir(parents=True, exist_ok=True)
         try:
-            result = train(cfg)
+            result = TRAINERS[ENTRY[kind]].train(cfg)
         except RunDirectoryInUse:  # another job took the lock between our wait and our start: wait again
             continue
         write_atomic(out_dir / "result.json", json.dumps(result, indent=2, default=str))

@@ -3,7 +3,7 @@
 A drafter trains on what the frozen base computes for each window of tokens: its final hidden states
 (the prophet regresses them, Medusa's heads read them), optionally the residual states of chosen layers
 (the prophet's EAGLE-3 fusion), and the base's own next-token distribution as its top-k ids and
-log-probabilities (the self-distillation teacher, experiments/distill.py). None of it changes while the
+log-probabilities (the self-distillation teacher, experiments/lib/distill.py). None of it changes while the
 base is frozen, so running the base on every training step (the old recipe) wasted most of the step.
 
 Layout of a cache directory:

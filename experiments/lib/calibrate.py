@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from experiments.cli import write_atomic
+from experiments.lib.cli import write_atomic
 from verify.budget import best_chain, best_tree, interpolate_cost
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate

@@ -2,11 +2,12 @@
 
 Classic speculative decoding (Leviathan et al., Chen et al.) drafts with a smaller LM of the same
 tokenizer. Trained on the corpus it learns the data; what acceptance rewards is agreeing with the base,
-so here it is trained on the base's own next-token distribution (experiments/distill.py), read from the
+so here it is trained on the base's own next-token distribution (experiments/lib/distill.py), read from the
 feature cache like every other drafter. It shares no weights with the base (only the vocabulary) and
 reads only the tokens and the teacher's top-k of a FeatureBatch, never the hidden states.
 
-The four functions of a family (experiments/train_drafter.py): build, loss, evaluate, drafter.
+The training side of a family (registered in experiments/lib/families.py): build, loss, evaluate; the inference
+side is verify.draft_model.make_drafter.
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ import torch
 from torch import Tensor, nn
 from x_transformers import TransformerWrapper
 
-from experiments.distill import agreement, check_target, distill_loss, student_top1, subset_index
-from experiments.features import FeatureBatch
-from experiments.lm import build_lm
-from verify.draft_model import DraftModelDrafter
+from experiments.lib.distill import agreement, check_target, distill_loss, student_top1, subset_index
+from experiments.lib.features import FeatureBatch
+from experiments.lib.lm import build_lm
 from verify.vocab import subset_linear
 
-__all__ = ["build", "loss", "evaluate", "drafter"]
+__all__ = ["build", "loss", "evaluate"]
 
 
 def build(base: nn.Module, *, dim: int = 128, depth: int = 2, heads: int = 4, ff_mult: int = 4,
@@ -65,8 +65,3 @@ def evaluate(module: TransformerWrapper, base: nn.Module, batch: FeatureBatch, *
     top = student_top1(_logits(module, batch.tokens[:, :-1], vocab), vocab)  # (B, T) full-vocabulary ids
     values = torch.stack([(top == batch.top_ids[..., 0]).float().mean(), (top == batch.tokens[:, 1:]).float().mean()])
     return dict(zip(("agree", "top1"), values.tolist()))
-
-
-def drafter(module: TransformerWrapper, base: nn.Module, *, vocab: Tensor | None = None, compile: bool = False) -> DraftModelDrafter:
-    """The draft model in the one speculative loop; `vocab` its trimmed output layer (None: all tokens)."""
-    return DraftModelDrafter(module, compile=compile, vocab=vocab)

@@ -34,8 +34,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
-from experiments.data import load_tokenizer
-from experiments.lm import build_lm
+from experiments.lib.data import load_tokenizer
+from experiments.lib.lm import build_lm
 
 __all__ = [
     "Checkpoint", "CheckpointError", "fingerprint", "save_checkpoint", "load_checkpoint", "load_lm", "load_model",
@@ -421,7 +421,7 @@ def is_hf_directory(directory: Path) -> bool:
 
 def _load_hf(directory: Path, device: str | torch.device) -> tuple[torch.nn.Module, Tokenizer, dict[str, Any]]:
     """A model saved by transformers' save_pretrained, with its own tokenizer. Its meta names no corpus:
-    entry points take the run's data config, with this tokenizer (experiments.data.base_data_config)."""
+    entry points take the run's data config, with this tokenizer (experiments.lib.data.base_data_config)."""
     from verify.hf import load_hf_base  # transformers is optional
 
     try:

@@ -21,8 +21,8 @@ from typing import Any
 
 import matplotlib
 
-from experiments.cli import write_atomic
-from experiments.calibrate import format_cost_table
+from experiments.lib.cli import write_atomic
+from experiments.lib.calibrate import format_cost_table
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402

@@ -1,6 +1,6 @@
 """What sharing the target's KV cache saves the early-exit drafter, measured (README, "Early exit").
 
-    python experiments/results/reference/2026-11-23-families/share_cache.py <base checkpoint> <exit head checkpoint> [threads] [rounds]
+    python results/reference/2026-11-23-families/share_cache.py <base checkpoint> <exit head checkpoint> [threads] [rounds]
 
 The same exit head drafts with share_cache=true (on the target's own cache) and false (an own cache of the
 first blocks, prefilled with the prompt), interleaved over rounds on the reference benchmark's held-out
@@ -13,11 +13,11 @@ import statistics
 import sys
 
 import torch
-from experiments.calibrate import pilot
-from experiments.checkpoint import load_lm
-from experiments.data import prepare_data, token_counts
-from experiments.prompts import heldout_prompts
-from experiments.train_drafter import load_drafter
+from experiments.lib.calibrate import pilot
+from experiments.lib.checkpoint import load_lm
+from experiments.lib.data import prepare_data, token_counts
+from experiments.lib.prompts import heldout_prompts
+from experiments.lib.families import load_drafter
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig
 from verify.target import Target
@@ -34,7 +34,7 @@ target = Target(base)
 rows = {True: [], False: []}
 for _ in range(int(sys.argv[4]) if len(sys.argv) > 4 else 5):
     for share in (True, False):
-        r = pilot(target, lambda: family.drafter(head, base, share_cache=share, vocab=vocab), prompts, spec=SpecConfig(gamma=4),
+        r = pilot(target, lambda: family.make_drafter(head, base, share_cache=share, vocab=vocab), prompts, spec=SpecConfig(gamma=4),
                   sampling=SamplingConfig(), eos_id=None, max_new_tokens=64, seed=0)
         rows[share].append(r)
 out = {}

@@ -628,8 +628,8 @@ def token_counts(data: PreparedData, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-# Prompts live in their own file; re-exported so `from experiments.data import ...` covers the whole API.
-from experiments.prompts import heldout_prompts, load_prompts  # noqa: E402
+# Prompts live in their own file; re-exported so `from experiments.lib.data import ...` covers the whole API.
+from experiments.lib.prompts import heldout_prompts, load_prompts  # noqa: E402
 
 __all__ = [
     "PreparedData", "prepare_data", "sample_batch", "iter_blocks", "heldout_prompts", "load_prompts",

@@ -1,7 +1,7 @@
 """A sequence-to-sequence task from the embedded corpus: a stdlib function (its code, docstring removed)
 -> the first paragraph of its docstring.
 
-Pairs come from `ast` over the same files `experiments.data.prepare_data` reads, and a pair is held out
+Pairs come from `ast` over the same files `experiments.lib.data.prepare_data` reads, and a pair is held out
 iff its file is one of that data's validation files: the same file-level split as the base LM, and the
 tokenizer (trained on the training split only) never saw a held-out pair. The first paragraph rather
 than the whole docstring: it is the summary (a few dozen tokens), where the rest is often a long
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.data import PreparedData, stdlib_files
+from experiments.lib.data import PreparedData, stdlib_files
 
 
 @dataclass

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from types import TracebackType
 
-from experiments.checkpoint import checkpoint_exists
+from experiments.lib.checkpoint import checkpoint_exists
 
 __all__ = ["RunLock", "check_writable", "check_checkpoint_dir"]
 

@@ -1,6 +1,6 @@
 """The training entry points' settings, checked before any work: one-line ValueErrors naming the value and
 what is allowed (the command line prints them as `error: ...`, exit 2). Shared by train_base, train_drafter
-and train_seq2seq through experiments/training.py's loop; also the device and recipe checks.
+and train_seq2seq through experiments/lib/training.py's loop; also the device and recipe checks.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from experiments.checkpoint import CheckpointError
-from experiments.distributed import Dist
+from experiments.lib.checkpoint import CheckpointError
+from experiments.lib.distributed import Dist
 from verify.numerics import is_finite_number
 
 __all__ = ["require", "is_int", "data_recipe", "check_positive_int", "check_optim", "check_loop_config",

@@ -21,10 +21,10 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from experiments.calibrate import cpu_model
-from experiments.cli import write_atomic
-from experiments.report import repeated_ngram_share
-from experiments.seq2seq_data import Pairs
+from experiments.lib.calibrate import cpu_model
+from experiments.lib.cli import write_atomic
+from experiments.lib.report import repeated_ngram_share
+from experiments.lib.seq2seq_data import Pairs
 from verify.plain import plain_generate
 from verify.prompt_lookup import PromptLookupDrafter
 from verify.sampling import SamplingConfig

@@ -7,8 +7,9 @@ zero, then a trainable copy of the base's output layer. So a fresh head is the "
 base's own norm and output layer applied to an intermediate state), and training starts there.
 
 Training reads layer `layer`'s states from the feature cache (train_drafter asks for that layer) and
-distils the base's own next-token distribution at the same position (experiments/distill.py).
-The four functions of a family (experiments/train_drafter.py): build, loss, evaluate, drafter.
+distils the base's own next-token distribution at the same position (experiments/lib/distill.py).
+The training side of a family (registered in experiments/lib/families.py): build, loss, evaluate; the inference
+side is verify.early_exit.make_drafter.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from experiments.distill import agreement, check_target, distill_loss, student_top1, subset_index
-from experiments.features import FeatureBatch
+from experiments.lib.distill import agreement, check_target, distill_loss, student_top1, subset_index
+from experiments.lib.features import FeatureBatch
 from medusa.heads import ResBlock, copy_linear
 from prophet.model import base_depth
-from verify.early_exit import EarlyExitDrafter, check_lean_base
+from verify.early_exit import check_lean_base
 from verify.engine import check_layers, lean
 from verify.vocab import subset_linear, trim_linear
 
-__all__ = ["build", "loss", "evaluate", "drafter"]
+__all__ = ["build", "loss", "evaluate"]
 
 
 class ExitHead(nn.Module):
@@ -94,14 +95,3 @@ def evaluate(module: ExitHead, base: nn.Module, batch: FeatureBatch, *, vocab: T
     top = student_top1(module(_state(module, batch), vocab), vocab)  # (B, T) full-vocabulary ids
     values = torch.stack([(top == batch.top_ids[..., 0]).float().mean(), (top == batch.tokens[:, 1:]).float().mean()])
     return dict(zip(("agree", "top1"), values.tolist()))
-
-
-def drafter(module: ExitHead, base: nn.Module, *, mode: str = "chain", vocab: Tensor | None = None,
-            share_cache: bool = True, compile: bool = False) -> EarlyExitDrafter:
-    """The early-exit drafter: the base's first `module.layer` blocks and this head (decode kwargs from
-    conf/drafter/early_exit.yaml `decode:`). It drafts chains only (`mode` is there for the benchmark's
-    <family>_<mode> method names)."""
-    if mode != "chain":
-        raise ValueError(f"mode={mode!r}: the early-exit drafter drafts chains only (mode=chain)")
-    return EarlyExitDrafter(base, module.eval().for_decoding(vocab), layer=module.layer, vocab=vocab,
-                            share_cache=share_cache, compile=compile)

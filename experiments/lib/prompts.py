@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 if TYPE_CHECKING:  # data.py re-exports this module; a runtime import would be circular
-    from experiments.data import PreparedData
+    from experiments.lib.data import PreparedData
 
 SEPARATOR = "---"  # a line holding only this separates prompts in a plain-text prompts file
 
