@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from experiments.lib import data as D
-from experiments.lib.data import heldout_prompts, iter_blocks, load_prompts, prepare_data, sample_batch, stdlib_files
-from experiments.lib.prompts import document_regions
+from experiments.lib.data import prepare_data, sample_batch, stdlib_files
+from experiments.lib.prompts import document_regions, heldout_prompts, load_prompts
 
 SMALL = dict(source="stdlib", max_files=40, vocab_size=512)
 
@@ -198,18 +198,6 @@ def test_sample_batch_shapes_and_shift(small):
     assert torch.equal(x, y)
     with pytest.raises(ValueError, match="seq_len=100"):
         sample_batch(torch.arange(50), batch_size=2, seq_len=100)
-
-
-def test_iter_blocks_covers_the_data_in_order():
-    ids = torch.arange(103)
-    blocks = list(iter_blocks(ids, batch_size=4, seq_len=10))
-    assert [b.shape for b in blocks] == [(4, 11), (4, 11), (2, 11)]  # last partial batch kept
-    rows = torch.cat(blocks)  # (10, 11)
-    assert torch.equal(rows[:, 1:].flatten(), ids[1:101])  # every target once, in order
-    assert torch.equal(rows[:, :-1].flatten(), ids[:100])
-    assert all(b.dtype == torch.int64 for b in blocks)
-    with pytest.raises(ValueError, match="seq_len=0"):
-        next(iter_blocks(ids, batch_size=4, seq_len=0))
 
 
 # ---------------------------------------------------------------- prompts

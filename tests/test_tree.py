@@ -15,12 +15,29 @@ from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate
 from verify.cache import tree_attention
 from verify.target import Target
-from verify.tree import grow_tree, leaf_paths, sort_paths, tree_from_paths, verify_parents
+from verify.tree import grow_tree, sort_paths, tree_from_paths, verify_parents
 
 SIX = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 
 
-def test_design_six_path_example():
+def leaf_paths(parents: torch.Tensor) -> list[list[int]]:
+    """The test's oracle: maximal root-to-leaf paths in verify indexing, for parents (k + 1,) (root first)."""
+    n = parents.shape[0]
+    has_child = torch.zeros(n, dtype=torch.bool)
+    has_child[parents[parents >= 0]] = True
+    out = []
+    for leaf in range(n):
+        if has_child[leaf]:
+            continue
+        path, cur = [], leaf
+        while cur >= 0:
+            path.insert(0, cur)
+            cur = int(parents[cur])
+        out.append(path)
+    return sorted(out, key=lambda p: (-len(p), p))
+
+
+def test_six_path_example():
     parents, depth = tree_from_paths(SIX)
     vp = verify_parents(parents[None])[0]
     _, d = tree_attention(vp[None])

@@ -5,6 +5,16 @@ Convention shared with the decode loops: the last emitted token of a row is *pen
 cache; the next `extend` starts with it. The forward runs on the lean engine over a static cache
 (verify/cache.py): verify/engine.py for x-transformers LMs, verify/lean_llama.py for a Hugging Face Llama.
 `make_target` picks the engine; verify/hf.py is the target for other Hugging Face causal LMs.
+
+Where the project knows it is x-transformers underneath (what to change for another model family):
+verify/engine.py reads an x-transformers decoder's weights and options into fused tensors, refuses the
+options it does not implement (UnsupportedModel) and is checked numerically against x-transformers' own
+forward; verify/cross_decoder.py does the same for an encoder-decoder's decoder; prophet.model.base_features
+reads block states from the x-transformers forward's `layer_hiddens` (training features only); the Medusa,
+sequential and prophet drafters borrow the base's `token_emb` and `to_logits` by their x-transformers
+names (verify/hf.py's HFBase gives a Hugging Face model the same two names). The KV cache
+(verify/cache.py) is the project's own, not x-transformers'. The decode loops, the acceptance rules and
+the drafters' proposing see only Target and TargetOutput.
 """
 
 from __future__ import annotations

@@ -55,23 +55,6 @@ def verify_parents(parents: Tensor) -> Tensor:
     return torch.cat((root, parents + 1), dim=1)
 
 
-def leaf_paths(parents: Tensor) -> list[list[int]]:
-    """Maximal root-to-leaf paths in verify indexing, for parents (k + 1,) (root first)."""
-    n = parents.shape[0]
-    has_child = torch.zeros(n, dtype=torch.bool)
-    has_child[parents[parents >= 0]] = True
-    out = []
-    for leaf in range(n):
-        if has_child[leaf]:
-            continue
-        path, cur = [], leaf
-        while cur >= 0:
-            path.insert(0, cur)
-            cur = int(parents[cur])
-        out.append(path)
-    return sorted(out, key=lambda p: (-len(p), p))
-
-
 def grow_tree(accuracies: list[list[float]], budget: int) -> list[Path]:
     """Grow a static tree of `budget` nodes greedily from measured rank accuracies.
 

@@ -34,6 +34,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
+
+from experiments.lib.cli import one_line
 from experiments.lib.data import load_tokenizer
 from experiments.lib.lm import build_lm
 
@@ -59,10 +61,6 @@ class Checkpoint:
     state_dict: dict[str, torch.Tensor]
     meta: dict[str, Any]
     optimizer_state: dict[str, Any] | None
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
 
 
 # ----------------------------------------------------------------------------------------- fingerprint
@@ -271,14 +269,14 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
         with safe_open(str(path), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"corrupted or truncated {path}: {_one_line(e)}") from None
+        raise CheckpointError(f"corrupted or truncated {path}: {one_line(e)}") from None
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"corrupted {path}: {_one_line(e)}") from None
+        raise CheckpointError(f"corrupted {path}: {one_line(e)}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a {FORMAT} meta file")
     missing = sorted(RESERVED_META_KEYS - meta.keys())
@@ -300,7 +298,7 @@ def _read_optimizer(path: Path) -> dict[str, Any]:
     try:
         return _unflatten_optimizer(tensors, header["optimizer"])
     except (KeyError, ValueError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"corrupted optimizer state in {path}: {_one_line(e)}") from None
+        raise CheckpointError(f"corrupted optimizer state in {path}: {one_line(e)}") from None
 
 
 def _not_a_checkpoint(directory: Path) -> CheckpointError:
@@ -331,7 +329,7 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
         with safe_open(str(directory / MODEL_FILE), framework="pt"):
             pass
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"corrupted or truncated {directory / MODEL_FILE}: {_one_line(e)}") from None
+        raise CheckpointError(f"corrupted or truncated {directory / MODEL_FILE}: {one_line(e)}") from None
     return meta
 
 
@@ -371,7 +369,7 @@ def check_lm_meta(directory: str | Path, meta: dict[str, Any], role: str = "base
     try:
         tokenizer = Tokenizer.from_str(meta["tokenizer"])
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-        raise CheckpointError(f"checkpoint {directory}: its tokenizer does not load ({_one_line(e)})") from None
+        raise CheckpointError(f"checkpoint {directory}: its tokenizer does not load ({one_line(e)})") from None
     num_tokens = meta["model_config"].get("num_tokens")
     if isinstance(num_tokens, int):
         _check_vocabulary(f"checkpoint {directory}", tokenizer, num_tokens, (meta.get("data") or {}).get("eos_id"))
@@ -407,11 +405,11 @@ def load_model(directory: str | Path, build, *, device: str | torch.device = "cp
         model = build(**ckpt.meta["model_config"])
     except TypeError as e:  # a config of another kind of model: keys the builder does not take
         raise CheckpointError(f"checkpoint {directory} (kind={ckpt.meta.get('kind')!r}) holds no model this loader "
-                              f"builds: {_one_line(e)}") from None
+                              f"builds: {one_line(e)}") from None
     try:
         model.load_state_dict(ckpt.state_dict, strict=True)
     except RuntimeError as e:
-        raise CheckpointError(f"checkpoint {directory} does not fit its model config: {_one_line(e)}") from None
+        raise CheckpointError(f"checkpoint {directory} does not fit its model config: {one_line(e)}") from None
     return model.to(device).eval(), ckpt.meta
 
 
@@ -428,7 +426,7 @@ def _load_hf(directory: Path, device: str | torch.device) -> tuple[torch.nn.Modu
         tokenizer, eos_id = load_tokenizer(str(directory))
         base = load_hf_base(directory, device=device)
     except (ValueError, OSError) as e:
-        raise CheckpointError(f"Hugging Face model {directory}: {_one_line(e)}") from None
+        raise CheckpointError(f"Hugging Face model {directory}: {one_line(e)}") from None
     _check_vocabulary(f"Hugging Face model {directory}", tokenizer, base.num_tokens, eos_id)
     meta = {"fingerprint": fingerprint(base.state_dict()), "model_config": {"arch": "hf", "path": str(directory.resolve())},
             "tokenizer": tokenizer.to_str(), "data": {"config": None, "eos_id": eos_id, "tokenizer_path": str(directory.resolve())}}

@@ -1,8 +1,8 @@
 """The data pipeline: corpus -> file-level split -> byte-level BPE -> token ids, cached on disk.
 
 One entry point, `prepare_data`, returns a `PreparedData` with the tokenizer and the train/validation
-token streams (documents joined with EOS). Batching for training (`sample_batch`, random windows) and
-for validation (`iter_blocks`, every target once, in order) lives here too; prompts live in prompts.py.
+token streams (documents joined with EOS). Batching for training (`sample_batch`, random windows) lives
+here too; validation blocks are experiments/lib/training.py's `validation_blocks`; prompts live in prompts.py.
 
 The default corpus is the Python standard library's own source: real code nobody
 here wrote, on every machine, no download. Other corpora are local text files or a hub dataset.
@@ -591,23 +591,6 @@ def sample_batch(
     return ids[index].long().to(device)
 
 
-def iter_blocks(ids: torch.Tensor, *, batch_size: int, seq_len: int) -> Iterator[torch.Tensor]:
-    """Validation blocks in order: (B, seq_len + 1) int64 windows with stride seq_len.
-
-    Consecutive windows share one boundary token, so every token after the first is a target exactly
-    once. The last batch is kept even if it has fewer than batch_size rows; only the tail of fewer than
-    seq_len tokens after the last full window is dropped."""
-    _check_batch(batch_size, seq_len)
-    n_windows = (ids.numel() - 1) // seq_len
-    offsets = torch.arange(seq_len + 1)  # (T+1,)
-    for first in range(0, n_windows, batch_size):
-        rows = torch.arange(first, min(first + batch_size, n_windows))  # (B,)
-        yield ids[rows[:, None] * seq_len + offsets].long()  # (B, T+1)
-
-
-# ---------------------------------------------------------------- token counts
-
-
 def token_counts(data: PreparedData, vocab_size: int) -> torch.Tensor:
     """(V,) int64: how often each token occurs in the training split (what a trimmed drafter vocabulary
     keeps the most frequent of). Training split only, like the tokenizer: validation stays unseen.
@@ -626,12 +609,3 @@ def token_counts(data: PreparedData, vocab_size: int) -> torch.Tensor:
         largest = int(counts.nonzero().max())
         raise ValueError(f"vocab_size={vocab_size}: must exceed the largest training id {largest} (use the tokenizer's size)")
     return counts
-
-
-# Prompts live in their own file; re-exported so `from experiments.lib.data import ...` covers the whole API.
-from experiments.lib.prompts import heldout_prompts, load_prompts  # noqa: E402
-
-__all__ = [
-    "PreparedData", "prepare_data", "sample_batch", "iter_blocks", "heldout_prompts", "load_prompts",
-    "stdlib_files", "token_counts",
-]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from tokenizers import Tokenizer
 
-if TYPE_CHECKING:  # data.py re-exports this module; a runtime import would be circular
+if TYPE_CHECKING:  # annotations only: prompts need no data pipeline at run time
     from experiments.lib.data import PreparedData
 
 SEPARATOR = "---"  # a line holding only this separates prompts in a plain-text prompts file
