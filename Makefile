@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all clean
+.PHONY: setup demo test test-all lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -22,6 +22,15 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest -q
+
+# ruff (pyproject.toml [tool.ruff]); the fast tests run the same two checks (tests/test_lint.py).
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
 
 clean:
 	rm -rf $(VENV) outputs multirun .cache wandb

@@ -6,7 +6,7 @@ base's final LayerNorm (its gain copied), `num_layers` residual blocks x + SiLU(
 zero, then a trainable copy of the base's output layer. So a fresh head is the "logit lens" (the
 base's own norm and output layer applied to an intermediate state), and training starts there.
 
-Training reads layer `layer`'s states from the feature cache (train_drafter asks for that layer) and
+Training reads layer `layer`'s states from the feature cache (the drafter trainer asks for that layer) and
 distils the base's own next-token distribution at the same position (experiments/lib/distill.py).
 The training side of a family (registered in experiments/lib/families.py): build, loss, evaluate; the inference
 side is verify.early_exit.make_drafter.
@@ -67,7 +67,7 @@ def build(base: nn.Module, *, layer: int, num_layers: int = 1) -> ExitHead:
 
 
 def _state(module: ExitHead, batch: FeatureBatch) -> Tensor:
-    """Layer `layer`'s states (B, T, d) from the batch (train_drafter asks the cache for exactly that layer)."""
+    """Layer `layer`'s states (B, T, d) from the batch (the drafter trainer asks the cache for exactly that layer)."""
     batch.check()
     if batch.layers is None or batch.layers.shape[2] != 1:
         got = None if batch.layers is None else tuple(batch.layers.shape)

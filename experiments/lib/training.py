@@ -4,7 +4,7 @@ the loss.
 `TrainLoop.run` owns what every training needs: the learning-rate schedule, precision (autocast), gradient
 accumulation, clipping, the optimizer step, validation, metrics.jsonl and the logger, periodic checkpoints
 and resume, time budgets, and DistributedDataParallel under torchrun (experiments/lib/distributed.py). The
-caller (train_base, train_drafter, train_seq2seq) supplies the model being trained, `loss_fn(model, batch)
+caller (base_trainer, drafter_trainer, train_seq2seq) supplies the model being trained, `loss_fn(model, batch)
 -> (loss, metrics)`, `batch_fn(step)` (this rank's rows of the step's batch), `count_fn` (tokens, positions
 or pairs in a batch), `validate_fn()`, `save_fn` and optionally `after_backward` (a check after each backward).
 
