@@ -330,7 +330,7 @@ def test_load_drafter_refuses_a_base_checkpoint(tiny_base: Path) -> None:
     ("max_minutes=0", "max_minutes must be positive or null"),
     ("optim.lr=0", "optim.lr must be positive"),
     ("optim.warmup_steps=5", "optim.warmup_steps (5) must not exceed max_steps (4)"),
-    ("drafter.package=nonexistent", "drafter.package='nonexistent': must be one of medusa, prophet, draft"),
+    ("drafter.package=nonexistent", "drafter.package='nonexistent': must be one of draft, medusa, prophet, sequential, early_exit"),
     ("drafter.package=json", "drafter.package='json': must be one of"),
 ])
 def test_train_drafter_bad_config_fails_before_work(override: str, fragment: str, tmp_path: Path,
@@ -646,7 +646,7 @@ def test_benchmark_unknown_method_fails_before_training(tmp_path: Path, monkeypa
     def no_training(*args, **kwargs):
         raise AssertionError("an artifact was trained before the config was validated")
 
-    monkeypatch.setattr(bench_mod, "ensure", no_training)
+    monkeypatch.setattr(methods, "ensure", no_training)  # where checkpoint_for looks it up
     cfg = make_cfg("benchmark", "methods=[medusa_chian]", f"artifacts.root={tmp_path}", f"out_dir={tmp_path}",
                    "logger=none")
     with pytest.raises(ValueError, match="medusa_chian"):

@@ -1,12 +1,12 @@
 """Settings checked before any work: one-line ValueErrors naming the value and what is allowed (the command
 line prints them as `error: ...`, exit 2).
 
-The one validator of each kind every entry point uses: check_int (an integer >= a minimum, or null),
-check_bool, check_number (a finite number in an allowed range), and require for any other condition.
-Their wording is `<key>=<value>: must be ...`; check_positive_int words check_int's test the way the training
-recipes' messages have always read (`max_steps must be a positive integer, got 0`), as the training loop's
-checks here (check_loop_config, check_optim) do. Also the device and a resumed run's recipe. The decoding
-entry points' own config checks build on these in experiments/lib/decode_checks.py.
+The validators of single values, one of each kind: check_int (an integer >= a minimum, or null), check_bool,
+check_number (a finite number in an allowed range), and require for any other condition. They word an error
+`<key>=<value>: must be ...`. The training loop's checks here (check_loop_config, check_optim) keep the training
+recipes' own wording, `<key> must be ..., got <value>`, which their tests pin: check_positive_int is check_int
+in that wording. Also the device and a resumed run's recipe. The decoding entry points' config checks build on
+these in experiments/lib/decode_checks.py.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = ["require", "is_int", "check_int", "check_bool", "check_number", "chec
 
 
 def require(ok: bool, message: str) -> None:
+    """A ValueError(message) unless ok: a condition the validators below do not cover."""
     if not ok:
         raise ValueError(message)
 
@@ -59,13 +60,6 @@ def check_number(name: str, value: Any, allowed: str, ok: Callable[[float], bool
     return float(value)
 
 
-def data_recipe(data: Any) -> dict[str, Any]:
-    """A data config as part of a training recipe: everything but where its token cache lives."""
-    recipe = OmegaConf.to_container(data, resolve=True)
-    recipe.pop("cache_dir", None)
-    return recipe
-
-
 def check_positive_int(name: str, value: Any, *, allow_null: bool = False) -> None:
     """check_int(name, value) in the training recipes' wording, `<name> must be a positive integer[ or null],
     got <value>`: the same test, the words their users and tests read."""
@@ -73,6 +67,13 @@ def check_positive_int(name: str, value: Any, *, allow_null: bool = False) -> No
         check_int(name, value, allow_null=allow_null)
     except ValueError:
         raise ValueError(f"{name} must be a positive integer{' or null' if allow_null else ''}, got {value!r}") from None
+
+
+def data_recipe(data: Any) -> dict[str, Any]:
+    """A data config as part of a training recipe: everything but where its token cache lives."""
+    recipe = OmegaConf.to_container(data, resolve=True)
+    recipe.pop("cache_dir", None)
+    return recipe
 
 
 def check_optim(optim: Any, max_steps: int) -> None:
