@@ -44,11 +44,12 @@ class ExactnessError(RuntimeError):
     """A lossless method did not reproduce plain greedy decoding."""
 
 
-def check_exact(method: str, plain: list[list[int]], speculative: list[list[int]], *, rule: str, delta: float,
-                greedy: bool) -> tuple[bool | None, bool]:
-    """(exact, lossless) of a method's output against plain decoding's on the same prompts and seeds: exact
-    is None when sampling (two samples may differ by chance); a lossless rule that is not exact at
-    temperature 0 raises ExactnessError: the loop or the drafter is wrong, and no figure of it may stand."""
+def check_exact(method: str, plain: list[int] | list[list[int]], speculative: list[int] | list[list[int]], *,
+                rule: str, delta: float, greedy: bool) -> tuple[bool | None, bool]:
+    """(exact, lossless) of a method's new tokens (one row, or every row) against plain decoding's on the same
+    prompts and seeds: exact is None when sampling (two samples may differ by chance); a lossless rule that is
+    not exact at temperature 0 raises ExactnessError: the loop or the drafter is wrong, and no figure of it
+    may stand."""
     exact = plain == speculative if greedy else None
     lossless = is_lossless(rule, delta=delta)
     if exact is False and lossless:
@@ -76,6 +77,7 @@ def check_run(cfg: DictConfig) -> torch.device:
 
 
 def check_temperature(name: str, value: Any) -> float:
+    """A sampling temperature: a finite number >= 0 (the sampler refuses tiny ones itself, in sampling_for)."""
     return check_number(name, value, "a finite number >= 0 (0 = greedy)", lambda t: t >= 0)
 
 

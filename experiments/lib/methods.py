@@ -3,11 +3,11 @@
 
 A method is plain decoding's rival: `draft_model` (an LM drafting a chain), `prompt_lookup` (n-grams of the
 prompt, no weights) or `<family>_<mode>` for each drafter family of experiments/lib/families.py and each of
-its modes (chain, tree). This module holds the registry (METHODS), where each method's checkpoint comes from
-(an explicit directory, or the artifact cache of experiments/lib/artifacts.py, trained on first use), and
-make_methods, which loads them and returns one factory of a fresh drafter per method. The held-out prompts
-every method decodes (get_prompts) are here too. The checks of a decoding config, before any of this runs,
-are in experiments/lib/decode_checks.py.
+its modes (chain, tree). This module holds the registry (METHODS, and check_methods of a config's list of
+them), where each method's checkpoint comes from (an explicit directory, or the artifact cache of
+experiments/lib/artifacts.py, trained on first use), and make_methods, which loads them and returns one
+factory of a fresh drafter per method. The held-out prompts every method decodes (get_prompts) are here
+too. The rest of a decoding config's checks, before any of this runs, are experiments/lib/decode_checks.py's.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from verify.vocab import frequent_tokens
 
 log = logging.getLogger(__name__)
 
-# Checkpoint kinds trained by train_drafter on the frozen base: one per family (the draft model is one).
+# Checkpoint kinds train_drafter trains on the frozen base: one per family (the draft model's among them).
 DRAFTER_KINDS = tuple(FAMILIES)
 # <family>_<mode> -> (family, mode), for every family but the draft model's, whose one method is draft_model.
 FAMILY_METHODS: dict[str, tuple[str, str]] = {
