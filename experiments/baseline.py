@@ -5,6 +5,8 @@
 Our plain decoding is the baseline of every speedup, so it must be at least as fast as the library's
 generate. Both run greedy with a KV cache, batch 1, one prompt at a time, interleaved over `repeats`
 rounds after a warm-up; the outputs must be identical. Prints one JSON object as the last line.
+It reads the benchmark's config, checked by experiments/lib/decode_checks.py; its prompts and base checkpoint
+come from experiments/lib/methods.py, as the benchmark's do.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ import time
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 from x_transformers import AutoregressiveWrapper
 
-from experiments.benchmark import (
-    _positive_int, check_checkpoints, check_decode, check_prompts, check_run, checkpoint_for, command_line_keys, get_prompts,
-)
 from experiments.lib.checkpoint import load_lm
 from experiments.lib.cli import exit_on_user_error
+from experiments.lib.decode_checks import check_checkpoints, check_decode, check_prompts, check_run, command_line_keys
+from experiments.lib.methods import checkpoint_for, get_prompts
+from experiments.lib.settings import check_bool, check_int
 from verify.hf import HFBase
 from verify.plain import plain_generate
 from verify.target import Target
@@ -50,11 +52,12 @@ def _timed(fn) -> tuple[list, float]:
 def check_config(cfg: DictConfig) -> None:
     """Every setting the baseline reads (of the benchmark's config), before anything loads or trains."""
     check_run(cfg)
-    if cfg.threads is not None and (isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 1):
-        raise ValueError(f"threads={cfg.threads!r}: the baseline takes one setting, null or an integer >= 1")
-    if not isinstance(cfg.compile, bool):
-        raise ValueError(f"compile={cfg.compile!r}: the baseline takes one setting, true or false")
-    _positive_int("repeats", cfg.repeats)
+    for key, allowed in (("threads", "null or an integer >= 1"), ("compile", "true or false")):
+        if isinstance(cfg[key], ListConfig):  # the benchmark times a list of settings side by side
+            raise ValueError(f"{key}={cfg[key]!r}: the baseline takes one setting, {allowed}")
+    check_int("threads", cfg.threads, allow_null=True)
+    check_bool("compile", cfg.compile)
+    check_int("repeats", cfg.repeats)
     check_decode(cfg.decode)  # it decodes greedily, decode.max_new_tokens tokens: the rest is checked, not read
     typed = sorted(k for k in command_line_keys() if k.startswith("decode.") and k != "decode.max_new_tokens")
     if typed:

@@ -10,6 +10,9 @@ tokens, its corrections and bonus tokens, in the default colour), followed by ta
 speedup, the draft/target time split and acceptance by position. One run per prompt (after a short
 warm-up): timings here are a demonstration; experiments.benchmark measures speedups properly. At
 temperature 0 a lossless rule must reproduce plain decoding token for token, or this fails loudly.
+
+The settings are checked, and the method's drafter made, by the library the benchmark uses:
+experiments/lib/decode_checks.py and experiments/lib/methods.py. This file holds the console tool itself.
 """
 
 from __future__ import annotations
@@ -28,14 +31,14 @@ from rich.table import Table
 from rich.text import Text
 from tokenizers import Tokenizer
 
-from experiments.benchmark import (
-    DRAFTER_KINDS, METHODS, TREE_FAMILIES, ExactnessError, _boolean, _positive_int, check_checkpoints, check_decode,
-    check_family_decode, check_prompt_lookup, check_run, check_temperature, checkpoint_for, checkpoint_kinds,
-    command_line_keys, make_methods, sampling_for,
-)
 from experiments.lib.checkpoint import load_lm
 from experiments.lib.cli import USER_ERRORS, exit_on_user_error, one_line
-from verify.acceptance import is_lossless
+from experiments.lib.decode_checks import (
+    check_checkpoints, check_decode, check_exact, check_family_decode, check_prompt_lookup, check_run, check_temperature,
+    command_line_keys, sampling_for,
+)
+from experiments.lib.methods import DRAFTER_KINDS, METHODS, checkpoint_for, checkpoint_kinds, make_methods, verify_widths
+from experiments.lib.settings import check_bool, check_int
 from verify.drafter import Draft, Verdict
 from verify.plain import Generation, plain_generate
 from verify.sampling import SamplingConfig
@@ -124,21 +127,20 @@ def check_config(cfg: DictConfig) -> tuple[SamplingConfig, SpecConfig, str]:
     """One-line errors for bad settings before anything is loaded or trained; (sampling, spec, resolved rule)."""
     if cfg.method not in METHODS:
         raise ValueError(f"method={cfg.method!r}: must be one of {', '.join(METHODS)}")
-    if not _boolean("interactive", cfg.interactive):
+    if not check_bool("interactive", cfg.interactive):
         check_prompt(cfg.prompt)
-    _positive_int("max_new_tokens", cfg.max_new_tokens)
-    _boolean("compile", cfg.compile)
-    _boolean("stop_at_eos", cfg.stop_at_eos)
-    if isinstance(cfg.warmup_tokens, bool) or not isinstance(cfg.warmup_tokens, int) or cfg.warmup_tokens < 0:
-        raise ValueError(f"warmup_tokens={cfg.warmup_tokens!r}: must be an integer >= 0")
-    _positive_int("threads", cfg.threads, allow_null=True)
-    _positive_int("vocab", cfg.vocab, allow_null=True)
+    check_int("max_new_tokens", cfg.max_new_tokens)
+    check_bool("compile", cfg.compile)
+    check_bool("stop_at_eos", cfg.stop_at_eos)
+    check_int("warmup_tokens", cfg.warmup_tokens, minimum=0)
+    check_int("threads", cfg.threads, allow_null=True)
+    check_int("vocab", cfg.vocab, allow_null=True)
     check_run(cfg)
     typed = command_line_keys()
     for key, instead in NOT_READ.items():
         if key in typed:
             raise ValueError(f"{key} is the benchmark's setting, not read by generate: set {instead}")
-    _, spec = check_decode(cfg.decode)
+    _, spec = check_decode(cfg.decode)  # spec: decode_checks.spec_from, as the benchmark builds it
     sampling, rule = sampling_for(cfg.decode, check_temperature("temperature", cfg.temperature))
     check_prompt_lookup(cfg.prompt_lookup)
     check_family_decode(cfg)
@@ -187,7 +189,7 @@ def load_session(cfg: DictConfig, checked: tuple[SamplingConfig, SpecConfig, str
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
     make = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[0][cfg.method]
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
-    target = make_target(base, compile=cfg.compile, widths=(1, spec.gamma + 1, *(cfg[f].decode.tree_nodes + 1 for f in TREE_FAMILIES)))
+    target = make_target(base, compile=cfg.compile, widths=verify_widths(cfg, [spec.gamma]))
     return Session(target, lambda: make(compile=cfg.compile), tokenizer, eos_id, sampling, spec, rule, cfg)
 
 
@@ -210,11 +212,8 @@ def generate_one(s: Session, text: str) -> dict[str, Any]:
         s.warm = True
     plain, spec, drafter = decode_both(s, prompt, s.cfg.max_new_tokens)
     plain_ids, spec_ids = plain.tokens[0], spec.tokens[0]
-    lossless = is_lossless(s.rule, delta=s.spec.delta)
-    exact = plain_ids == spec_ids if s.sampling.greedy else None
-    if exact is False and lossless:
-        raise ExactnessError(f"{s.cfg.method} at temperature 0 differs from plain greedy decoding: "
-                             "a lossless rule must not")
+    exact, lossless = check_exact(s.cfg.method, plain_ids, spec_ids, rule=s.rule, delta=s.spec.delta,
+                                  greedy=s.sampling.greedy)
     return {
         "prompt": text, "method": s.cfg.method,
         "plain": s.tokenizer.decode(plain_ids), "speculative": s.tokenizer.decode(spec_ids),
@@ -225,13 +224,14 @@ def generate_one(s: Session, text: str) -> dict[str, Any]:
 
 
 def stats_of(plain: Generation, spec: Generation, **extra: Any) -> dict[str, Any]:
+    """The view's figures of one prompt (verify/stats.py's DecodeStats of each decoder), and `extra`."""
     p, q = plain.stats, spec.stats
-    plain_tps, spec_tps = int(p.tokens.sum()) / p.time_total, int(q.tokens.sum()) / q.time_total
     return {
         **extra, "tau": q.tau, "alpha": q.alpha, "acceptance_by_position": q.acceptance_by_position,
-        "plain_tokens": int(p.tokens.sum()), "speculative_tokens": int(q.tokens.sum()),
+        "plain_tokens": p.total_tokens, "speculative_tokens": q.total_tokens,
         "plain_forwards": int(p.forwards.sum()), "speculative_forwards": int(q.forwards.sum()),
-        "plain_tokens_per_s": plain_tps, "speculative_tokens_per_s": spec_tps, "speedup": spec_tps / plain_tps,
+        "plain_tokens_per_s": p.tokens_per_s, "speculative_tokens_per_s": q.tokens_per_s,
+        "speedup": q.tokens_per_s / p.tokens_per_s,
         "plain_seconds": p.time_total, "speculative_seconds": q.time_total,
         "time_draft": q.time_draft, "time_target": q.time_target, "time_other": q.time_other,
         "draft_share": q.time_draft / q.time_total, "target_share": q.time_target / q.time_total,

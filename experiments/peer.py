@@ -14,6 +14,7 @@ Batch 1 for every pair (transformers' assisted generation and prompt lookup take
 batch sizes our batched decoding is timed beside transformers' batched plain generate.
 tau = new tokens per forward of the target (for transformers counted by a hook on the target's
 backbone); tokens/s = new tokens over wall time; ratio = ours / theirs, median over interleaved rounds.
+Its settings are checked with experiments/lib/decode_checks.py's and experiments/lib/settings.py's validators.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.artifacts import ensure
-from experiments.benchmark import _positive_int, check_checkpoints, check_prompt_lookup, check_run
 from experiments.lib.calibrate import cpu_model
 from experiments.lib.checkpoint import is_hf_directory, load_lm, read_meta
 from experiments.lib.cli import exit_on_user_error, write_atomic
 from experiments.lib.data import base_data_config, prepare_data
+from experiments.lib.decode_checks import check_checkpoints, check_prompt_lookup, check_run
 from experiments.lib.prompts import heldout_prompts
 from experiments.lib.rundir import check_writable
+from experiments.lib.settings import check_bool, check_int
 from verify.draft_model import DraftModelDrafter
 from verify.hf import HFBase
 from verify.plain import Generation, plain_generate
@@ -52,20 +54,23 @@ PAIRS = ("plain", "draft", "prompt_lookup")
 def check_config(cfg: DictConfig) -> None:
     """One-line errors for every setting, before any model loads or trains."""
     check_run(cfg)
-    _positive_int("prompts.num_prompts", cfg.prompts.num_prompts)
-    _positive_int("prompts.prompt_len", cfg.prompts.prompt_len)
+    check_int("prompts.num_prompts", cfg.prompts.num_prompts)
+    check_int("prompts.prompt_len", cfg.prompts.prompt_len)
     for key in ("max_new_tokens", "gamma", "repeats"):
-        _positive_int(key, cfg[key])
+        check_int(key, cfg[key])
     sizes = list(cfg.batch_sizes)
-    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+    if not sizes:
         raise ValueError(f"batch_sizes={sizes!r}: must be a non-empty list of integers >= 1")
-    _positive_int("threads", cfg.threads, allow_null=True)
+    for i, size in enumerate(sizes):
+        check_int(f"batch_sizes[{i}]", size)
+    check_int("threads", cfg.threads, allow_null=True)
     check_prompt_lookup(cfg.prompt_lookup)
     settings = list(cfg.ours)
-    if not settings or any(set(s) != {"engine", "compile"} or s["engine"] not in ENGINES or not isinstance(s["compile"], bool)
-                           for s in settings):
+    if not settings or any(set(s) != {"engine", "compile"} or s["engine"] not in ENGINES for s in settings):
         raise ValueError(f"ours={OmegaConf.to_container(cfg.ours)!r}: must be a non-empty list of {{engine: "
                          f"{'|'.join(ENGINES)}, compile: true|false}}")
+    for i, setting in enumerate(settings):
+        check_bool(f"ours[{i}].compile", setting["compile"])
     if any(s["engine"] == "hf" and s["compile"] for s in settings):
         raise ValueError("ours: {engine: hf, compile: true}: the transformers adapter runs eager only; compile the lean engine")
     check_checkpoints(cfg, ["base", "assistant"])
@@ -132,7 +137,11 @@ def ours(base: HFBase, assistant: HFBase, pair: str, prompts: list[list[int]], c
         drafter = DraftModelDrafter(assistant, compile=setting["compile"], engine=setting["engine"])
     else:
         drafter = PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
-    return speculative_generate(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens, spec=SpecConfig(gamma=cfg.gamma))
+    # Not decode_checks.spec_from: the peer config has no decode group, only `gamma` (transformers'
+    # num_assistant_tokens and prompt_lookup_num_tokens), at a fixed length: max_gamma, which only caps adaptive
+    # gamma, is gamma itself (SpecConfig's default 16 would refuse gamma=20); the rest is SpecConfig's defaults.
+    spec = SpecConfig(gamma=cfg.gamma, max_gamma=cfg.gamma)
+    return speculative_generate(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens, spec=spec)
 
 
 def run(fn, batches: list[list[list[int]]], counter: ForwardCounter) -> dict[str, Any]:

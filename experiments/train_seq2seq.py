@@ -35,8 +35,11 @@ from experiments.lib.cli import exit_on_user_error
 from experiments.lib.data import prepare_data
 from experiments.lib.distributed import Dist
 from experiments.lib.rundir import RunLock, check_checkpoint_dir
+from experiments.lib.seq2seq_bench import benchmark
 from experiments.lib.seq2seq_data import Pairs, pad_batch, seq2seq_pairs
-from experiments.lib.settings import check_recipe, data_recipe, resolve_device
+from experiments.lib.settings import (
+    check_bool, check_int, check_number, check_recipe, data_recipe, require, resolve_device,
+)
 from experiments.lib.training import (
     LoopSettings, LoopState, make_logger, make_optimizer, prepare_run_dir, SEED_STRIDE, TrainLoop,
 )
@@ -69,38 +72,35 @@ def model_config(cfg: DictConfig, size: DictConfig, num_tokens: int) -> dict[str
 
 def validate_config(cfg: DictConfig) -> None:
     """One-line errors naming the value and what is allowed, before any work starts."""
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ValueError(message)
-
-    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-    need(cfg.mode in MODES, f"mode={cfg.mode!r}: use one of {', '.join(MODES)}")
-    need(cfg.data.source == "stdlib", f"data.source={cfg.data.source!r}: the function -> docstring task reads the stdlib only (data=stdlib)")
-    need(cfg.mode != "bench" or cfg.checkpoints is not None, "mode=bench needs checkpoints=<a run directory with target/ and draft/>")
+    require(cfg.mode in MODES, f"mode={cfg.mode!r}: use one of {', '.join(MODES)}")
+    require(cfg.data.source == "stdlib",
+            f"data.source={cfg.data.source!r}: the function -> docstring task reads the stdlib only (data=stdlib)")
+    require(cfg.mode != "bench" or cfg.checkpoints is not None,
+            "mode=bench needs checkpoints=<a run directory with target/ and draft/>")
     for name in ("target", "draft"):
         for key in SIZE_KEYS:
-            v = cfg[name][key]
-            need(is_int(v) and v >= 1, f"{name}.{key}={v!r}: must be an integer >= 1")
-        need(cfg[name].dim % cfg[name].heads == 0, f"{name}.dim={cfg[name].dim} must be a multiple of {name}.heads={cfg[name].heads}")
+            check_int(f"{name}.{key}", cfg[name][key])
+        require(cfg[name].dim % cfg[name].heads == 0,
+                f"{name}.dim={cfg[name].dim} must be a multiple of {name}.heads={cfg[name].heads}")
     for key, low in (("max_source_tokens", 1), ("max_target_tokens", 2)):
-        need(is_int(cfg.pairs[key]) and cfg.pairs[key] >= low, f"pairs.{key}={cfg.pairs[key]!r}: must be an integer >= {low}")
+        check_int(f"pairs.{key}", cfg.pairs[key], minimum=low)
     t = cfg.train
-    need(isinstance(cfg.resume, bool), f"resume={cfg.resume!r}: must be true or false")
+    check_bool("resume", cfg.resume)
     for key in ("batch_size", "target_steps", "draft_steps", "log_every", "eval_pairs", "checkpoint_every"):
-        need(is_int(t[key]) and t[key] >= 1, f"train.{key}={t[key]!r}: must be an integer >= 1")
-    need(is_int(t.warmup_steps) and t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps!r}: must be an integer >= 0")
-    need(is_finite_number(t.lr) and t.lr > 0, f"train.lr={t.lr!r}: must be a finite number > 0")
+        check_int(f"train.{key}", t[key])
+    check_int("train.warmup_steps", t.warmup_steps, minimum=0)
+    check_number("train.lr", t.lr, "a finite number > 0", lambda x: x > 0)
     for key in ("target_minutes", "draft_minutes"):
-        need(t[key] is None or (isinstance(t[key], (int, float)) and t[key] > 0),
-             f"train.{key}={t[key]!r}: must be a number > 0, or null for the step budget only")
+        if t[key] is not None:
+            check_number(f"train.{key}", t[key], "a number > 0, or null for the step budget only", lambda x: x > 0)
     b = cfg.bench
     for key in ("pairs", "batch", "max_new_tokens", "gamma", "ngram", "repeats"):
-        need(is_int(b[key]) and b[key] >= 1, f"bench.{key}={b[key]!r}: must be an integer >= 1")
-    need(b.max_new_tokens <= cfg.pairs.max_target_tokens, f"bench.max_new_tokens={b.max_new_tokens}: must be at most "
-         f"pairs.max_target_tokens={cfg.pairs.max_target_tokens} (the decoder's length)")
+        check_int(f"bench.{key}", b[key])
+    require(b.max_new_tokens <= cfg.pairs.max_target_tokens, f"bench.max_new_tokens={b.max_new_tokens}: must be at most "
+            f"pairs.max_target_tokens={cfg.pairs.max_target_tokens} (the decoder's length)")
     temps = list(b.temperatures)
-    need(len(temps) > 0 and all(is_finite_number(x) and x >= 0 for x in temps),
-         f"bench.temperatures={temps!r}: must be a non-empty list of finite numbers >= 0")
+    require(len(temps) > 0 and all(is_finite_number(x) and x >= 0 for x in temps),
+            f"bench.temperatures={temps!r}: must be a non-empty list of finite numbers >= 0")
     for x in temps:
         SamplingConfig(temperature=float(x))  # the sampler's own checks, now rather than after training
     resolve_device(cfg.device)
@@ -217,8 +217,6 @@ def load_seq2seq(directory: Path, device: torch.device) -> tuple[XTransformer, d
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Train (mode train/all) and benchmark (mode bench/all) as configured; returns the results."""
-    from experiments.lib.seq2seq_bench import benchmark  # the benchmark imports this module's loaders
-
     validate_config(cfg)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("train_seq2seq runs in one process: start it with python -m, not torchrun")

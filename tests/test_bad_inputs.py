@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from tokenizers import Tokenizer, models
 
 from experiments import baseline, benchmark as bench_mod, generate as gen, peer as peer_mod
-from experiments.lib import artifacts, report
+from experiments.lib import artifacts, decode_checks, methods, report
 from experiments.lib.cli import USER_ERRORS, write_atomic
 from experiments.lib.checkpoint import save_checkpoint
 from experiments.lib.lm import build_lm
@@ -131,8 +131,10 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     def work(*args, **kwargs):
         raise AssertionError("a model was loaded or trained before the settings were checked")
 
-    for module, names in ((bench_mod, ("ensure", "load_lm", "load_drafter", "prepare_data")), (gen, ("load_lm",)),
-                          (baseline, ("load_lm",)), (peer_mod, ("ensure", "load_lm", "prepare_data"))):
+    # Where each name is looked up: the entry points load the base; experiments/lib/methods.py trains artifacts
+    # (checkpoint_for), loads drafters and draft models, and reads the corpus (prompts, the drafters' vocabulary).
+    for module, names in ((bench_mod, ("load_lm",)), (methods, ("ensure", "load_lm", "load_drafter", "prepare_data")),
+                          (gen, ("load_lm",)), (baseline, ("load_lm",)), (peer_mod, ("ensure", "load_lm", "prepare_data"))):
         for name in names:
             monkeypatch.setattr(module, name, work)
 
@@ -207,7 +209,7 @@ def test_bad_decode_setting_fails_before_any_work(entry: str, override: str, fra
 
 def test_typical_settings_reach_the_loop(files: dict) -> None:
     cfg = make_cfg("benchmark", ["decode.typical_epsilon=0.2", "decode.typical_alpha=0.5", "decode.rule=typical"], files)
-    _, spec = bench_mod.check_decode(cfg.decode)
+    _, spec = decode_checks.check_decode(cfg.decode)
     assert (spec.typical_epsilon, spec.typical_alpha, spec.rule) == (0.2, 0.5, "typical")
 
 
@@ -355,11 +357,11 @@ def test_typed_drafter_setting_must_match_the_checkpoint(files: dict, no_work) -
         assert f"{family}.{key}={typed} was set on the command line" in message, message
         assert f"checkpoints.{family}={files[family]} was trained with {recorded}" in message and "\n" not in message
         with typed_on_the_command_line("benchmark", [given, f"{family}.{key}={recorded}"], files) as cfg:
-            bench_mod.check_benchmark(cfg)
+            decode_checks.check_benchmark(cfg)
         with typed_on_the_command_line("benchmark", [given], files) as cfg:
             with open_dict(cfg):  # as a preset would set it: recorded from the checkpoint instead (test_experiments)
                 cfg[family][key.split(".")[0]][name] = int(typed)
-            bench_mod.check_benchmark(cfg)
+            decode_checks.check_benchmark(cfg)
     with typed_on_the_command_line("generate", ["method=medusa_tree", "checkpoints.medusa={medusa}",
                                                 "medusa.module.num_heads=64"], files) as cfg:
         with pytest.raises(ValueError, match="num_heads=64 was set on the command line"):
@@ -462,10 +464,10 @@ def test_a_bad_artifact_recipe_fails_before_any_work(override: str, fragment: st
 ])
 def test_a_drafter_setting_its_training_would_refuse_fails_before_any_training(override: str, fragment: str,
                                                                              files: dict) -> None:
-    """Checked on the loaded base before the first artifact trains (benchmark.make_methods calls it first)."""
+    """Checked on the loaded base before the first artifact trains (methods.make_methods calls it first)."""
     from tests.conftest import make_lm
 
     cfg = make_cfg("benchmark", [override, "methods=[draft_model,medusa_chain,prophet_chain]"], files)
     with pytest.raises(ValueError, match=re.escape(fragment)):
-        bench_mod.check_untrained_drafters(cfg, make_lm())
-    bench_mod.check_untrained_drafters(make_cfg("benchmark", ["methods=[draft_model,medusa_chain]"], files), make_lm())
+        methods.check_untrained_drafters(cfg, make_lm())
+    methods.check_untrained_drafters(make_cfg("benchmark", ["methods=[draft_model,medusa_chain]"], files), make_lm())

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import benchmark as bench_mod, summarize as summ_mod
-from experiments.lib import base_trainer, drafter_trainer, families
+from experiments.lib import base_trainer, decode_checks, drafter_trainer, families, methods
 from experiments.lib import artifacts
 from experiments.lib.checkpoint import (
     RESERVED_META_KEYS, CheckpointError, fingerprint, load_checkpoint, load_lm, save_checkpoint,
@@ -191,12 +191,12 @@ def test_train_drafter_missing_base_is_one_line_error() -> None:
 def check_benchmark_cfg(cfg: DictConfig) -> None:
     """What benchmark checks before work, plus: each artifact recipe composes and validates as ensure() would."""
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    assert set(cfg.methods) <= set(bench_mod.METHODS)
-    bench_mod.check_decode(cfg.decode)
+    assert set(cfg.methods) <= set(methods.METHODS)
+    decode_checks.check_decode(cfg.decode)
     base_trainer.validate_config(make_cfg("train_base", *cfg.artifacts.base, "out_dir=/tmp/unused"))
     for family in ("draft", *FAMILIES):  # the draft model is distilled from the base like the others
         recipe = make_cfg("train_drafter", *cfg.artifacts[family], f"drafter={family}", "base_checkpoint=/b",
-                          *bench_mod._overrides(cfg[family], "drafter"), "out_dir=/tmp/unused")
+                          *methods.drafter_overrides(cfg[family], "drafter"), "out_dir=/tmp/unused")
         drafter_trainer.validate_config(recipe)
         assert recipe.drafter.module == cfg[family].module and recipe.drafter.loss == cfg[family].loss
 
@@ -204,7 +204,7 @@ def check_benchmark_cfg(cfg: DictConfig) -> None:
 def test_benchmark_default_composes() -> None:
     cfg = make_cfg("benchmark", "out_dir=/tmp/unused")
     check_benchmark_cfg(cfg)
-    assert list(cfg.methods) == list(bench_mod.METHODS)
+    assert list(cfg.methods) == list(methods.METHODS)
     assert cfg.medusa.package == "medusa" and cfg.prophet.package == "prophet"
 
 
@@ -330,7 +330,7 @@ def test_load_drafter_refuses_a_base_checkpoint(tiny_base: Path) -> None:
     ("max_minutes=0", "max_minutes must be positive or null"),
     ("optim.lr=0", "optim.lr must be positive"),
     ("optim.warmup_steps=5", "optim.warmup_steps (5) must not exceed max_steps (4)"),
-    ("drafter.package=nonexistent", "drafter.package='nonexistent': must be one of medusa, prophet, draft"),
+    ("drafter.package=nonexistent", "drafter.package='nonexistent': must be one of draft, medusa, prophet, sequential, early_exit"),
     ("drafter.package=json", "drafter.package='json': must be one of"),
 ])
 def test_train_drafter_bad_config_fails_before_work(override: str, fragment: str, tmp_path: Path,
@@ -442,7 +442,7 @@ def test_benchmark_summary_schema(bench_run: tuple[dict, Path]) -> None:
     assert set(summary) == {"plain_tokens_per_s", "methods"}
     assert isinstance(summary["plain_tokens_per_s"], float) and summary["plain_tokens_per_s"] > 0
     rows = summary["methods"]
-    assert [(r["name"], r["temperature"]) for r in rows] == [(m, t) for t in (0.0, 1.0) for m in bench_mod.METHODS]
+    assert [(r["name"], r["temperature"]) for r in rows] == [(m, t) for t in (0.0, 1.0) for m in methods.METHODS]
     for row in rows:
         assert set(row) == ROW_KEYS, row
         assert isinstance(row["name"], str) and isinstance(row["temperature"], float)
@@ -475,9 +475,9 @@ def test_benchmark_files(bench_run: tuple[dict, Path], tiny_base: Path) -> None:
     table = [line for line in lines if line.startswith("|")]
     assert table[0].startswith("| method | mode | T |")
     for t in ("0", "1"):
-        for name in ("plain", *bench_mod.METHODS):
+        for name in ("plain", *methods.METHODS):
             assert sum(line.startswith(f"| {name} | eager 1t | {t} |") for line in table) == 1, (name, t)
-    assert len(table) == 2 + 2 * (1 + len(bench_mod.METHODS))
+    assert len(table) == 2 + 2 * (1 + len(methods.METHODS))
     # rep4, right after tau: plain decoding's repeated-4-gram share, one figure per temperature on every row
     header = [c.strip() for c in table[0].strip("|").split("|")]
     assert header[header.index("tau") + 1] == "rep4"
@@ -497,7 +497,7 @@ def test_benchmark_rep4_is_plain_greedy_decodings_share(tiny_base: Path, drafter
                    "decode.temperatures=[0]", "decode.max_new_tokens=40")
     bench_mod.benchmark(cfg)
     base, tokenizer, meta = load_lm(tiny_base)
-    prompts = bench_mod.get_prompts(cfg, tokenizer, meta)
+    prompts = methods.get_prompts(cfg, tokenizer, meta)
     assert cfg.decode.batch_size == 1 and cfg.stop_at_eos  # so: one prompt at a time, stopping at EOS
     greedy = [plain_generate(Target(base), [p], max_new_tokens=40, eos_id=meta["data"]["eos_id"]).tokens[0]
               for p in prompts]
@@ -520,7 +520,7 @@ def test_benchmark_exactness_failure_is_loud(tiny_base: Path, drafters: dict, tm
 
     monkeypatch.setattr(bench_mod, "speculative_generate", wrong_first_token)
     cfg = fast_bench_cfg(tiny_base, drafters, tmp_path, "methods=[prompt_lookup]", "decode.temperatures=[0]")
-    with pytest.raises(bench_mod.ExactnessError, match="prompt_lookup at temperature 0 differs from plain"):
+    with pytest.raises(decode_checks.ExactnessError, match="prompt_lookup at temperature 0 differs from plain"):
         bench_mod.benchmark(cfg)
     assert not (tmp_path / "results.json").exists()
 
@@ -646,7 +646,7 @@ def test_benchmark_unknown_method_fails_before_training(tmp_path: Path, monkeypa
     def no_training(*args, **kwargs):
         raise AssertionError("an artifact was trained before the config was validated")
 
-    monkeypatch.setattr(bench_mod, "ensure", no_training)
+    monkeypatch.setattr(methods, "ensure", no_training)  # where checkpoint_for looks it up
     cfg = make_cfg("benchmark", "methods=[medusa_chian]", f"artifacts.root={tmp_path}", f"out_dir={tmp_path}",
                    "logger=none")
     with pytest.raises(ValueError, match="medusa_chian"):
@@ -667,7 +667,7 @@ def test_benchmark_main_prints_json_last(tiny_base: Path, drafters: dict, tmp_pa
                       f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(summary) == {"plain_tokens_per_s", "methods"} and len(summary["methods"]) == 2 * len(bench_mod.METHODS)
+    assert set(summary) == {"plain_tokens_per_s", "methods"} and len(summary["methods"]) == 2 * len(methods.METHODS)
     assert "| method | mode | T |" in proc.stdout  # the table comes before the JSON line
     assert (tmp_path / "results.json").is_file() and (tmp_path / ".hydra" / "overrides.yaml").is_file()
 
@@ -743,5 +743,5 @@ def test_benchmark_multirun_then_summarize(tiny_base: Path, drafters: dict, tmp_
     lines = [line for line in proc.stdout.splitlines() if line.startswith("| decode.gamma=")]
     assert {line.split(" | ")[4] for line in lines} == {"1", "2"}  # overrides, name, mode, temperature, gamma
     assert {line.split(" | ")[2] for line in lines} == {"eager 1t"}
-    assert len(lines) == 2 * 2 * len(bench_mod.METHODS)
+    assert len(lines) == 2 * 2 * len(methods.METHODS)
     assert (sweep / "summary.md").is_file() and (sweep / "speedup_vs_gamma.png").is_file()

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from experiments import generate as gen
-from experiments.benchmark import DRAFTER_KINDS, METHODS
+from experiments.lib.methods import DRAFTER_KINDS, METHODS
 from experiments.lib.checkpoint import load_lm
 from experiments.lib.base_trainer import train
 

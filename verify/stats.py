@@ -4,12 +4,15 @@ tau   = tokens emitted / target forward passes (bonus token included; the prefil
         forward that produced the first token, so plain decoding has tau = 1 exactly)
 alpha = accepted draft tokens / proposed draft tokens
 Counters are per row tensors, updated without host syncs; timings are wall-clock seconds spent in
-the drafter, in the target and in total (the rest is the loop's own bookkeeping).
+the drafter, in the target and in total (the rest is the loop's own bookkeeping). One DecodeStats
+describes one decode call (one batch); DecodeStats.merge pools several (a benchmark's batches) and
+as_dict gives the pooled figures, each defined once here.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -41,6 +44,23 @@ class DecodeStats:
         z = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
         return cls(tokens=z(), forwards=z(), proposed=z(), accepted=z(), device=device)
 
+    @classmethod
+    def merge(cls, parts: Sequence["DecodeStats"]) -> "DecodeStats":
+        """Several decode calls as one: their rows side by side (b = the parts' rows together), the
+        by-position counts (padded to the longest) and the timings summed. A call's own figure, such as
+        verify_steps, is not the merged one's: sum it over the parts."""
+        if not parts:
+            raise ValueError("merge needs at least one DecodeStats")
+        k = max(p.proposed_by_position.shape[0] for p in parts)
+        return cls(
+            tokens=torch.cat([p.tokens for p in parts]), forwards=torch.cat([p.forwards for p in parts]),
+            proposed=torch.cat([p.proposed for p in parts]), accepted=torch.cat([p.accepted for p in parts]),
+            proposed_by_position=sum((_pad(p.proposed_by_position, k) for p in parts), torch.zeros(k, dtype=torch.long)),
+            accepted_by_position=sum((_pad(p.accepted_by_position, k) for p in parts), torch.zeros(k, dtype=torch.long)),
+            time_draft=sum(p.time_draft for p in parts), time_target=sum(p.time_target for p in parts),
+            time_total=sum(p.time_total for p in parts), device=parts[0].device,
+        )
+
     @contextmanager
     def timed(self, phase: str):
         """Add the wall time of the block to `time_<phase>` (draft, target or total)."""
@@ -57,6 +77,22 @@ class DecodeStats:
         k = max(proposed.shape[0], self.proposed_by_position.shape[0])
         self.proposed_by_position = _pad(self.proposed_by_position, k) + _pad(proposed.cpu(), k)
         self.accepted_by_position = _pad(self.accepted_by_position, k) + _pad(accepted.cpu(), k)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.tokens.sum())
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens emitted over the call's wall time (the loop's own bookkeeping included)."""
+        return self.total_tokens / self.time_total
+
+    @property
+    def verify_steps(self) -> int:
+        """Target forwards of one call after the prefill, each verifying every active row's draft at once:
+        the longest-running row's forwards minus the prefill. Per call: a merged DecodeStats' rows ran in
+        separate calls, so sum this over the calls instead."""
+        return int(self.forwards.max()) - 1
 
     @property
     def tau(self) -> float:
@@ -79,9 +115,10 @@ class DecodeStats:
         return max(self.time_total - self.time_draft - self.time_target, 0.0)
 
     def as_dict(self) -> dict:
+        """The figures that pool over rows and calls (of one call, or of a merge of several)."""
         return {
-            "tokens": int(self.tokens.sum()),
-            "target_forwards": int(self.forwards.max()) if self.forwards.numel() else 0,
+            "tokens": self.total_tokens,
+            "tokens_per_s": self.tokens_per_s,
             "tau": self.tau,
             "alpha": self.alpha,
             "row_tau": self.row_tau,

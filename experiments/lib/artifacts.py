@@ -27,7 +27,7 @@ from experiments.lib.cli import one_line, write_atomic
 from experiments.lib.rundir import RunDirectoryInUse, RunLock
 
 log = logging.getLogger(__name__)
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # experiments/lib/ -> the repository root
 ENTRY = {"base": "train_base", "draft": "train_drafter", "medusa": "train_drafter", "prophet": "train_drafter",
          "sequential": "train_drafter", "early_exit": "train_drafter"}
 TRAINERS = {"train_base": base_trainer, "train_drafter": drafter_trainer}  # config name -> its validate_config, train

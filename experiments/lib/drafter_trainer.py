@@ -44,8 +44,8 @@ def validate_config(cfg: DictConfig) -> None:
     if OmegaConf.is_missing(cfg, "base_checkpoint") or cfg.base_checkpoint is None:
         raise ValueError("base_checkpoint is required: the directory of a trained base (experiments.train_base)")
     for key in ("batch_size", "vocab"):
-        check_positive_int(cfg[key], key, allow_null=True)
-    check_positive_int(cfg.drafter.batch_size, "batch_size")
+        check_positive_int(key, cfg[key], allow_null=True)
+    check_positive_int("batch_size", cfg.drafter.batch_size)
     if cfg.seq_len is not None and (not isinstance(cfg.seq_len, int) or isinstance(cfg.seq_len, bool) or cfg.seq_len < 2):
         raise ValueError(f"seq_len must be an integer >= 2 or null (the base's context), got {cfg.seq_len!r}")
     check_loop_config(cfg)

@@ -34,7 +34,7 @@ class Family:
     loss: Callable[..., tuple[Any, dict]]
     evaluate: Callable[..., dict[str, float]]
     make_drafter: Callable[..., Any]
-    modes: tuple[str, ...] = ("chain",)  # the benchmark's methods are <family>_<mode>
+    modes: tuple[str, ...] = ("chain",)  # the decoding methods are <family>_<mode> (experiments/lib/methods.py)
     head_tree: bool = False  # static trees of head ranks, grown from the heads' measured rank accuracies
     compiles: bool = False  # has decoder steps of its own that torch.compile can trace
 

@@ -1,13 +1,19 @@
-"""The training entry points' settings, checked before any work: one-line ValueErrors naming the value and
-what is allowed (the command line prints them as `error: ...`, exit 2). Shared by train_base, train_drafter
-and train_seq2seq through experiments/lib/training.py's loop; also the device and recipe checks.
+"""Settings checked before any work: one-line ValueErrors naming the value and what is allowed (the command
+line prints them as `error: ...`, exit 2).
+
+The validators of single values, one of each kind: check_int (an integer >= a minimum, or null), check_bool,
+check_number (a finite number in an allowed range), and require for any other condition. They word an error
+`<key>=<value>: must be ...`. The training loop's checks here (check_loop_config, check_optim) keep the training
+recipes' own wording, `<key> must be ..., got <value>`, which their tests pin: check_positive_int is check_int
+in that wording. Also the device and a resumed run's recipe. The decoding entry points' config checks build on
+these in experiments/lib/decode_checks.py.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import OmegaConf
@@ -16,17 +22,51 @@ from experiments.lib.checkpoint import CheckpointError
 from experiments.lib.distributed import Dist
 from verify.numerics import is_finite_number
 
-__all__ = ["require", "is_int", "data_recipe", "check_positive_int", "check_optim", "check_loop_config",
-           "check_batch_split", "resolve_device", "check_recipe"]
+__all__ = ["require", "is_int", "check_int", "check_bool", "check_number", "check_positive_int", "data_recipe",
+           "check_optim", "check_loop_config", "check_batch_split", "resolve_device", "check_recipe"]
 
 
 def require(ok: bool, message: str) -> None:
+    """A ValueError(message) unless ok: a condition the validators below do not cover."""
     if not ok:
         raise ValueError(message)
 
 
 def is_int(value: Any) -> bool:
+    """An int, not a bool (True would pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, *, minimum: int = 1, allow_null: bool = False) -> int | None:
+    """`value` if it is an integer >= minimum (or None, when allow_null), else
+    `<name>=<value>: must be [null or ]an integer >= <minimum>`."""
+    if allow_null and value is None:
+        return None
+    require(is_int(value) and value >= minimum,
+            f"{name}={value!r}: must be {'null or ' if allow_null else ''}an integer >= {minimum}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """`value` if it is true or false (not 0, 1 or a string), else `<name>=<value>: must be true or false`."""
+    require(isinstance(value, bool), f"{name}={value!r}: must be true or false")
+    return value
+
+
+def check_number(name: str, value: Any, allowed: str, ok: Callable[[float], bool]) -> float:
+    """`value` as a float if it is a finite number (not a bool, a string, NaN or inf) for which ok(value)
+    holds, else `<name>=<value>: must be <allowed>`."""
+    require(is_finite_number(value) and ok(value), f"{name}={value!r}: must be {allowed}")
+    return float(value)
+
+
+def check_positive_int(name: str, value: Any, *, allow_null: bool = False) -> None:
+    """check_int(name, value) in the training recipes' wording, `<name> must be a positive integer[ or null],
+    got <value>`: the same test, the words their users and tests read."""
+    try:
+        check_int(name, value, allow_null=allow_null)
+    except ValueError:
+        raise ValueError(f"{name} must be a positive integer{' or null' if allow_null else ''}, got {value!r}") from None
 
 
 def data_recipe(data: Any) -> dict[str, Any]:
@@ -34,12 +74,6 @@ def data_recipe(data: Any) -> dict[str, Any]:
     recipe = OmegaConf.to_container(data, resolve=True)
     recipe.pop("cache_dir", None)
     return recipe
-
-
-def check_positive_int(value: Any, name: str, *, allow_null: bool = False) -> None:
-    if allow_null and value is None:
-        return
-    require(is_int(value) and value > 0, f"{name} must be a positive integer{' or null' if allow_null else ''}, got {value!r}")
 
 
 def check_optim(optim: Any, max_steps: int) -> None:
@@ -63,12 +97,12 @@ def check_optim(optim: Any, max_steps: int) -> None:
 def check_loop_config(cfg: Any) -> None:
     """The loop's own settings, shared by every training entry point."""
     for key in ("max_steps", "log_every", "eval_every", "eval_blocks", "checkpoint_every", "grad_accum"):
-        check_positive_int(cfg[key], key)
+        check_positive_int(key, cfg[key])
     require(is_int(cfg.seed) and 0 <= cfg.seed < 2**32, f"seed must be an integer in [0, 2**32), got {cfg.seed!r}")
     require(cfg.max_minutes is None or (is_finite_number(cfg.max_minutes) and cfg.max_minutes > 0),
             f"max_minutes must be positive or null, got {cfg.max_minutes!r}")
     require(isinstance(cfg.resume, bool), f"resume must be true or false, got {cfg.resume!r}")
-    check_positive_int(cfg.threads, "threads", allow_null=True)
+    check_positive_int("threads", cfg.threads, allow_null=True)
     check_optim(cfg.optim, cfg.max_steps)
     require(isinstance(cfg.device, str), f"device must be auto, cpu or cuda[:N], got {cfg.device!r}")
     resolve_device(cfg.device)
