@@ -1,9 +1,10 @@
-"""Every config in conf/ for base training composes, validates, and builds what it names; conf/models, shared by
-benchmark, baseline and generate, says one thing for all three."""
+"""Every config in conf/ for base training composes, validates, and builds what it names; the groups every entry
+point shares (conf/hydra_dirs, and conf/models for benchmark, baseline and generate) say one thing everywhere."""
 
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,35 @@ def test_unknown_override_rejected(override: str) -> None:
 def compose_entry(config_name: str, *overrides: str, hydra_node: bool = False) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name, overrides=list(overrides), return_hydra_config=hydra_node)
+
+
+# Every primary config's run and multirun directories (conf/hydra_dirs/default.yaml): named after the config,
+# so experiments.baseline (config benchmark) writes beside the benchmark and train_seq2seq under seq2seq.
+HYDRA_DIRS = {"benchmark": ("outputs/benchmark/", "multirun/benchmark/"),
+              "generate": ("outputs/generate/", "multirun/generate/"),
+              "peer": ("outputs/peer/", "multirun/peer/"),
+              "seq2seq": ("outputs/seq2seq/", "multirun/seq2seq/"),
+              "train_base": ("outputs/train_base/", "multirun/train_base/"),
+              "train_drafter": ("outputs/train_drafter/prophet/", "multirun/train_drafter/"),
+              "cache_features": ("outputs/cache_features/", "multirun/cache_features/"),
+              "grow_tree": (".", "multirun/grow_tree/")}
+
+
+@pytest.mark.parametrize("name", HYDRA_DIRS)
+def test_hydra_dirs_of_every_entry_point(name: str) -> None:
+    cfg = compose_entry(name, *(["drafter=prophet"] * (name == "train_drafter")), hydra_node=True)
+    run, sweep = HYDRA_DIRS[name]
+    assert cfg.hydra.job.chdir is False
+    stamp = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
+    if name == "grow_tree":  # prints a tree, writes nothing: no run directory
+        assert cfg.hydra.run.dir == "."
+    else:
+        assert re.fullmatch(re.escape(run) + stamp, cfg.hydra.run.dir), cfg.hydra.run.dir
+    assert re.fullmatch(re.escape(sweep) + stamp, cfg.hydra.sweep.dir), cfg.hydra.sweep.dir
+    assert OmegaConf.to_container(cfg.hydra.sweep)["subdir"] == "${hydra.job.num}"  # unresolved: no job outside a multirun
+    assert (cfg.hydra.output_subdir is None) == (name == "grow_tree")  # grow_tree only prints: no .hydra/
+    raw = OmegaConf.load(CONF / f"{name}.yaml")
+    assert "hydra_dirs: default" in [f"{k}: {v}" for d in raw.defaults if isinstance(d, DictConfig) for k, v in d.items()]
 
 
 DRAFTER_KINDS = ("draft", "medusa", "prophet", "sequential", "early_exit")
