@@ -1,8 +1,10 @@
-"""Every config in conf/ for base training composes, validates, and builds what it names."""
+"""Every config in conf/ for base training composes, validates, and builds what it names; the groups every entry
+point shares (conf/hydra_dirs, and conf/models for benchmark, baseline and generate) say one thing everywhere."""
 
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,108 @@ def test_hydra_settings() -> None:
 def test_unknown_override_rejected(override: str) -> None:
     with pytest.raises(ConfigCompositionException):
         make_cfg(override)
+
+
+# ----------------------------------------------------------------- the entry points' shared config groups
+
+
+def compose_entry(config_name: str, *overrides: str, hydra_node: bool = False) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name, overrides=list(overrides), return_hydra_config=hydra_node)
+
+
+# Every primary config's run and multirun directories (conf/hydra_dirs/default.yaml): named after the config,
+# so experiments.baseline (config benchmark) writes beside the benchmark and train_seq2seq under seq2seq.
+HYDRA_DIRS = {"benchmark": ("outputs/benchmark/", "multirun/benchmark/"),
+              "generate": ("outputs/generate/", "multirun/generate/"),
+              "peer": ("outputs/peer/", "multirun/peer/"),
+              "seq2seq": ("outputs/seq2seq/", "multirun/seq2seq/"),
+              "train_base": ("outputs/train_base/", "multirun/train_base/"),
+              "train_drafter": ("outputs/train_drafter/prophet/", "multirun/train_drafter/"),
+              "cache_features": ("outputs/cache_features/", "multirun/cache_features/"),
+              "grow_tree": (".", "multirun/grow_tree/")}
+
+
+@pytest.mark.parametrize("name", HYDRA_DIRS)
+def test_hydra_dirs_of_every_entry_point(name: str) -> None:
+    cfg = compose_entry(name, *(["drafter=prophet"] * (name == "train_drafter")), hydra_node=True)
+    run, sweep = HYDRA_DIRS[name]
+    assert cfg.hydra.job.chdir is False
+    stamp = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
+    if name == "grow_tree":  # prints a tree, writes nothing: no run directory
+        assert cfg.hydra.run.dir == "."
+    else:
+        assert re.fullmatch(re.escape(run) + stamp, cfg.hydra.run.dir), cfg.hydra.run.dir
+    assert re.fullmatch(re.escape(sweep) + stamp, cfg.hydra.sweep.dir), cfg.hydra.sweep.dir
+    assert OmegaConf.to_container(cfg.hydra.sweep)["subdir"] == "${hydra.job.num}"  # unresolved: no job outside a multirun
+    assert (cfg.hydra.output_subdir is None) == (name == "grow_tree")  # grow_tree only prints: no .hydra/
+    raw = OmegaConf.load(CONF / f"{name}.yaml")
+    assert "hydra_dirs: default" in [f"{k}: {v}" for d in raw.defaults if isinstance(d, DictConfig) for k, v in d.items()]
+
+
+DRAFTER_KINDS = ("draft", "medusa", "prophet", "sequential", "early_exit")
+FAKE_BASE = ("/nonexistent/base/checkpoint", {"fingerprint": "f00d", "data": {"config": {"source": "stdlib", "vocab_size": 8192}}})
+
+
+def test_generate_after_make_demo_trains_nothing() -> None:
+    """`make demo` (benchmark experiment=demo) and the README's next command (generate, no overrides) name the
+    same artifact of every kind: same recipe, same overrides of train_base / train_drafter, same hash, and the
+    same drafters and vocabulary, so generate reuses the demo's artifacts/<kind>-<hash> instead of training."""
+    from experiments.benchmark import artifact_overrides
+    from experiments.lib.artifacts import ENTRY, _compose, recipe_key
+
+    demo = compose_entry("benchmark", "experiment=demo")
+    generate = compose_entry("generate")
+    assert demo.vocab == generate.vocab == 2048  # the trimmed vocabulary is checked against the drafter's training
+    assert demo.artifacts.root == generate.artifacts.root
+    assert OmegaConf.to_container(demo.checkpoints) == OmegaConf.to_container(generate.checkpoints)
+    assert demo.prompt_lookup == generate.prompt_lookup
+    keys = {}
+    for kind in ENTRY:
+        assert list(demo.artifacts[kind]) == list(generate.artifacts[kind]), kind
+        if kind in DRAFTER_KINDS:
+            assert demo[kind].module == generate[kind].module and demo[kind].loss == generate[kind].loss, kind
+        overrides = artifact_overrides(demo, kind, *FAKE_BASE)
+        assert overrides == artifact_overrides(generate, kind, *FAKE_BASE), kind
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):  # _compose then uses it, as in an entry point
+            keys[kind] = {recipe_key(_compose(ENTRY[kind], artifact_overrides(cfg, kind, *FAKE_BASE))) for cfg in (demo, generate)}
+    assert all(len(key) == 1 for key in keys.values()), keys  # the same artifacts/<kind>-<hash>
+
+
+def test_one_source_of_the_models_and_recipes() -> None:
+    """benchmark, baseline and generate take checkpoints, drafters, recipes, vocab and prompt lookup from
+    conf/models/default.yaml alone (a copy in a primary config could drift); the recipes there are the demo's
+    (experiment=demo sets none of its own); decoding settings come from conf/decode alone."""
+    shared = {"base_checkpoint", "checkpoints", "artifacts", "vocab", "prompt_lookup", *DRAFTER_KINDS}
+    for name in ("benchmark", "generate"):
+        raw = OmegaConf.load(CONF / f"{name}.yaml")
+        assert not shared & set(raw), (name, shared & set(raw))
+        assert "models: default" in [f"{k}: {v}" for d in raw.defaults if isinstance(d, DictConfig) for k, v in d.items()]
+        cfg = compose_entry(name)
+        assert cfg.decode.typical_epsilon == 0.09 and cfg.decode.typical_alpha == 0.3  # conf/decode/default.yaml
+        assert "typical_epsilon" not in cfg and "typical_alpha" not in cfg
+    assert not {"artifacts", "vocab"} & set(OmegaConf.load(CONF / "experiment" / "demo.yaml"))
+
+
+def test_command_line_overrides_of_the_shared_models() -> None:
+    cfg = compose_entry("benchmark", "base_checkpoint=/b", "checkpoints.medusa=/m", 'artifacts.prophet=["max_steps=2"]',
+                        "vocab=null", "medusa.module.num_heads=3", "drafter@sequential=medusa")
+    assert cfg.checkpoints.base == "/b" and cfg.checkpoints.medusa == "/m" and list(cfg.artifacts.prophet) == ["max_steps=2"]
+    assert cfg.vocab is None and cfg.medusa.module.num_heads == 3 and cfg.sequential.package == "medusa"
+    gen = compose_entry("generate", "checkpoints.prophet=/p", "vocab=512", "prophet.loss.unroll=2")
+    assert gen.checkpoints.prophet == "/p" and gen.vocab == 512 and gen.prophet.loss.unroll == 2
+    reference = compose_entry("benchmark", "experiment=reference", hydra_node=True)  # an experiment wins over the group
+    assert reference.checkpoints.base == "outputs/reference/base_small/checkpoint"
+    assert reference.checkpoints.prophet == "outputs/reference/prophet_unroll1/checkpoint"
+    assert reference.prophet.module.dim == 256 and reference.hydra.run.dir == "outputs/reference/benchmark"
+
+
+def test_baseline_and_peer_compose(tmp_path: Path) -> None:
+    from experiments import baseline
+
+    cfg = compose_entry("benchmark", f"artifacts.root={tmp_path}")  # baseline's config is the benchmark's
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):  # checks the base's recipe composes
+        baseline.check_config(cfg)
+    peer = compose_entry("peer")  # its own Llama base and assistant, not the shared models
+    assert list(peer.artifacts.base) == ["experiment=base_llama"] and list(peer.artifacts.assistant) == ["experiment=base_llama_draft"]
+    assert not {"vocab", "medusa", "base_checkpoint"} & set(peer)
