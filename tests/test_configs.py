@@ -153,7 +153,7 @@ def test_generate_after_make_demo_trains_nothing() -> None:
     """`make demo` (benchmark experiment=demo) and the README's next command (generate, no overrides) name the
     same artifact of every kind: same recipe, same overrides of train_base / train_drafter, same hash, and the
     same drafters and vocabulary, so generate reuses the demo's artifacts/<kind>-<hash> instead of training."""
-    from experiments.benchmark import artifact_overrides
+    from experiments.lib.methods import artifact_overrides
     from experiments.lib.artifacts import ENTRY, _compose, recipe_key
 
     demo = compose_entry("benchmark", "experiment=demo")
