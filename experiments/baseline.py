@@ -61,8 +61,10 @@ def check_config(cfg: DictConfig) -> None:
     check_decode(cfg.decode)  # it decodes greedily, decode.max_new_tokens tokens: the rest is checked, not read
     typed = sorted(k for k in command_line_keys() if k.startswith("decode.") and k != "decode.max_new_tokens")
     if typed:
-        raise ValueError(f"{typed[0]} is not read by the baseline: it decodes greedily, one prompt at a time, "
-                         "decode.max_new_tokens tokens")
+        raise ValueError(
+            f"{typed[0]} is not read by the baseline: it decodes greedily, one prompt at a time, "
+            "decode.max_new_tokens tokens"
+        )
     check_prompts(cfg.prompts)
     check_checkpoints(cfg, ["base"])
 
@@ -74,8 +76,10 @@ def compare(cfg: DictConfig) -> dict:
         torch.set_num_threads(cfg.threads)
     base, tokenizer, meta = load_lm(checkpoint_for(cfg, "base"), device=str(device))
     if isinstance(base, HFBase):
-        raise ValueError("the baseline compares against x-transformers' generate; for a Hugging Face base run "
-                         "python -m experiments.peer (against transformers' generate)")
+        raise ValueError(
+            "the baseline compares against x-transformers' generate; for a Hugging Face base run "
+            "python -m experiments.peer (against transformers' generate)"
+        )
     prompts = get_prompts(cfg, tokenizer, meta)
     n = cfg.decode.max_new_tokens
     target, wrapper = Target(base, compile=cfg.compile), AutoregressiveWrapper(base)
@@ -94,10 +98,17 @@ def compare(cfg: DictConfig) -> dict:
         raise RuntimeError("plain greedy decoding differs from x-transformers' generate on the same weights")
     ratios = [a / b for a, b in zip(ours_tps, theirs_tps)]
     return {
-        "parameters": sum(p.numel() for p in base.parameters()), "prompts": len(prompts), "max_new_tokens": n,
-        "plain_tokens_per_s": statistics.median(ours_tps), "xtransformers_generate_tokens_per_s": statistics.median(theirs_tps),
-        "ratio": statistics.median(ratios), "ratios": ratios, "identical": True, "device": str(device),
-        "compiled": cfg.compile, "threads": torch.get_num_threads(),
+        "parameters": sum(p.numel() for p in base.parameters()),
+        "prompts": len(prompts),
+        "max_new_tokens": n,
+        "plain_tokens_per_s": statistics.median(ours_tps),
+        "xtransformers_generate_tokens_per_s": statistics.median(theirs_tps),
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+        "identical": True,
+        "device": str(device),
+        "compiled": cfg.compile,
+        "threads": torch.get_num_threads(),
     }
 
 

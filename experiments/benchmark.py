@@ -25,21 +25,35 @@ import logging
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import hydra
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.lib.calibrate import cached_verify_cost, choose_chain_budget, choose_tree_budget, cpu_model, format_cost_table
+from experiments.lib.calibrate import (
+    cached_verify_cost,
+    choose_chain_budget,
+    choose_tree_budget,
+    cpu_model,
+    format_cost_table,
+)
 from experiments.lib.checkpoint import load_lm
 from experiments.lib.cli import exit_on_user_error
 from experiments.lib.decode_checks import check_benchmark, check_exact, sampling_for
 from experiments.lib.families import FAMILIES, TREE_FAMILIES
-from experiments.lib.methods import FAMILY_METHODS, checkpoint_for, get_prompts, make_methods, recorded_config, verify_widths
+from experiments.lib.methods import (
+    FAMILY_METHODS,
+    checkpoint_for,
+    get_prompts,
+    make_methods,
+    recorded_config,
+    verify_widths,
+)
 from experiments.lib.report import mode, repeated_ngram_share, write_report
 from experiments.lib.settings import resolve_device
 from verify.plain import plain_generate
@@ -51,9 +65,17 @@ from verify.target import Target, make_target
 log = logging.getLogger(__name__)
 
 
-def run_once(target: Target, factory: Callable[[], Any] | None, batches: list[list[list[int]]], *,
-             sampling: SamplingConfig, spec: SpecConfig, cfg: DictConfig, seed: int,
-             eos_id: int | None) -> tuple[list[list[int]], list[DecodeStats]]:
+def run_once(
+    target: Target,
+    factory: Callable[[], Any] | None,
+    batches: list[list[list[int]]],
+    *,
+    sampling: SamplingConfig,
+    spec: SpecConfig,
+    cfg: DictConfig,
+    seed: int,
+    eos_id: int | None,
+) -> tuple[list[list[int]], list[DecodeStats]]:
     """Decode every batch with plain decoding (factory None) or a fresh drafter per batch: (the new tokens of
     every row, in prompt order; one DecodeStats per batch)."""
     tokens, stats = [], []
@@ -75,12 +97,16 @@ def summarize_stats(stats: list[DecodeStats]) -> dict[str, Any]:
     step, counted per batch (a batch's rows share its target forwards)."""
     merged = DecodeStats.merge(stats)
     steps = max(sum(s.verify_steps for s in stats), 1)
-    return {**merged.as_dict(), "draft_seconds_per_step": merged.time_draft / steps,
-            "target_seconds_per_step": merged.time_target / steps}
+    return {
+        **merged.as_dict(),
+        "draft_seconds_per_step": merged.time_draft / steps,
+        "target_seconds_per_step": merged.time_target / steps,
+    }
 
 
-def bench_temperature(cfg: DictConfig, setups: list[dict], batches: list[list[list[int]]], temperature: float,
-                      eos_id: int | None) -> tuple[list[dict], list[dict]]:
+def bench_temperature(
+    cfg: DictConfig, setups: list[dict], batches: list[list[list[int]]], temperature: float, eos_id: int | None
+) -> tuple[list[dict], list[dict]]:
     """Plain and every method in every setting at one temperature: warm-up, interleaved rounds, medians.
 
     Speedup is against the FASTEST plain decoding of the same round (over all settings), so a method
@@ -88,21 +114,43 @@ def bench_temperature(cfg: DictConfig, setups: list[dict], batches: list[list[li
     sampling, rule = sampling_for(cfg.decode, temperature)
     for s in setups:
         s["chosen"] = choose_budgets(cfg, s, sampling, eos_id) if cfg.budget == "auto" else {}
-    entries = [dict(setup=s, name=name, **s["chosen"].get(name, dict(factory=factory, spec=s["spec"])))
-               for s in setups for name, factory in {"plain": None, **s["methods"]}.items()]
+    entries = [
+        dict(setup=s, name=name, **s["chosen"].get(name, dict(factory=factory, spec=s["spec"])))
+        for s in setups
+        for name, factory in {"plain": None, **s["methods"]}.items()
+    ]
     for e in entries:  # warm-up (allocator, lazy inits, compilation): timed on its own, never in tokens/s
         torch.set_num_threads(e["setup"]["threads"])
         start = time.perf_counter()
-        run_once(e["setup"]["target"], e["factory"], batches[:1], sampling=sampling, spec=e["spec"], cfg=cfg, seed=cfg.seed, eos_id=eos_id)
+        run_once(
+            e["setup"]["target"],
+            e["factory"],
+            batches[:1],
+            sampling=sampling,
+            spec=e["spec"],
+            cfg=cfg,
+            seed=cfg.seed,
+            eos_id=eos_id,
+        )
         e["warmup_s"] = time.perf_counter() - start
         e["rounds"] = []
     for r in range(cfg.repeats):
         for e in entries:
             torch.set_num_threads(e["setup"]["threads"])
-            tokens, stats = run_once(e["setup"]["target"], e["factory"], batches, sampling=sampling, spec=e["spec"],
-                                     cfg=cfg, seed=cfg.seed + r, eos_id=eos_id)
+            tokens, stats = run_once(
+                e["setup"]["target"],
+                e["factory"],
+                batches,
+                sampling=sampling,
+                spec=e["spec"],
+                cfg=cfg,
+                seed=cfg.seed + r,
+                eos_id=eos_id,
+            )
             e["rounds"].append((tokens, summarize_stats(stats)))
-    fastest = [max(e["rounds"][r][1]["tokens_per_s"] for e in entries if e["factory"] is None) for r in range(cfg.repeats)]
+    fastest = [
+        max(e["rounds"][r][1]["tokens_per_s"] for e in entries if e["factory"] is None) for r in range(cfg.repeats)
+    ]
     plain_of = {id(e["setup"]): e for e in entries if e["factory"] is None}
     # How much of plain decoding's own output at this temperature repeats an earlier 4-gram of its row: a
     # base looping at T=0 makes drafting trivially easy, so every row carries this figure beside its tau.
@@ -110,17 +158,23 @@ def bench_temperature(cfg: DictConfig, setups: list[dict], batches: list[list[li
     # identical, at T>0 they are more samples); other settings decode the same prompts with the same seeds.
     first_plain = next(e for e in entries if e["factory"] is None)
     prompts = [p for batch in batches for p in batch]
-    repeat4 = repeated_ngram_share(prompts * len(first_plain["rounds"]),
-                                   [row for tokens, _ in first_plain["rounds"] for row in tokens], n=4)
+    repeat4 = repeated_ngram_share(
+        prompts * len(first_plain["rounds"]), [row for tokens, _ in first_plain["rounds"] for row in tokens], n=4
+    )
     plains, rows = [], []
     for e in entries:
         per_round = [m for _, m in e["rounds"]]
         speedups = [m["tokens_per_s"] / f for m, f in zip(per_round, fastest)]
         median = per_round[sorted(range(len(speedups)), key=speedups.__getitem__)[len(speedups) // 2]]
         common = {
-            "temperature": temperature, "threads": e["setup"]["threads"], "compiled": e["setup"]["compiled"],
-            "repeat4": repeat4, "tokens_per_s": statistics.median(m["tokens_per_s"] for m in per_round),
-            "speedup": statistics.median(speedups), "speedups": speedups, "warmup_s": e["warmup_s"],
+            "temperature": temperature,
+            "threads": e["setup"]["threads"],
+            "compiled": e["setup"]["compiled"],
+            "repeat4": repeat4,
+            "tokens_per_s": statistics.median(m["tokens_per_s"] for m in per_round),
+            "speedup": statistics.median(speedups),
+            "speedups": speedups,
+            "warmup_s": e["warmup_s"],
         }
         if e["factory"] is None:
             plains.append({**common, "tokens_per_s_rounds": [m["tokens_per_s"] for m in per_round]})
@@ -131,14 +185,30 @@ def bench_temperature(cfg: DictConfig, setups: list[dict], batches: list[list[li
 
 def method_row(e: dict, common: dict, best: dict, rule: str, plain: dict, cfg: DictConfig) -> dict:
     """One table row; at temperature 0 a lossless method must equal plain decoding of the same setting."""
-    exact, lossless = check_exact(e["name"], plain["rounds"][0][0], e["rounds"][0][0], rule=rule, delta=cfg.decode.delta,
-                                  greedy=common["temperature"] == 0)
+    exact, lossless = check_exact(
+        e["name"],
+        plain["rounds"][0][0],
+        e["rounds"][0][0],
+        rule=rule,
+        delta=cfg.decode.delta,
+        greedy=common["temperature"] == 0,
+    )
     return {
-        "name": e["name"], **common, "rule": rule, "lossless": lossless, "exact": exact, "gamma": e["spec"].gamma,
-        "budget": e.get("budget"), "tau": best["tau"], "alpha": best["alpha"],
-        "efficiency": common["speedup"] / best["tau"], "acceptance_by_position": best["acceptance_by_position"],
-        "draft_share": best["time_draft"] / best["time_total"], "target_share": best["time_target"] / best["time_total"],
-        "draft_seconds_per_step": best["draft_seconds_per_step"], "target_seconds_per_step": best["target_seconds_per_step"],
+        "name": e["name"],
+        **common,
+        "rule": rule,
+        "lossless": lossless,
+        "exact": exact,
+        "gamma": e["spec"].gamma,
+        "budget": e.get("budget"),
+        "tau": best["tau"],
+        "alpha": best["alpha"],
+        "efficiency": common["speedup"] / best["tau"],
+        "acceptance_by_position": best["acceptance_by_position"],
+        "draft_share": best["time_draft"] / best["time_total"],
+        "target_share": best["time_target"] / best["time_total"],
+        "draft_seconds_per_step": best["draft_seconds_per_step"],
+        "target_seconds_per_step": best["target_seconds_per_step"],
         "row_tau": best["row_tau"],
     }
 
@@ -166,8 +236,12 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
             torch.set_num_threads(threads)
             start = time.perf_counter()
             setup["verify_cost"] = cached_verify_cost(  # at the batch size and prompt length the pilots decode
-                target, key_parts={"base": base_meta["fingerprint"], "dtype": "float32"}, cache_dir=cfg.budget_search.cache_dir,
-                batch_size=cfg.decode.batch_size, prompt_len=cfg.prompts.prompt_len)
+                target,
+                key_parts={"base": base_meta["fingerprint"], "dtype": "float32"},
+                cache_dir=cfg.budget_search.cache_dir,
+                batch_size=cfg.decode.batch_size,
+                prompt_len=cfg.prompts.prompt_len,
+            )
             setup["calibration_s"] = time.perf_counter() - start  # compiled: includes compiling every width
             log.info("target cost by new tokens (%s):\n%s", mode(setup), format_cost_table(setup["verify_cost"]))
             setup["pilot_prompts"] = pilot_prompts(cfg, tokenizer, base_meta, prompts)
@@ -180,10 +254,19 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     results = {
         "cost_tables": {mode(s): s["verify_cost"] for s in setups if "verify_cost" in s},
         "calibration_s": {mode(s): s["calibration_s"] for s in setups if "calibration_s" in s},
-        "base_checkpoint": base_ckpt, "base_fingerprint": base_meta["fingerprint"], "cpu": cpu_model(),
-        "prompts": len(prompts), "batch_size": cfg.decode.batch_size, "max_new_tokens": cfg.decode.max_new_tokens,
-        "repeats": cfg.repeats, "device": str(device), "dtype": "float32",
-        "plain": plains, "methods": rows, "checkpoints": loaded, "config": recorded_config(cfg, loaded),
+        "base_checkpoint": base_ckpt,
+        "base_fingerprint": base_meta["fingerprint"],
+        "cpu": cpu_model(),
+        "prompts": len(prompts),
+        "batch_size": cfg.decode.batch_size,
+        "max_new_tokens": cfg.decode.max_new_tokens,
+        "repeats": cfg.repeats,
+        "device": str(device),
+        "dtype": "float32",
+        "plain": plains,
+        "methods": rows,
+        "checkpoints": loaded,
+        "config": recorded_config(cfg, loaded),
     }
     out_dir = Path(cfg.out_dir)
     write_report(results, out_dir)
@@ -195,8 +278,19 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     finally:
         logger.finish()
     fastest = max(plains, key=lambda p: (p["temperature"] == plains[0]["temperature"], p["tokens_per_s"]))
-    keys = ("name", "temperature", "threads", "compiled", "tau", "repeat4", "alpha", "speedup", "tokens_per_s", "exact",
-            "lossless")
+    keys = (
+        "name",
+        "temperature",
+        "threads",
+        "compiled",
+        "tau",
+        "repeat4",
+        "alpha",
+        "speedup",
+        "tokens_per_s",
+        "exact",
+        "lossless",
+    )
     return {"plain_tokens_per_s": fastest["tokens_per_s"], "methods": [{k: row[k] for k in keys} for row in rows]}
 
 
@@ -220,8 +314,15 @@ def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_i
     """budget=auto: per method, the gamma (chains) or tree size (trees) with the highest predicted
     tokens/s from this setting's measured verify costs and a pilot run on held-out prompts."""
     search, chosen = cfg.budget_search, {}
-    common = dict(verify_cost=setup["verify_cost"], sampling=sampling, eos_id=eos_id, seed=cfg.seed,
-                  max_new_tokens=cfg.decode.max_new_tokens, spec=setup["spec"], batch_size=cfg.decode.batch_size)
+    common = dict(
+        verify_cost=setup["verify_cost"],
+        sampling=sampling,
+        eos_id=eos_id,
+        seed=cfg.seed,
+        max_new_tokens=cfg.decode.max_new_tokens,
+        spec=setup["spec"],
+        batch_size=cfg.decode.batch_size,
+    )
     torch.set_num_threads(setup["threads"])
     for name, make in setup["makers"].items():
         compile_ = setup["compiled"]
@@ -231,13 +332,19 @@ def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_i
             # A head tree's depth is the loop's gamma (one head per level), not a drafter argument
             heads = FAMILIES[family].head_tree
             over = (lambda c: {k: v for k, v in c.items() if k != "depth"} | {"tree": None}) if heads else dict
-            result = choose_tree_budget(setup["target"], lambda c: (lambda: make(compile=compile_, **over(c))),
-                                        setup["pilot_prompts"], candidates=candidates, **common)
+            result = choose_tree_budget(
+                setup["target"],
+                lambda c, make=make, compile_=compile_, over=over: lambda: make(compile=compile_, **over(c)),
+                setup["pilot_prompts"],
+                candidates=candidates,
+                **common,
+            )
             kwargs, gamma = over(result["drafter_kwargs"]), result["gamma"]
-            factory = lambda make=make, kwargs=kwargs: make(compile=compile_, **kwargs)  # noqa: E731
+            factory = lambda make=make, kwargs=kwargs, compile_=compile_: make(compile=compile_, **kwargs)  # noqa: E731
         else:
-            result = choose_chain_budget(setup["target"], setup["methods"][name], setup["pilot_prompts"],
-                                         max_gamma=search.max_gamma, **common)
+            result = choose_chain_budget(
+                setup["target"], setup["methods"][name], setup["pilot_prompts"], max_gamma=search.max_gamma, **common
+            )
             gamma, factory, kwargs = result["gamma"], setup["methods"][name], {}
         spec = replace(setup["spec"], gamma=gamma, max_gamma=max(setup["spec"].max_gamma, gamma))
         chosen[name] = dict(factory=factory, spec=spec, budget={"gamma": gamma, **kwargs, "table": result["table"]})

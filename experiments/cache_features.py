@@ -42,14 +42,22 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError(f"seq_len={seq_len}: must lie in [2, the base's context {base.max_seq_len}]")
     data = prepare_data(**base_data_config(base_meta, OmegaConf.to_container(cfg.data, resolve=True)))
     if data.tokenizer.to_str() != tokenizer.to_str():
-        raise ValueError(f"data config gives another tokenizer than base {cfg.base_checkpoint}'s: use the base's data config")
+        raise ValueError(
+            f"data config gives another tokenizer than base {cfg.base_checkpoint}'s: use the base's data config"
+        )
     spec = feature_spec(features, base_meta=base_meta, data=data, seq_len=seq_len, layers=tuple(cfg.layers or ()))
     started = time.perf_counter()
     cache = open_features(base, data.train_ids, spec, directory=features["dir"], root=features["root"])
     seconds = time.perf_counter() - started
     positions = spec.windows * spec.seq_len
-    return {"directory": str(cache.directory), "key": spec.key(), "windows": spec.windows, "positions": positions,
-            "seconds": round(seconds, 1), "positions_per_s": positions / seconds if seconds > 1 else None}
+    return {
+        "directory": str(cache.directory),
+        "key": spec.key(),
+        "windows": spec.windows,
+        "positions": positions,
+        "seconds": round(seconds, 1),
+        "positions_per_s": positions / seconds if seconds > 1 else None,
+    }
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="cache_features")

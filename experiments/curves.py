@@ -50,11 +50,20 @@ def plot(runs: list[Path], out: Path) -> str:
         if not rows:
             raise ValueError(f"{run}: no validation rows with agreement figures")
         for i, name in enumerate(list(agreement(rows[-1]))[:3]):  # later positions only crowd the figure
-            ax.plot([r["elapsed_s"] / 60 for r in rows], [agreement(r)[name] for r in rows], marker=".",
-                    color=f"C{color % 10}", linestyle=("-", "--", ":")[i], label=f"{name_of_run} {name}")
+            ax.plot(
+                [r["elapsed_s"] / 60 for r in rows],
+                [agreement(r)[name] for r in rows],
+                marker=".",
+                color=f"C{color % 10}",
+                linestyle=("-", "--", ":")[i],
+                label=f"{name_of_run} {name}",
+            )
         last = rows[-1]
-        lines.append(f"| {name_of_run} | {last['elapsed_s'] / 60:.1f} | "
-                     + " ".join(f"{v:.2f}" for v in agreement(last).values()) + " |")
+        lines.append(
+            f"| {name_of_run} | {last['elapsed_s'] / 60:.1f} | "
+            + " ".join(f"{v:.2f}" for v in agreement(last).values())
+            + " |"
+        )
     ax.set_xlabel("training minutes")
     ax.set_ylabel("agreement with the base's top-1")
     ax.grid(alpha=0.3)
@@ -72,7 +81,9 @@ def main(argv: list[str]) -> int:
         print("usage: python -m experiments.curves out=curves.png <run dir> [<run dir> ...]", file=sys.stderr)
         return 2
     try:
-        print(plot(runs, Path(outs[-1][4:] if outs else "curves.png")))  # one colour per run, one line style per position
+        print(
+            plot(runs, Path(outs[-1][4:] if outs else "curves.png"))
+        )  # one colour per run, one line style per position
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import itertools
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import hydra
 import torch
@@ -34,10 +35,24 @@ from tokenizers import Tokenizer
 from experiments.lib.checkpoint import load_lm
 from experiments.lib.cli import USER_ERRORS, exit_on_user_error, one_line
 from experiments.lib.decode_checks import (
-    check_checkpoints, check_decode, check_exact, check_family_decode, check_prompt_lookup, check_run, check_temperature,
-    command_line_keys, sampling_for,
+    check_checkpoints,
+    check_decode,
+    check_exact,
+    check_family_decode,
+    check_prompt_lookup,
+    check_run,
+    check_temperature,
+    command_line_keys,
+    sampling_for,
 )
-from experiments.lib.methods import DRAFTER_KINDS, METHODS, checkpoint_for, checkpoint_kinds, make_methods, verify_widths
+from experiments.lib.methods import (
+    DRAFTER_KINDS,
+    METHODS,
+    checkpoint_for,
+    checkpoint_kinds,
+    make_methods,
+    verify_widths,
+)
 from experiments.lib.settings import check_bool, check_int
 from verify.drafter import Draft, Verdict
 from verify.plain import Generation, plain_generate
@@ -119,8 +134,11 @@ def token_pieces(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
 
 
 # decode keys of the benchmark's that generate does not read: typed here, they would silently do nothing
-NOT_READ = {"decode.temperatures": "temperature", "decode.max_new_tokens": "max_new_tokens",
-            "decode.batch_size": "nothing (one prompt at a time)"}
+NOT_READ = {
+    "decode.temperatures": "temperature",
+    "decode.max_new_tokens": "max_new_tokens",
+    "decode.batch_size": "nothing (one prompt at a time)",
+}
 
 
 def check_config(cfg: DictConfig) -> tuple[SamplingConfig, SpecConfig, str]:
@@ -212,12 +230,16 @@ def generate_one(s: Session, text: str) -> dict[str, Any]:
         s.warm = True
     plain, spec, drafter = decode_both(s, prompt, s.cfg.max_new_tokens)
     plain_ids, spec_ids = plain.tokens[0], spec.tokens[0]
-    exact, lossless = check_exact(s.cfg.method, plain_ids, spec_ids, rule=s.rule, delta=s.spec.delta,
-                                  greedy=s.sampling.greedy)
+    exact, lossless = check_exact(
+        s.cfg.method, plain_ids, spec_ids, rule=s.rule, delta=s.spec.delta, greedy=s.sampling.greedy
+    )
     return {
-        "prompt": text, "method": s.cfg.method,
-        "plain": s.tokenizer.decode(plain_ids), "speculative": s.tokenizer.decode(spec_ids),
-        "plain_ids": plain_ids, "speculative_ids": spec_ids,
+        "prompt": text,
+        "method": s.cfg.method,
+        "plain": s.tokenizer.decode(plain_ids),
+        "speculative": s.tokenizer.decode(spec_ids),
+        "plain_ids": plain_ids,
+        "speculative_ids": spec_ids,
         "accepted_mask": accepted_mask(spec_ids, drafter.steps),
         "stats": stats_of(plain, spec, rule=s.rule, lossless=lossless, exact=exact, temperature=s.sampling.temperature),
     }
@@ -227,14 +249,24 @@ def stats_of(plain: Generation, spec: Generation, **extra: Any) -> dict[str, Any
     """The view's figures of one prompt (verify/stats.py's DecodeStats of each decoder), and `extra`."""
     p, q = plain.stats, spec.stats
     return {
-        **extra, "tau": q.tau, "alpha": q.alpha, "acceptance_by_position": q.acceptance_by_position,
-        "plain_tokens": p.total_tokens, "speculative_tokens": q.total_tokens,
-        "plain_forwards": int(p.forwards.sum()), "speculative_forwards": int(q.forwards.sum()),
-        "plain_tokens_per_s": p.tokens_per_s, "speculative_tokens_per_s": q.tokens_per_s,
+        **extra,
+        "tau": q.tau,
+        "alpha": q.alpha,
+        "acceptance_by_position": q.acceptance_by_position,
+        "plain_tokens": p.total_tokens,
+        "speculative_tokens": q.total_tokens,
+        "plain_forwards": int(p.forwards.sum()),
+        "speculative_forwards": int(q.forwards.sum()),
+        "plain_tokens_per_s": p.tokens_per_s,
+        "speculative_tokens_per_s": q.tokens_per_s,
         "speedup": q.tokens_per_s / p.tokens_per_s,
-        "plain_seconds": p.time_total, "speculative_seconds": q.time_total,
-        "time_draft": q.time_draft, "time_target": q.time_target, "time_other": q.time_other,
-        "draft_share": q.time_draft / q.time_total, "target_share": q.time_target / q.time_total,
+        "plain_seconds": p.time_total,
+        "speculative_seconds": q.time_total,
+        "time_draft": q.time_draft,
+        "time_target": q.time_target,
+        "time_other": q.time_other,
+        "draft_share": q.time_draft / q.time_total,
+        "target_share": q.time_target / q.time_total,
     }
 
 
@@ -251,8 +283,11 @@ def render(console: Console, s: Session, result: dict[str, Any]) -> None:
     side.add_column(ratio=1, overflow="fold")  # long runs without spaces wrap, never "…"
     side.add_column(ratio=1, overflow="fold")
     side.add_row(Panel(plain, title="plain"), Panel(spec, title=f"speculative: {result['method']}"))
-    legend = Text.assemble(("green", ACCEPTED_STYLE), " = accepted draft tokens; default colour = the target's own "
-                           "tokens (corrections and bonus tokens); dim = the prompt")
+    legend = Text.assemble(
+        ("green", ACCEPTED_STYLE),
+        " = accepted draft tokens; default colour = the target's own "
+        "tokens (corrections and bonus tokens); dim = the prompt",
+    )
     console.print(Group(side, legend, stats_table(result["stats"]), verdict_line(result["stats"])))
 
 
@@ -278,13 +313,18 @@ def stats_table(st: dict[str, Any]) -> Table:
 
 def verdict_line(st: dict[str, Any]) -> Text:
     if st["exact"]:
-        return Text(f"identical: at temperature 0 the {st['rule']} rule is lossless, and the outputs match "
-                    "token for token", style="bold green")
+        return Text(
+            f"identical: at temperature 0 the {st['rule']} rule is lossless, and the outputs match token for token",
+            style="bold green",
+        )
     if not st["lossless"]:
-        return Text(f"the {st['rule']} rule is NOT lossless: the output may differ from plain decoding",
-                    style="bold yellow")
-    return Text(f"lossless {st['rule']} rule at temperature {st['temperature']:g}: both are samples of the target's "
-                "distribution, so the texts may differ by chance")
+        return Text(
+            f"the {st['rule']} rule is NOT lossless: the output may differ from plain decoding", style="bold yellow"
+        )
+    return Text(
+        f"lossless {st['rule']} rule at temperature {st['temperature']:g}: both are samples of the target's "
+        "distribution, so the texts may differ by chance"
+    )
 
 
 # ---------------------------------------------------------------------------------------- entry point

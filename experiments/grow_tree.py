@@ -1,4 +1,5 @@
-"""Grow a static tree for Medusa or sequential heads, for a node budget, from the head accuracies measured on validation.
+"""Grow a static tree for Medusa or sequential heads, for a node budget, from the head accuracies measured
+on validation.
 
     python -m experiments.grow_tree checkpoint=outputs/reference/medusa/checkpoint tree_nodes=16
 
@@ -25,8 +26,10 @@ from medusa.trees import tree_from_accuracies
 def grow(cfg: DictConfig) -> list[list[int]]:
     meta = load_checkpoint(cfg.checkpoint).meta
     if meta.get("kind") != "drafter" or meta["model_config"]["package"] not in ("medusa", "sequential"):
-        raise ValueError(f"checkpoint={cfg.checkpoint}: not a Medusa or sequential heads checkpoint "
-                         "(experiments.train_drafter drafter=medusa or drafter=sequential)")
+        raise ValueError(
+            f"checkpoint={cfg.checkpoint}: not a Medusa or sequential heads checkpoint "
+            "(experiments.train_drafter drafter=medusa or drafter=sequential)"
+        )
     num_heads = meta["model_config"]["module"]["num_heads"]
     return [list(p) for p in tree_from_accuracies(meta["metrics"], num_heads, cfg.tree_nodes)]
 

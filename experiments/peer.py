@@ -67,19 +67,29 @@ def check_config(cfg: DictConfig) -> None:
     check_prompt_lookup(cfg.prompt_lookup)
     settings = list(cfg.ours)
     if not settings or any(set(s) != {"engine", "compile"} or s["engine"] not in ENGINES for s in settings):
-        raise ValueError(f"ours={OmegaConf.to_container(cfg.ours)!r}: must be a non-empty list of {{engine: "
-                         f"{'|'.join(ENGINES)}, compile: true|false}}")
+        raise ValueError(
+            f"ours={OmegaConf.to_container(cfg.ours)!r}: must be a non-empty list of {{engine: "
+            f"{'|'.join(ENGINES)}, compile: true|false}}"
+        )
     for i, setting in enumerate(settings):
         check_bool(f"ours[{i}].compile", setting["compile"])
     if any(s["engine"] == "hf" and s["compile"] for s in settings):
-        raise ValueError("ours: {engine: hf, compile: true}: the transformers adapter runs eager only; compile the lean engine")
+        raise ValueError(
+            "ours: {engine: hf, compile: true}: the transformers adapter runs eager only; compile the lean engine"
+        )
     check_checkpoints(cfg, ["base", "assistant"])
     for name in ("base", "assistant"):  # a checkpoint of this project must hold a Llama (arch=llama)
         path = cfg.checkpoints[name]
-        if path is not None and not is_hf_directory(Path(path)) and read_meta(path)["model_config"].get("arch") != "llama":
-            raise ValueError(f"checkpoints.{name}={path} is an x-transformers LM: the peer benchmark compares against "
-                             "transformers, so both models must be Hugging Face models (train_base base=llama_small, "
-                             "or a save_pretrained directory)")
+        if (
+            path is not None
+            and not is_hf_directory(Path(path))
+            and read_meta(path)["model_config"].get("arch") != "llama"
+        ):
+            raise ValueError(
+                f"checkpoints.{name}={path} is an x-transformers LM: the peer benchmark compares against "
+                "transformers, so both models must be Hugging Face models (train_base base=llama_small, "
+                "or a save_pretrained directory)"
+            )
     check_writable(cfg.out_dir, "out_dir")
 
 
@@ -94,10 +104,14 @@ def load_pair(cfg: DictConfig, device: torch.device) -> tuple[HFBase, HFBase, An
     assistant, assistant_tokenizer, _ = load_lm(assistant_dir, device=str(device), role="checkpoints.assistant")
     for name, model in (("base", base), ("assistant", assistant)):
         if not isinstance(model, HFBase):
-            raise ValueError(f"{name} {type(model).__name__}: the peer benchmark compares against transformers, so both "
-                             "models must be Hugging Face models (train_base base=llama_small, or a save_pretrained directory)")
+            raise ValueError(
+                f"{name} {type(model).__name__}: the peer benchmark compares against transformers, so both "
+                "models must be Hugging Face models (train_base base=llama_small, or a save_pretrained directory)"
+            )
     if assistant_tokenizer.to_str() != tokenizer.to_str():
-        raise ValueError(f"assistant {assistant_dir} has another tokenizer than base {base_dir}: train it on the base's data config")
+        raise ValueError(
+            f"assistant {assistant_dir} has another tokenizer than base {base_dir}: train it on the base's data config"
+        )
     return base, assistant, tokenizer, meta, base_dir
 
 
@@ -109,26 +123,43 @@ class ForwardCounter:
         module.register_forward_hook(lambda *_: setattr(self, "calls", self.calls + 1))
 
 
-def theirs(base: HFBase, assistant: HFBase, pair: str, prompts: list[list[int]], cfg: DictConfig, variant: str) -> list[list[int]]:
+def theirs(
+    base: HFBase, assistant: HFBase, pair: str, prompts: list[list[int]], cfg: DictConfig, variant: str
+) -> list[list[int]]:
     """transformers' generate on a batch of equal-length prompts (no padding needed) -> new tokens per row."""
     ids = torch.tensor(prompts, device=base.to_logits.weight.device)
-    kwargs: dict[str, Any] = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=cfg.max_new_tokens,
-                                  eos_token_id=None, pad_token_id=0)
+    kwargs: dict[str, Any] = dict(
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=cfg.max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     if pair == "draft":
         kwargs["assistant_model"] = assistant.hf
         gen = assistant.hf.generation_config
         if variant == "same_gamma":
-            gen.num_assistant_tokens, gen.num_assistant_tokens_schedule, gen.assistant_confidence_threshold = cfg.gamma, "constant", 0.0
+            gen.num_assistant_tokens, gen.num_assistant_tokens_schedule, gen.assistant_confidence_threshold = (
+                cfg.gamma,
+                "constant",
+                0.0,
+            )
         else:  # transformers' defaults, reset at every call (within a call it adapts the threshold)
-            gen.num_assistant_tokens, gen.num_assistant_tokens_schedule, gen.assistant_confidence_threshold = 20, "constant", 0.4
+            gen.num_assistant_tokens, gen.num_assistant_tokens_schedule, gen.assistant_confidence_threshold = (
+                20,
+                "constant",
+                0.4,
+            )
     elif pair == "prompt_lookup":
         kwargs.update(prompt_lookup_num_tokens=cfg.gamma, max_matching_ngram_size=cfg.prompt_lookup.max_ngram)
     with torch.inference_mode():
         out = base.hf.generate(ids, **kwargs)
-    return out[:, ids.shape[1]:].tolist()
+    return out[:, ids.shape[1] :].tolist()
 
 
-def ours(base: HFBase, assistant: HFBase, pair: str, prompts: list[list[int]], cfg: DictConfig, setting: dict) -> Generation:
+def ours(
+    base: HFBase, assistant: HFBase, pair: str, prompts: list[list[int]], cfg: DictConfig, setting: dict
+) -> Generation:
     """Our decoding of a batch: plain, or the one speculative loop with the assistant or prompt lookup."""
     target = make_target(base, engine=setting["engine"], compile=setting["compile"], widths=(1, cfg.gamma + 1))
     if pair == "plain":
@@ -174,15 +205,16 @@ def contenders(cfg: DictConfig, base: HFBase, assistant: HFBase) -> dict[str, tu
     return out
 
 
-def bench_batch(cfg: DictConfig, base: HFBase, assistant: HFBase, prompts: list[list[int]], batch_size: int,
-                counter: ForwardCounter) -> list[dict]:
+def bench_batch(
+    cfg: DictConfig, base: HFBase, assistant: HFBase, prompts: list[list[int]], batch_size: int, counter: ForwardCounter
+) -> list[dict]:
     """Every contender that can decode at this batch size, timed in interleaved rounds after a warm-up."""
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     named = contenders(cfg, base, assistant)
     if batch_size > 1:  # transformers' assisted generation and prompt lookup refuse batches; say so, keep plain
         named = {n: c for n, c in named.items() if n.startswith("ours") or n == "transformers/plain/defaults"}
     shapes = list({len(b): b for b in batches}.values())  # one batch of each size: a compiled step per shape
-    for name, (_, fn) in named.items():
+    for _, fn in named.values():
         run(fn, shapes, counter)  # warm-up (compiles)
     rounds: dict[str, list[dict]] = {name: [] for name in named}
     for r in range(cfg.repeats):
@@ -193,10 +225,17 @@ def bench_batch(cfg: DictConfig, base: HFBase, assistant: HFBase, prompts: list[
     rows = []
     for name, (pair, _) in named.items():
         first = rounds[name][0]
-        rows.append(dict(name=name, pair=pair, batch_size=batch_size, tau=first["new"] / max(first["row_forwards"], 1),
-                         tokens_per_s=statistics.median(x["new"] / x["seconds"] for x in rounds[name]),
-                         rounds_tokens_per_s=[x["new"] / x["seconds"] for x in rounds[name]],
-                         identical=all(x["tokens"] == reference for x in rounds[name])))
+        rows.append(
+            dict(
+                name=name,
+                pair=pair,
+                batch_size=batch_size,
+                tau=first["new"] / max(first["row_forwards"], 1),
+                tokens_per_s=statistics.median(x["new"] / x["seconds"] for x in rounds[name]),
+                rounds_tokens_per_s=[x["new"] / x["seconds"] for x in rounds[name]],
+                identical=all(x["tokens"] == reference for x in rounds[name]),
+            )
+        )
     return rows
 
 
@@ -206,21 +245,41 @@ def ratios(rows: list[dict]) -> list[dict]:
     for row in rows:
         if not row["name"].startswith("ours"):
             continue
-        peers = [r for r in rows if r["batch_size"] == row["batch_size"] and r["name"].startswith("transformers/")
-                 and (r["pair"] == row["pair"] or row["batch_size"] > 1)]
+        peers = [
+            r
+            for r in rows
+            if r["batch_size"] == row["batch_size"]
+            and r["name"].startswith("transformers/")
+            and (r["pair"] == row["pair"] or row["batch_size"] > 1)
+        ]
         best = max(peers, key=lambda r: r["tokens_per_s"])
-        out.append(dict(ours=row["name"], pair=row["pair"], batch_size=row["batch_size"], against=best["name"],
-                        ratio=row["tokens_per_s"] / best["tokens_per_s"]))
+        out.append(
+            dict(
+                ours=row["name"],
+                pair=row["pair"],
+                batch_size=row["batch_size"],
+                against=best["name"],
+                ratio=row["tokens_per_s"] / best["tokens_per_s"],
+            )
+        )
     return out
 
 
 def markdown(rows: list[dict], summary: list[dict], header: dict) -> str:
-    lines = [f"# Peer benchmark: ours vs transformers {header['transformers']} generate", "",
-             f"CPU: {header['cpu']}; threads {header['threads']}; {header['prompts']} held-out prompts x "
-             f"{header['max_new_tokens']} new tokens; gamma {header['gamma']}; temperature 0; float32; transformers eager.", "",
-             "| batch | contender | tau | tokens/s | identical to transformers' greedy |", "|---|---|---|---|---|"]
-    lines += [f"| {r['batch_size']} | {r['name']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | {'yes' if r['identical'] else 'NO'} |"
-              for r in rows]
+    lines = [
+        f"# Peer benchmark: ours vs transformers {header['transformers']} generate",
+        "",
+        f"CPU: {header['cpu']}; threads {header['threads']}; {header['prompts']} held-out prompts x "
+        f"{header['max_new_tokens']} new tokens; gamma {header['gamma']}; temperature 0; float32; transformers eager.",
+        "",
+        "| batch | contender | tau | tokens/s | identical to transformers' greedy |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['batch_size']} | {r['name']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
+        f"{'yes' if r['identical'] else 'NO'} |"
+        for r in rows
+    ]
     lines += ["", "| batch | ours | ours / transformers' fastest | against |", "|---|---|---|---|"]
     lines += [f"| {s['batch_size']} | {s['ours']} | {s['ratio']:.2f}x | {s['against']} |" for s in summary]
     return "\n".join(lines) + "\n"
@@ -233,14 +292,24 @@ def peer(cfg: DictConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     base, assistant, tokenizer, meta, base_dir = load_pair(cfg, device)
     data = prepare_data(**base_data_config(meta, OmegaConf.to_container(cfg.data, resolve=True)))
-    prompts = heldout_prompts(data, num_prompts=cfg.prompts.num_prompts, prompt_len=cfg.prompts.prompt_len, seed=cfg.seed)
+    prompts = heldout_prompts(
+        data, num_prompts=cfg.prompts.num_prompts, prompt_len=cfg.prompts.prompt_len, seed=cfg.seed
+    )
     make_target(base, engine="hf").check_tokens(prompts, max_new_tokens=cfg.max_new_tokens)
     counter = ForwardCounter(base.hf.base_model)
     rows = [row for b in cfg.batch_sizes for row in bench_batch(cfg, base, assistant, prompts, b, counter)]
     import transformers
 
-    header = dict(cpu=cpu_model(), threads=torch.get_num_threads(), prompts=len(prompts), max_new_tokens=cfg.max_new_tokens,
-                  gamma=cfg.gamma, transformers=transformers.__version__, base=base_dir, torch=torch.__version__)
+    header = dict(
+        cpu=cpu_model(),
+        threads=torch.get_num_threads(),
+        prompts=len(prompts),
+        max_new_tokens=cfg.max_new_tokens,
+        gamma=cfg.gamma,
+        transformers=transformers.__version__,
+        base=base_dir,
+        torch=torch.__version__,
+    )
     summary = ratios(rows)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,20 @@ import yaml
 from experiments.lib.cli import FAILED_FILE, one_line, user_message, write_atomic
 from experiments.lib.report import mode, plt
 
-COLUMNS = ("overrides", "name", "mode", "temperature", "gamma", "tau", "alpha", "speedup", "efficiency", "draft_share", "lossless", "exact")
+COLUMNS = (
+    "overrides",
+    "name",
+    "mode",
+    "temperature",
+    "gamma",
+    "tau",
+    "alpha",
+    "speedup",
+    "efficiency",
+    "draft_share",
+    "lossless",
+    "exact",
+)
 RESULTS_FILE = "results.json"
 NO_RESULT = "no result (killed or still running)"
 
@@ -159,8 +172,9 @@ def summarize(sweep_dir: str | Path) -> list[dict]:
         raise FileNotFoundError(f"multirun directory {sweep_dir} does not exist")
     rows = job_rows(sweep_dir)
     if not rows:
-        raise ValueError(f"{sweep_dir} holds no */results.json and no job directories: "
-                         "is it a benchmark multirun directory?")
+        raise ValueError(
+            f"{sweep_dir} holds no */results.json and no job directories: is it a benchmark multirun directory?"
+        )
     rows = swept(rows)
     write_atomic(sweep_dir / "summary.md", table(rows) + failed_table(rows))
     write_atomic(sweep_dir / "summary.json", json.dumps(rows, indent=2, default=str) + "\n")

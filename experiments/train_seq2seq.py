@@ -38,10 +38,22 @@ from experiments.lib.rundir import RunLock, check_checkpoint_dir
 from experiments.lib.seq2seq_bench import benchmark
 from experiments.lib.seq2seq_data import Pairs, pad_batch, seq2seq_pairs
 from experiments.lib.settings import (
-    check_bool, check_int, check_number, check_recipe, data_recipe, require, resolve_device,
+    check_bool,
+    check_int,
+    check_number,
+    check_recipe,
+    data_recipe,
+    require,
+    resolve_device,
 )
 from experiments.lib.training import (
-    LoopSettings, LoopState, make_logger, make_optimizer, prepare_run_dir, SEED_STRIDE, TrainLoop,
+    SEED_STRIDE,
+    LoopSettings,
+    LoopState,
+    TrainLoop,
+    make_logger,
+    make_optimizer,
+    prepare_run_dir,
 )
 from verify.numerics import is_finite_number
 from verify.sampling import SamplingConfig
@@ -51,37 +63,55 @@ MODES = ("train", "bench", "all")
 SIZE_KEYS = ("dim", "enc_depth", "dec_depth", "heads")
 
 
-def build_seq2seq(*, num_tokens: int, dim: int, enc_depth: int, dec_depth: int, heads: int,
-                  max_source_len: int, max_target_len: int) -> XTransformer:
+def build_seq2seq(
+    *, num_tokens: int, dim: int, enc_depth: int, dec_depth: int, heads: int, max_source_len: int, max_target_len: int
+) -> XTransformer:
     """An x-transformers encoder-decoder the lean engine serves: rotary positions on both sides (no
     absolute embedding), pre-norm, GELU feed-forward, one token embedding shared by both sides."""
     return XTransformer(
-        dim=dim, tie_token_emb=True,
-        enc_num_tokens=num_tokens, enc_depth=enc_depth, enc_heads=heads, enc_max_seq_len=max_source_len,
+        dim=dim,
+        tie_token_emb=True,
+        enc_num_tokens=num_tokens,
+        enc_depth=enc_depth,
+        enc_heads=heads,
+        enc_max_seq_len=max_source_len,
         enc_rotary_pos_emb=True,
-        dec_num_tokens=num_tokens, dec_depth=dec_depth, dec_heads=heads, dec_max_seq_len=max_target_len,
+        dec_num_tokens=num_tokens,
+        dec_depth=dec_depth,
+        dec_heads=heads,
+        dec_max_seq_len=max_target_len,
         dec_rotary_pos_emb=True,
     )
 
 
 def model_config(cfg: DictConfig, size: DictConfig, num_tokens: int) -> dict[str, Any]:
     """build_seq2seq's keyword arguments (what a checkpoint records)."""
-    return dict(num_tokens=num_tokens, **{k: int(size[k]) for k in SIZE_KEYS},
-                max_source_len=int(cfg.pairs.max_source_tokens), max_target_len=int(cfg.pairs.max_target_tokens) + 1)
+    return dict(
+        num_tokens=num_tokens,
+        **{k: int(size[k]) for k in SIZE_KEYS},
+        max_source_len=int(cfg.pairs.max_source_tokens),
+        max_target_len=int(cfg.pairs.max_target_tokens) + 1,
+    )
 
 
 def validate_config(cfg: DictConfig) -> None:
     """One-line errors naming the value and what is allowed, before any work starts."""
     require(cfg.mode in MODES, f"mode={cfg.mode!r}: use one of {', '.join(MODES)}")
-    require(cfg.data.source == "stdlib",
-            f"data.source={cfg.data.source!r}: the function -> docstring task reads the stdlib only (data=stdlib)")
-    require(cfg.mode != "bench" or cfg.checkpoints is not None,
-            "mode=bench needs checkpoints=<a run directory with target/ and draft/>")
+    require(
+        cfg.data.source == "stdlib",
+        f"data.source={cfg.data.source!r}: the function -> docstring task reads the stdlib only (data=stdlib)",
+    )
+    require(
+        cfg.mode != "bench" or cfg.checkpoints is not None,
+        "mode=bench needs checkpoints=<a run directory with target/ and draft/>",
+    )
     for name in ("target", "draft"):
         for key in SIZE_KEYS:
             check_int(f"{name}.{key}", cfg[name][key])
-        require(cfg[name].dim % cfg[name].heads == 0,
-                f"{name}.dim={cfg[name].dim} must be a multiple of {name}.heads={cfg[name].heads}")
+        require(
+            cfg[name].dim % cfg[name].heads == 0,
+            f"{name}.dim={cfg[name].dim} must be a multiple of {name}.heads={cfg[name].heads}",
+        )
     for key, low in (("max_source_tokens", 1), ("max_target_tokens", 2)):
         check_int(f"pairs.{key}", cfg.pairs[key], minimum=low)
     t = cfg.train
@@ -96,11 +126,16 @@ def validate_config(cfg: DictConfig) -> None:
     b = cfg.bench
     for key in ("pairs", "batch", "max_new_tokens", "gamma", "ngram", "repeats"):
         check_int(f"bench.{key}", b[key])
-    require(b.max_new_tokens <= cfg.pairs.max_target_tokens, f"bench.max_new_tokens={b.max_new_tokens}: must be at most "
-            f"pairs.max_target_tokens={cfg.pairs.max_target_tokens} (the decoder's length)")
+    require(
+        b.max_new_tokens <= cfg.pairs.max_target_tokens,
+        f"bench.max_new_tokens={b.max_new_tokens}: must be at most "
+        f"pairs.max_target_tokens={cfg.pairs.max_target_tokens} (the decoder's length)",
+    )
     temps = list(b.temperatures)
-    require(len(temps) > 0 and all(is_finite_number(x) and x >= 0 for x in temps),
-            f"bench.temperatures={temps!r}: must be a non-empty list of finite numbers >= 0")
+    require(
+        len(temps) > 0 and all(is_finite_number(x) and x >= 0 for x in temps),
+        f"bench.temperatures={temps!r}: must be a non-empty list of finite numbers >= 0",
+    )
     for x in temps:
         SamplingConfig(temperature=float(x))  # the sampler's own checks, now rather than after training
     resolve_device(cfg.device)
@@ -116,7 +151,7 @@ class PairBatch:
     target_mask: torch.Tensor  # (B, T) bool
 
     @classmethod
-    def of(cls, sources: list[list[int]], targets: list[list[int]]) -> "PairBatch":
+    def of(cls, sources: list[list[int]], targets: list[list[int]]) -> PairBatch:
         return cls(*pad_batch(sources, 0), *pad_batch(targets, 0))
 
 
@@ -133,7 +168,9 @@ def seq2seq_loss(model: XTransformer, batch: PairBatch, *, bos_id: int, device: 
 
 
 @torch.no_grad()
-def evaluate(model: XTransformer, pairs: Pairs, *, count: int, batch_size: int, bos_id: int, device: torch.device) -> float:
+def evaluate(
+    model: XTransformer, pairs: Pairs, *, count: int, batch_size: int, bos_id: int, device: torch.device
+) -> float:
     """Mean loss over the first `count` held-out pairs (token-weighted)."""
     model.eval()
     total = tokens = 0.0
@@ -149,12 +186,29 @@ def evaluate(model: XTransformer, pairs: Pairs, *, count: int, batch_size: int, 
 def recipe(cfg: DictConfig, config: dict[str, Any]) -> dict[str, Any]:
     """What decides a model's weights (checked on resume); not the budgets, not where the data cache lives."""
     t = cfg.train
-    return {"seed": cfg.seed, "model_config": config, "pairs": OmegaConf.to_container(cfg.pairs, resolve=True),
-            "data": data_recipe(cfg.data), "batch_size": t.batch_size, "lr": t.lr, "warmup_steps": t.warmup_steps}
+    return {
+        "seed": cfg.seed,
+        "model_config": config,
+        "pairs": OmegaConf.to_container(cfg.pairs, resolve=True),
+        "data": data_recipe(cfg.data),
+        "batch_size": t.batch_size,
+        "lr": t.lr,
+        "warmup_steps": t.warmup_steps,
+    }
 
 
-def train_model(name: str, cfg: DictConfig, config: dict[str, Any], train: Pairs, val: Pairs, *, bos_id: int,
-                device: torch.device, tokenizer_json: str, out_dir: Path) -> tuple[XTransformer, dict[str, Any]]:
+def train_model(
+    name: str,
+    cfg: DictConfig,
+    config: dict[str, Any],
+    train: Pairs,
+    val: Pairs,
+    *,
+    bos_id: int,
+    device: torch.device,
+    tokenizer_json: str,
+    out_dir: Path,
+) -> tuple[XTransformer, dict[str, Any]]:
     """Train (or resume, or reuse when finished) one model in out_dir/<name>/ with the shared loop: AdamW,
     warm-up and cosine decay for the step or time budget, whichever ends first."""
     run_dir, t = out_dir / name, cfg.train
@@ -172,10 +226,16 @@ def train_model(name: str, cfg: DictConfig, config: dict[str, Any], train: Pairs
         state = LoopState.from_meta(ckpt.meta, "pairs")
     steps = int(t[f"{name}_steps"])
     minutes = t[f"{name}_minutes"]
-    settings = LoopSettings(max_steps=steps, max_minutes=minutes, log_every=t.log_every, eval_every=steps,
-                            checkpoint_every=t.checkpoint_every, seed=cfg.seed, grad_accum=1,
-                            optim=OmegaConf.create({"lr": t.lr, "min_lr": t.lr / 10, "warmup_steps": t.warmup_steps,
-                                                    "grad_clip": 1.0}))
+    settings = LoopSettings(
+        max_steps=steps,
+        max_minutes=minutes,
+        log_every=t.log_every,
+        eval_every=steps,
+        checkpoint_every=t.checkpoint_every,
+        seed=cfg.seed,
+        grad_accum=1,
+        optim=OmegaConf.create({"lr": t.lr, "min_lr": t.lr / 10, "warmup_steps": t.warmup_steps, "grad_clip": 1.0}),
+    )
 
     def batch(step: int) -> PairBatch:  # a pure function of (seed, step): resuming needs no sampler state
         generator = torch.Generator().manual_seed(cfg.seed * SEED_STRIDE + step)
@@ -187,18 +247,51 @@ def train_model(name: str, cfg: DictConfig, config: dict[str, Any], train: Pairs
         return {"val_loss": val_loss, "val_ppl": math.exp(val_loss)}
 
     def save(state: LoopState, metrics: dict, *, finished: bool, elapsed_s: float) -> Path:
-        result = {"model": name, "steps": state.step, "minutes": elapsed_s / 60, "val_loss": metrics.get("val_loss"),
-                  "val_ppl": metrics.get("val_ppl"), "parameters": sum(p.numel() for p in model.parameters())}
-        extra = {"task": "function -> docstring summary", **result, "result": result, "recipe": expected,
-                 "finished": finished, "pairs_seen": state.units, "elapsed_s": elapsed_s}
-        return save_checkpoint(ckpt_dir, model=model, model_config=config, tokenizer_json=tokenizer_json,
-                               step=state.step, extra=extra, optimizer=optimizer)
+        result = {
+            "model": name,
+            "steps": state.step,
+            "minutes": elapsed_s / 60,
+            "val_loss": metrics.get("val_loss"),
+            "val_ppl": metrics.get("val_ppl"),
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
+        extra = {
+            "task": "function -> docstring summary",
+            **result,
+            "result": result,
+            "recipe": expected,
+            "finished": finished,
+            "pairs_seen": state.units,
+            "elapsed_s": elapsed_s,
+        }
+        return save_checkpoint(
+            ckpt_dir,
+            model=model,
+            model_config=config,
+            tokenizer_json=tokenizer_json,
+            step=state.step,
+            extra=extra,
+            optimizer=optimizer,
+        )
 
     logger = make_logger(cfg, run_dir, Dist())
-    loop = TrainLoop(model=model, loss_fn=lambda m, b: (seq2seq_loss(m, b, bos_id=bos_id, device=device), {}),
-                     batch_fn=batch, count_fn=lambda b, _: b.target.shape[0], validate_fn=validate, save_fn=save,
-                     optimizer=optimizer, settings=settings, precision="fp32", device=device, ctx=Dist(),
-                     out_dir=run_dir, logger=logger, state=state, unit="pairs")
+    loop = TrainLoop(
+        model=model,
+        loss_fn=lambda m, b: (seq2seq_loss(m, b, bos_id=bos_id, device=device), {}),
+        batch_fn=batch,
+        count_fn=lambda b, _: b.target.shape[0],
+        validate_fn=validate,
+        save_fn=save,
+        optimizer=optimizer,
+        settings=settings,
+        precision="fp32",
+        device=device,
+        ctx=Dist(),
+        out_dir=run_dir,
+        logger=logger,
+        state=state,
+        unit="pairs",
+    )
     try:
         loop.run()
     finally:
@@ -232,17 +325,33 @@ def _run(cfg: DictConfig, *, out_dir: Path, device: torch.device, benchmark) -> 
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     data = prepare_data(**OmegaConf.to_container(cfg.data, resolve=True))
-    train, val = seq2seq_pairs(data, max_source_tokens=cfg.pairs.max_source_tokens, max_target_tokens=cfg.pairs.max_target_tokens,
-                               max_files=cfg.data.max_files)
+    train, val = seq2seq_pairs(
+        data,
+        max_source_tokens=cfg.pairs.max_source_tokens,
+        max_target_tokens=cfg.pairs.max_target_tokens,
+        max_files=cfg.data.max_files,
+    )
     if not train.sources or not val.sources:
-        raise ValueError(f"the corpus gave {len(train.sources)} training and {len(val.sources)} held-out pairs: need both (more data.max_files?)")
+        raise ValueError(
+            f"the corpus gave {len(train.sources)} training and {len(val.sources)} held-out pairs: need both (more "
+            "data.max_files?)"
+        )
     log.info("pairs: %d train, %d held out", len(train.sources), len(val.sources))
     results: dict[str, Any] = {"pairs": {"train": len(train.sources), "val": len(val.sources)}}
     if cfg.mode in ("train", "all"):
         for name in ("target", "draft"):
             config = model_config(cfg, cfg[name], data.vocab_size)
-            _, results[name] = train_model(name, cfg, config, train, val, bos_id=data.eos_id, device=device,
-                                           tokenizer_json=data.tokenizer.to_str(), out_dir=out_dir)
+            _, results[name] = train_model(
+                name,
+                cfg,
+                config,
+                train,
+                val,
+                bos_id=data.eos_id,
+                device=device,
+                tokenizer_json=data.tokenizer.to_str(),
+                out_dir=out_dir,
+            )
     if cfg.mode in ("bench", "all"):
         where = out_dir if cfg.checkpoints is None else Path(cfg.checkpoints)
         target, _ = load_seq2seq(where / "target", device)

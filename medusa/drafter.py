@@ -45,13 +45,23 @@ def check_tree(tree: list, vocab_size: int) -> list[Path]:
         if not all(isinstance(r, int) and not isinstance(r, bool) for r in p):
             raise ValueError(f"tree path {list(p)}: ranks must be integers")
         if any(r >= vocab_size for r in p):
-            raise ValueError(f"tree path {list(p)}: ranks must be below the vocabulary size {vocab_size} (trimmed: the subset's)")
+            raise ValueError(
+                f"tree path {list(p)}: ranks must be below the vocabulary size {vocab_size} (trimmed: the subset's)"
+            )
     return sort_paths(paths)
 
 
 class MedusaDrafter:
-    def __init__(self, heads: MedusaHeads, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
-                 vocab: Tensor | None = None, accuracies: list[list[float]] | None = None):
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        *,
+        mode: str = "tree",
+        tree: list | None = None,
+        tree_nodes: int = 16,
+        vocab: Tensor | None = None,
+        accuracies: list[list[float]] | None = None,
+    ):
         """`accuracies[k][r]`: how often head k + 1's rank-r guess was the base's choice (measured on
         validation, medusa.trees.accuracies_from_metrics): the default tree (tree None) is grown from them,
         else from typical Medusa accuracies."""
@@ -85,7 +95,9 @@ class MedusaDrafter:
         depth = min(gamma, self.max_depth)  # never deeper than the loop's budget or the number of heads
         logits = self.stacked(self.hidden.to(self.dtype))  # (b, K, N)
         if self.mode == "chain":  # (b, depth): head k's top-1 at k, or at T > 0 a sample from head k with q
-            tokens, q = draft_from_logits(logits[:, :depth], sampling, generator, vocab=self.vocab, vocab_size=self.vocab_size)
+            tokens, q = draft_from_logits(
+                logits[:, :depth], sampling, generator, vocab=self.vocab, vocab_size=self.vocab_size
+            )
             return Draft(tokens=tokens, q=q)
         top = logits.topk(self.ranks, dim=-1).indices  # (b, K, R) positions in the subset
         parents, head, rank = self._table(depth, top.device)
@@ -104,8 +116,16 @@ class MedusaDrafter:
         return self._tables[depth]
 
 
-def make_drafter(module: MedusaHeads, base: object, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
-            vocab: Tensor | None = None, accuracies: list[list[float]] | None = None) -> MedusaDrafter:
+def make_drafter(
+    module: MedusaHeads,
+    base: object,
+    *,
+    mode: str = "tree",
+    tree: list | None = None,
+    tree_nodes: int = 16,
+    vocab: Tensor | None = None,
+    accuracies: list[list[float]] | None = None,
+) -> MedusaDrafter:
     """The drafter for decoding (decode kwargs from conf/drafter/medusa.yaml `decode:`); `vocab` the sorted
     token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary;
     `accuracies` the heads' measured rank accuracies, to grow the default tree from (see MedusaDrafter)."""

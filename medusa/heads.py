@@ -85,9 +85,16 @@ class MedusaHeads(nn.Module):
             self._base_projection = ()
 
     @classmethod
-    def from_base(cls, base: nn.Module, *, num_heads: int, num_layers: int, share_base_projection: bool = False) -> "MedusaHeads":
+    def from_base(
+        cls, base: nn.Module, *, num_heads: int, num_layers: int, share_base_projection: bool = False
+    ) -> MedusaHeads:
         """Heads for an x-transformers TransformerWrapper: its `to_logits` is the projection to copy or share."""
-        return cls(projection=base.to_logits, num_heads=num_heads, num_layers=num_layers, share_base_projection=share_base_projection)
+        return cls(
+            projection=base.to_logits,
+            num_heads=num_heads,
+            num_layers=num_layers,
+            share_base_projection=share_base_projection,
+        )
 
     def forward(self, hidden: Tensor, vocab: Tensor | None = None) -> Tensor:
         """hidden (..., d) -> logits (..., K, V), or (..., K, N) over the sorted ids `vocab` (N,).
@@ -104,7 +111,7 @@ class MedusaHeads(nn.Module):
         return torch.stack(logits, dim=-2)  # (..., K, N)
 
     @torch.no_grad()
-    def stacked(self, vocab: Tensor | None = None) -> "StackedHeads":
+    def stacked(self, vocab: Tensor | None = None) -> StackedHeads:
         """The heads' weights stacked once for decoding: all K heads in one batched computation per step.
 
         A snapshot of the trained weights: build it after training. `vocab` (sorted ids (N,), None = all V) keeps only
@@ -123,7 +130,10 @@ class MedusaHeads(nn.Module):
         return StackedHeads(block_w, block_b, proj_w, proj_b)
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, num_layers={self.num_layers}, share_base_projection={self.share_base_projection}"
+        return (
+            f"num_heads={self.num_heads}, num_layers={self.num_layers}, "
+            f"share_base_projection={self.share_base_projection}"
+        )
 
 
 @dataclass(eq=False)

@@ -46,8 +46,10 @@ class SequentialHeads(nn.Module):
         if not isinstance(projection, nn.Linear):
             raise ValueError(f"projection is a {type(projection).__name__}: need the base's output nn.Linear(dim, V)")
         if embedding.num_embeddings != projection.out_features:
-            raise ValueError(f"embedding has {embedding.num_embeddings} tokens, projection {projection.out_features}: "
-                             "both must be the same base's")
+            raise ValueError(
+                f"embedding has {embedding.num_embeddings} tokens, projection {projection.out_features}: "
+                "both must be the same base's"
+            )
         self.dim, self.vocab_size = projection.in_features, projection.out_features
         self.emb_dim = embedding.embedding_dim  # the base's embedding width (x-transformers may project it to dim)
         self.num_heads, self.num_layers = num_heads, num_layers
@@ -70,14 +72,16 @@ class SequentialHeads(nn.Module):
         return mix
 
     @classmethod
-    def from_base(cls, base: nn.Module, *, num_heads: int, num_layers: int = 1) -> "SequentialHeads":
+    def from_base(cls, base: nn.Module, *, num_heads: int, num_layers: int = 1) -> SequentialHeads:
         """Heads for an x-transformers TransformerWrapper: its token embedding is borrowed, its `to_logits` copied."""
         return cls(embedding=base.token_emb.emb, projection=base.to_logits, num_heads=num_heads, num_layers=num_layers)
 
     def features(self, k: int, hidden: Tensor, tokens: Tensor) -> Tensor:
         """Head k's features before its projection: hidden (..., d), tokens (..., k) ids -> (..., d)."""
         if tokens.shape[-1] != k:
-            raise ValueError(f"head {k} reads {k} tokens (x_(t+1) .. x_(t+{k})); got tokens of shape {tuple(tokens.shape)}")
+            raise ValueError(
+                f"head {k} reads {k} tokens (x_(t+1) .. x_(t+{k})); got tokens of shape {tuple(tokens.shape)}"
+            )
         emb = self.base.embed(tokens).to(hidden.dtype)  # (..., k, e), detached: no gradient reaches the base
         x = torch.cat((hidden, rearrange(emb, "... k e -> ... (k e)")), dim=-1)  # (..., d + k e)
         return self.blocks[k - 1](self.mix[k - 1](x))
@@ -92,12 +96,16 @@ class SequentialHeads(nn.Module):
 
         Head k reads only tokens[..., :k]: its own input width leaves no way to see a later token."""
         if tokens.shape[-1] != self.num_heads:
-            raise ValueError(f"tokens of shape {tuple(tokens.shape)}: the {self.num_heads} heads read "
-                             f"x_(t+1) .. x_(t+{self.num_heads}), shape (..., {self.num_heads})")
-        return torch.stack([self.head_logits(k, hidden, tokens[..., :k], vocab) for k in range(1, self.num_heads + 1)], dim=-2)
+            raise ValueError(
+                f"tokens of shape {tuple(tokens.shape)}: the {self.num_heads} heads read "
+                f"x_(t+1) .. x_(t+{self.num_heads}), shape (..., {self.num_heads})"
+            )
+        return torch.stack(
+            [self.head_logits(k, hidden, tokens[..., :k], vocab) for k in range(1, self.num_heads + 1)], dim=-2
+        )
 
     @torch.no_grad()
-    def stacked(self, vocab: Tensor | None = None) -> "DecodeHeads":
+    def stacked(self, vocab: Tensor | None = None) -> DecodeHeads:
         """The heads for decoding, with their projections trimmed to `vocab` (sorted ids (N,), None = all V)
         once, instead of re-indexing N rows of every projection on every draft step.
 

@@ -74,16 +74,31 @@ def level_table(paths: list[Path], max_depth: int) -> tuple[Tensor, list[Level]]
         nodes = [i for i, di in enumerate(depth) if di == d]
         sources = sorted({par[i] for i in nodes})  # parents with children, in node order (-1, the root, first)
         ranks = rank[nodes]
-        levels.append(Level(reads=torch.tensor([path_of(s) for s in sources]),
-                            slot=torch.tensor([sources.index(par[i]) for i in nodes]), rank=ranks,
-                            width=int(ranks.max()) + 1))
+        levels.append(
+            Level(
+                reads=torch.tensor([path_of(s) for s in sources]),
+                slot=torch.tensor([sources.index(par[i]) for i in nodes]),
+                rank=ranks,
+                width=int(ranks.max()) + 1,
+            )
+        )
     return parents, levels
 
 
 class SequentialDrafter(MedusaDrafter):
-    def __init__(self, heads: SequentialHeads, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
-                 vocab: Tensor | None = None, accuracies: list[list[float]] | None = None):
-        super().__init__(heads, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies)  # self.stacked: DecodeHeads
+    def __init__(
+        self,
+        heads: SequentialHeads,
+        *,
+        mode: str = "tree",
+        tree: list | None = None,
+        tree_nodes: int = 16,
+        vocab: Tensor | None = None,
+        accuracies: list[list[float]] | None = None,
+    ):
+        super().__init__(
+            heads, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies
+        )  # self.stacked: DecodeHeads
         if mode == "chain":  # the chain is the tree of top-1 guesses, drafted the same way
             self.paths = [(0,) * d for d in range(1, heads.num_heads + 1)]
         self._levels: dict[int, tuple[Tensor, list[Level]]] = {}
@@ -121,13 +136,23 @@ class SequentialDrafter(MedusaDrafter):
         if depth not in self._levels:
             parents, levels = level_table(self.paths, depth)
             move = lambda t: t.to(device)  # noqa: E731
-            self._levels[depth] = (move(parents), [Level(move(lv.reads), move(lv.slot), move(lv.rank), lv.width)
-                                                   for lv in levels])
+            self._levels[depth] = (
+                move(parents),
+                [Level(move(lv.reads), move(lv.slot), move(lv.rank), lv.width) for lv in levels],
+            )
         return self._levels[depth]
 
 
-def make_drafter(module: SequentialHeads, base: object, *, mode: str = "tree", tree: list | None = None, tree_nodes: int = 16,
-            vocab: Tensor | None = None, accuracies: list[list[float]] | None = None) -> SequentialDrafter:
+def make_drafter(
+    module: SequentialHeads,
+    base: object,
+    *,
+    mode: str = "tree",
+    tree: list | None = None,
+    tree_nodes: int = 16,
+    vocab: Tensor | None = None,
+    accuracies: list[list[float]] | None = None,
+) -> SequentialDrafter:
     """The drafter for decoding (decode kwargs from conf/drafter/sequential.yaml `decode:`); `vocab` the sorted
     token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary;
     `accuracies` the heads' measured rank accuracies, to grow the default tree from (see MedusaDrafter)."""

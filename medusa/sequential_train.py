@@ -47,8 +47,14 @@ def following_tokens(tokens: Tensor, num_heads: int) -> Tensor:
 
 
 def loss(
-    module: SequentialHeads, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None,
-    weight: float = 0.8, target: str = "kl", positions: int | None = 2048,
+    module: SequentialHeads,
+    base: nn.Module,
+    batch: FeatureBatch,
+    *,
+    vocab: Tensor | None = None,
+    weight: float = 0.8,
+    target: str = "kl",
+    positions: int | None = 2048,
 ) -> tuple[Tensor, dict[str, float]]:
     """sum_k weight^k * L_k, L_k head k's loss against the base's distribution for token t + 1 + k (`kl`),
     its top-1 (`argmax`) or the corpus token (`true`), on `positions` random positions t < T - K of the batch.
@@ -72,7 +78,9 @@ class _TeacherForced:
 
 
 @torch.no_grad()
-def evaluate(module: SequentialHeads, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None) -> dict[str, float]:
+def evaluate(
+    module: SequentialHeads, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None
+) -> dict[str, float]:
     """medusa.train.evaluate's metrics, heads reading the true tokens: per head k `head{k}_agree` (its top-1
     is the base's top-1 for token t + 1 + k), `head{k}_top1` / `head{k}_top5` (against the corpus token) and
     `head{k}_rank{r}` for r < 10 (the rank-r guess is the base's top-1; rank0 = agree)."""

@@ -34,9 +34,13 @@ from verify.vocab import full_ids
 __all__ = ["build", "loss", "evaluate"]
 
 
-def build(base: nn.Module, *, num_heads: int = 4, num_layers: int = 1, share_base_projection: bool = False) -> MedusaHeads:
+def build(
+    base: nn.Module, *, num_heads: int = 4, num_layers: int = 1, share_base_projection: bool = False
+) -> MedusaHeads:
     """Fresh heads on `base` (block weights zero, projections copied from the base's output layer)."""
-    return MedusaHeads.from_base(base, num_heads=num_heads, num_layers=num_layers, share_base_projection=share_base_projection)
+    return MedusaHeads.from_base(
+        base, num_heads=num_heads, num_layers=num_layers, share_base_projection=share_base_projection
+    )
 
 
 def check_batch(module: MedusaHeads, batch: FeatureBatch) -> None:
@@ -52,8 +56,9 @@ def _sample_positions(b: int, usable: int, positions: int | None, device: torch.
     return pick // usable, pick % usable
 
 
-def sample_positions(module: nn.Module, batch: FeatureBatch, *, weight: float, target: str,
-                     positions: int | None) -> tuple[Tensor, Tensor]:
+def sample_positions(
+    module: nn.Module, batch: FeatureBatch, *, weight: float, target: str, positions: int | None
+) -> tuple[Tensor, Tensor]:
     """Check the loss settings and the batch; row and position indices (n,) of `positions` random positions
     t < T - K (where every head has a target). Shared by Medusa's and the sequential heads' losses."""
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
@@ -66,14 +71,29 @@ def sample_positions(module: nn.Module, batch: FeatureBatch, *, weight: float, t
     return _sample_positions(b, t - module.num_heads, positions, batch.hidden.device)
 
 
-def heads_loss(logits: Tensor, batch: FeatureBatch, row: Tensor, pos: Tensor, *, vocab: Tensor | None, vocab_size: int,
-               weight: float, target: str) -> tuple[Tensor, dict[str, float]]:
+def heads_loss(
+    logits: Tensor,
+    batch: FeatureBatch,
+    row: Tensor,
+    pos: Tensor,
+    *,
+    vocab: Tensor | None,
+    vocab_size: int,
+    weight: float,
+    target: str,
+) -> tuple[Tensor, dict[str, float]]:
     """logits (n, K, N) of heads 1..K at positions (row, pos) -> (sum_k weight^k * L_k, metrics), L_k head k's
     distillation loss for token t + 1 + k (teacher: the base's distribution at t + k)."""
     index = subset_index(vocab, vocab_size, logits.device)
     terms = [
-        distill_loss(logits[:, k - 1], top_ids=batch.top_ids[row, pos + k], top_logp=batch.top_logp[row, pos + k],
-                     true_ids=batch.tokens[row, pos + k + 1], target=target, index=index)
+        distill_loss(
+            logits[:, k - 1],
+            top_ids=batch.top_ids[row, pos + k],
+            top_logp=batch.top_logp[row, pos + k],
+            true_ids=batch.tokens[row, pos + k + 1],
+            target=target,
+            index=index,
+        )
         for k in range(1, logits.shape[1] + 1)
     ]
     total = sum(weight**k * term for k, term in enumerate(terms, start=1))
@@ -83,8 +103,14 @@ def heads_loss(logits: Tensor, batch: FeatureBatch, row: Tensor, pos: Tensor, *,
 
 
 def loss(
-    module: MedusaHeads, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None,
-    weight: float = 0.8, target: str = "kl", positions: int | None = 2048,
+    module: MedusaHeads,
+    base: nn.Module,
+    batch: FeatureBatch,
+    *,
+    vocab: Tensor | None = None,
+    weight: float = 0.8,
+    target: str = "kl",
+    positions: int | None = 2048,
 ) -> tuple[Tensor, dict[str, float]]:
     """sum_k weight^k * L_k, L_k head k's loss against the base's distribution for token t + 1 + k (`kl`),
     its top-1 (`argmax`) or the corpus token (`true`), on `positions` random positions of the batch.
@@ -98,7 +124,9 @@ def loss(
 
 
 @torch.no_grad()
-def evaluate(module: MedusaHeads, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None) -> dict[str, float]:
+def evaluate(
+    module: MedusaHeads, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None
+) -> dict[str, float]:
     """Per head k: `head{k}_agree`, how often its top-1 is the base's own top-1 for that token given the
     true prefix (what greedy acceptance of head k's chain token needs); `head{k}_top1` / `head{k}_top5`
     against the corpus token; and for each rank r < 10 `head{k}_rank{r}`: how often the rank-r guess is
@@ -115,7 +143,11 @@ def evaluate(module: MedusaHeads, base: nn.Module, batch: FeatureBatch, *, vocab
         truth = batch.tokens[:, k + 1 :, None] == top  # (B, T - k, R)
         base_pick = batch.top_ids[:, k:, 0]  # (B, T - k): the base's own choice of token t + 1 + k
         names += [f"head{k}_agree", f"head{k}_top1", f"head{k}_top5"]
-        values += [(top[..., 0] == base_pick).float().mean(), truth[..., 0].float().mean(), truth[..., :5].any(-1).float().mean()]
+        values += [
+            (top[..., 0] == base_pick).float().mean(),
+            truth[..., 0].float().mean(),
+            truth[..., :5].any(-1).float().mean(),
+        ]
         names += [f"head{k}_rank{r}" for r in range(ranks)]
         values += list((top == base_pick[..., None]).float().mean(dim=(0, 1)))
     return dict(zip(names, torch.stack(values).tolist()))  # one host sync

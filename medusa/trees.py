@@ -45,8 +45,9 @@ def typical_accuracies(num_heads: int, ranks: int = RANKS) -> list[list[float]]:
     return out
 
 
-def default_tree(num_heads: int, tree_nodes: int, *, ranks: int = RANKS,
-                 accuracies: list[list[float]] | None = None) -> list[Path]:
+def default_tree(
+    num_heads: int, tree_nodes: int, *, ranks: int = RANKS, accuracies: list[list[float]] | None = None
+) -> list[Path]:
     """A static tree of `tree_nodes` nodes for `num_heads` heads: grown from the heads' measured rank
     `accuracies` (`accuracies_from_metrics` of a checkpoint's validation metrics) when given, else from
     the typical accuracies above, as before any head was measured.
@@ -69,7 +70,9 @@ def accuracies_from_metrics(metrics: dict, num_heads: int) -> list[list[float]]:
         while f"head{k}_rank{len(row)}" in metrics:
             row.append(float(metrics[f"head{k}_rank{len(row)}"]))
         if not row:
-            raise ValueError(f"metrics have no head{k}_rank0: need medusa.train.evaluate() output for {num_heads} heads")
+            raise ValueError(
+                f"metrics have no head{k}_rank0: need medusa.train.evaluate() output for {num_heads} heads"
+            )
         out.append(row)
     return out
 

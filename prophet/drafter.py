@@ -47,8 +47,17 @@ def _check_positive_int(name: str, value: object) -> None:
 
 
 class ProphetDrafter:
-    def __init__(self, prophet: Prophet, *, mode: str = "tree", top_k: int = 4, depth: int = 5, tree_nodes: int = 16,
-                 compile: bool = False, vocab: Tensor | None = None):
+    def __init__(
+        self,
+        prophet: Prophet,
+        *,
+        mode: str = "tree",
+        top_k: int = 4,
+        depth: int = 5,
+        tree_nodes: int = 16,
+        compile: bool = False,
+        vocab: Tensor | None = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
         for name, value in dict(top_k=top_k, depth=depth, tree_nodes=tree_nodes).items():
@@ -128,9 +137,11 @@ class ProphetDrafter:
     def _check_layers(self, layers: Tensor | None) -> Tensor | None:
         """A fused prophet needs the target's layer states: say how to get them when they are missing."""
         if self.target_layers and layers is None:
-            raise ValueError(f"the target returned no layer states, and this prophet fuses blocks {list(self.target_layers)}: "
-                             "decode with verify.speculative.speculative_generate, which asks the target for drafter.target_layers "
-                             "(a wrapper around this drafter must expose target_layers too)")
+            raise ValueError(
+                f"the target returned no layer states, and this prophet fuses blocks {list(self.target_layers)}: "
+                "decode with verify.speculative.speculative_generate, which asks the target for drafter.target_layers "
+                "(a wrapper around this drafter must expose target_layers too)"
+            )
         return layers
 
     def _chain(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
@@ -139,8 +150,9 @@ class ProphetDrafter:
         for j in range(gamma):
             if j > 0:
                 feature = self._step(feature[:, None], tokens[-1][:, None], self.cache)[:, 0]
-            token, q = draft_from_logits(self._logits(feature), sampling, generator, vocab=self.vocab,
-                                         vocab_size=self.vocab_size)
+            token, q = draft_from_logits(
+                self._logits(feature), sampling, generator, vocab=self.vocab, vocab_size=self.vocab_size
+            )
             tokens.append(token)
             qs += [] if q is None else [q]  # (b, V), zero outside the subset
         self.drafted = gamma - 1
@@ -157,8 +169,13 @@ class ProphetDrafter:
         score, token = self._logits(self.feature).float().log_softmax(-1).topk(k, dim=-1)  # (b, k)
         token = full_ids(token, self.vocab)  # tokens are full ids from here on: the prophet embeds them
         pool = [(score, token, torch.full_like(token, -1))]
-        frontier = dict(score=score, token=token, pool=repeat(torch.arange(k, device=token.device), "k -> b k", b=b),
-                        feature=repeat(self.feature, "b d -> b k d", k=k), entry=torch.full_like(token, -1))
+        frontier = dict(
+            score=score,
+            token=token,
+            pool=repeat(torch.arange(k, device=token.device), "k -> b k", b=b),
+            feature=repeat(self.feature, "b d -> b k d", k=k),
+            entry=torch.full_like(token, -1),
+        )
         ancestors = torch.zeros(b, 0, 0, dtype=torch.bool, device=token.device)  # among drafted entries
         length0, size = self.cache.lengths.clone(), k  # (b,) each row's cached entries before drafting
         for _ in range(levels - 1):  # level 1 came from self.feature without a forward
@@ -176,9 +193,13 @@ class ProphetDrafter:
             pool.append((cand_score, cand_token, cand_parent))
             best = cand_score.topk(k, dim=-1).indices  # (b, k): the next frontier among k * k candidates
             parent = best // k  # which frontier node (= which entry of this forward) each one extends
-            frontier = dict(score=cand_score.gather(1, best), token=cand_token.gather(1, best), pool=size + best,
-                            feature=feature.gather(1, repeat(parent, "b k -> b k d", d=feature.shape[-1])),
-                            entry=entries + parent)
+            frontier = dict(
+                score=cand_score.gather(1, best),
+                token=cand_token.gather(1, best),
+                pool=size + best,
+                feature=feature.gather(1, repeat(parent, "b k -> b k d", d=feature.shape[-1])),
+                entry=entries + parent,
+            )
             size += k * k
         self.drafted = ancestors.shape[1]
         scores, tokens, parents = (torch.cat(x, dim=1) for x in zip(*pool))
@@ -218,8 +239,10 @@ def _level_attention(parent: Tensor, ancestors: Tensor, length0: Tensor) -> tupl
         old &= rearrange(parent >= 0, "b n -> b n 1")
     new = repeat(torch.eye(n, dtype=torch.bool, device=device), "i j -> b i j", b=b)  # self only, not siblings
     pos = repeat(length0 + m // n, "b -> b n", n=n)  # every level adds n entries, one level deeper
-    grown = torch.cat((torch.cat((ancestors, torch.zeros(b, m, n, dtype=torch.bool, device=device)), -1),
-                       torch.cat((old, new), -1)), dim=1)
+    grown = torch.cat(
+        (torch.cat((ancestors, torch.zeros(b, m, n, dtype=torch.bool, device=device)), -1), torch.cat((old, new), -1)),
+        dim=1,
+    )
     return torch.cat((old, new), dim=-1), pos, grown
 
 
@@ -233,13 +256,16 @@ def _best_subtree(scores: Tensor, tokens: Tensor, parents: Tensor, budget: int) 
     best = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]
     keep = best.sort(dim=1).values  # pool order is level order: parents before children
     draft_index = torch.full_like(scores, -1, dtype=torch.long).scatter_(
-        1, keep, repeat(torch.arange(n, device=keep.device), "n -> b n", b=keep.shape[0]))
+        1, keep, repeat(torch.arange(n, device=keep.device), "n -> b n", b=keep.shape[0])
+    )
     parent = parents.gather(1, keep)
     parent = torch.where(parent >= 0, draft_index.gather(1, parent.clamp(min=0)), parent)
     return Draft(tokens=tokens.gather(1, keep), parents=parent)
 
 
-def make_drafter(module: Prophet, base: torch.nn.Module, *, vocab: Tensor | None = None, **decode_kwargs) -> ProphetDrafter:
+def make_drafter(
+    module: Prophet, base: torch.nn.Module, *, vocab: Tensor | None = None, **decode_kwargs
+) -> ProphetDrafter:
     """decode_kwargs: `decode:` of conf/drafter/prophet.yaml (mode, top_k, depth, tree_nodes); `vocab` the
     sorted token ids (N,) the drafts may use (verify.vocab.frequent_tokens), None for the full vocabulary."""
     check_same_base(module, base)

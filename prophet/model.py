@@ -85,7 +85,7 @@ class FrozenHead:
         bias = None if self.to_logits.bias is None else self.to_logits.bias.detach()
         return F.linear(features, self.to_logits.weight.detach(), bias)
 
-    def __deepcopy__(self, memo: dict) -> "FrozenHead":
+    def __deepcopy__(self, memo: dict) -> FrozenHead:
         return self  # borrowed: a copy of the prophet (e.g. an EMA) shares the base, never clones it
 
 
@@ -120,7 +120,11 @@ class Prophet(nn.Module):
         self.base_dim, self.vocab_size = base_dim, head.to_logits.out_features
         self.fuse = nn.Linear(2 * base_dim, dim)  # [f_t ; emb(x_{t+1})] -> prophet width (EAGLE's fc)
         self.decoder = Decoder(
-            dim=dim, depth=depth, heads=heads, attn_dim_head=dim_head, ff_mult=ff_mult,
+            dim=dim,
+            depth=depth,
+            heads=heads,
+            attn_dim_head=dim_head,
+            ff_mult=ff_mult,
             rotary_pos_emb=True,  # rotary only: tree drafting needs explicit `pos` and an additive attn_bias
             verbose=False,
         )
@@ -129,7 +133,9 @@ class Prophet(nn.Module):
         # unfused prophet's, and an unfused prophet's state_dict is unchanged.
         if isinstance(fuse_layers, (list, tuple)) and not fuse_layers:
             raise ValueError(f"fuse_layers={fuse_layers!r}: name at least one block, or pass None for no fusion")
-        self.fuse_layers: tuple[int, ...] = () if fuse_layers is None else check_layers(fuse_layers, head.depth, name="fuse_layers")
+        self.fuse_layers: tuple[int, ...] = (
+            () if fuse_layers is None else check_layers(fuse_layers, head.depth, name="fuse_layers")
+        )
         if self.fuse_layers:
             s = len(self.fuse_layers)
             self.mix = nn.Linear((s + 1) * base_dim, base_dim)  # [layer states ; f_t] -> the true features read
@@ -139,9 +145,18 @@ class Prophet(nn.Module):
                 self.mix.bias.zero_()
 
     @classmethod
-    def from_base(cls, base: nn.Module, *, dim: int, depth: int = 1, heads: int = 4,
-                  fuse_layers: Sequence[int] | None = None, **kwargs) -> "Prophet":
-        """A prophet for a base (an x-transformers TransformerWrapper or an HFBase) (embedding and output layer borrowed).
+    def from_base(
+        cls,
+        base: nn.Module,
+        *,
+        dim: int,
+        depth: int = 1,
+        heads: int = 4,
+        fuse_layers: Sequence[int] | None = None,
+        **kwargs,
+    ) -> Prophet:
+        """A prophet for a base (an x-transformers TransformerWrapper or an HFBase), its embedding and output
+        layer borrowed.
         `fuse_layers`: blocks of the base (1-based, below the last) whose states `seed` mixes in; None: none."""
         head = FrozenHead(embedding=base.token_emb.emb, to_logits=base.to_logits, depth=base_depth(base))
         prophet = cls(head=head, dim=dim, depth=depth, heads=heads, fuse_layers=fuse_layers, **kwargs)
@@ -159,8 +174,10 @@ class Prophet(nn.Module):
         s = len(self.fuse_layers)
         if layers is None or layers.shape != (*features.shape[:-1], s, self.base_dim):
             got = None if layers is None else tuple(layers.shape)
-            raise ValueError(f"layers={got}: this prophet fuses blocks {list(self.fuse_layers)} and needs their states "
-                             f"{(*features.shape[:-1], s, self.base_dim)} (prophet.model.base_features)")
+            raise ValueError(
+                f"layers={got}: this prophet fuses blocks {list(self.fuse_layers)} and needs their states "
+                f"{(*features.shape[:-1], s, self.base_dim)} (prophet.model.base_features)"
+            )
         return self.mix(torch.cat((rearrange(layers, "b n s d -> b n (s d)"), features), dim=-1))
 
     def fused(self, features: Tensor, next_tokens: Tensor) -> Tensor:
@@ -203,8 +220,16 @@ class Prophet(nn.Module):
         """An empty decoding cache for `batch` rows (grows past `capacity` when needed)."""
         return lean(self.decoder, LeanDecoder).new_cache(batch, capacity, device=self.out.weight.device)
 
-    def step(self, features: Tensor, next_tokens: Tensor, cache: StaticCache, *,
-             allow: Tensor | None = None, pos: Tensor | None = None, compile: bool = False) -> Tensor:
+    def step(
+        self,
+        features: Tensor,
+        next_tokens: Tensor,
+        cache: StaticCache,
+        *,
+        allow: Tensor | None = None,
+        pos: Tensor | None = None,
+        compile: bool = False,
+    ) -> Tensor:
         """Decoding: n new entries (b, n, d_base), (b, n) on top of `cache` -> predicted features (b, n, d_base).
 
         `allow` and `pos` (see `LeanDecoder.__call__`) turn the new entries into a tree level; without

@@ -26,7 +26,8 @@ from verify.vocab import trim_linear
 
 
 def build(base: nn.Module, **module_kwargs) -> Prophet:
-    """module_kwargs: `module:` of conf/drafter/prophet.yaml (dim, depth, heads, attn_dim_head, ff_mult, fuse_layers)."""
+    """module_kwargs: `module:` of conf/drafter/prophet.yaml (dim, depth, heads, attn_dim_head, ff_mult,
+    fuse_layers)."""
     return Prophet.from_base(base, **module_kwargs)
 
 
@@ -55,18 +56,27 @@ def loss(
         pred, truth, top_ids, top_logp = _valid(pred, batch, j)
         logits = F.linear(pred, weight, bias)  # (B, T - j, N)
         feature = F.smooth_l1_loss(pred.float(), truth)
-        ce = distill_loss(logits.flatten(0, 1), top_ids=top_ids.flatten(0, 1), top_logp=top_logp.flatten(0, 1),
-                          true_ids=batch.tokens[:, j + 1 :].flatten(), target=target, index=index)
+        ce = distill_loss(
+            logits.flatten(0, 1),
+            top_ids=top_ids.flatten(0, 1),
+            top_logp=top_logp.flatten(0, 1),
+            true_ids=batch.tokens[:, j + 1 :].flatten(),
+            target=target,
+            index=index,
+        )
         total = total + decay ** (j - 1) * (feature_weight * feature + ce_weight * ce)
-        parts.update({f"step{j}_feature": feature, f"step{j}_ce": ce, f"step{j}_agree": agreement(logits, top_ids, vocab)})
+        parts.update(
+            {f"step{j}_feature": feature, f"step{j}_ce": ce, f"step{j}_agree": agreement(logits, top_ids, vocab)}
+        )
     parts["loss"] = total
     values = torch.stack([v.detach().float() for v in parts.values()]).tolist()  # one host sync
     return total, dict(zip(parts, values))
 
 
 @torch.no_grad()
-def evaluate(module: Prophet, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None,
-             eval_steps: int = 5) -> dict[str, float]:
+def evaluate(
+    module: Prophet, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None, eval_steps: int = 5
+) -> dict[str, float]:
     """Agreement of the prophet's top-1 with the base's top-1 at steps 1..eval_steps (`step{j}_agree`).
 
     Step j reads the prophet's own predicted features for j - 1 steps after the true ones, exactly the
@@ -75,7 +85,9 @@ def evaluate(module: Prophet, base: nn.Module, batch: FeatureBatch, *, vocab: Te
     _check_batch(module, base, batch, steps=eval_steps, name="eval_steps")
     weight, bias = trim_linear(module.head.to_logits, vocab)
     out = {}
-    for j, pred in enumerate(module.unroll(batch.hidden, batch.tokens[:, 1:], eval_steps, layers=batch.layers), start=1):
+    for j, pred in enumerate(
+        module.unroll(batch.hidden, batch.tokens[:, 1:], eval_steps, layers=batch.layers), start=1
+    ):
         pred, _, top_ids, _ = _valid(pred, batch, j)
         out[f"step{j}_agree"] = agreement(F.linear(pred, weight, bias), top_ids, vocab)
     return dict(zip(out, torch.stack(list(out.values())).tolist()))

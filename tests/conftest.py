@@ -5,7 +5,9 @@ import torch
 from x_transformers import Decoder, TransformerWrapper
 
 
-def make_lm(*, num_tokens: int = 97, dim: int = 32, depth: int = 2, heads: int = 2, max_seq_len: int = 96, seed: int = 0):
+def make_lm(
+    *, num_tokens: int = 97, dim: int = 32, depth: int = 2, heads: int = 2, max_seq_len: int = 96, seed: int = 0
+):
     torch.manual_seed(seed)
     model = TransformerWrapper(
         num_tokens=num_tokens,

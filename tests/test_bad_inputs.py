@@ -26,10 +26,13 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tokenizers import Tokenizer, models
 
-from experiments import baseline, benchmark as bench_mod, generate as gen, peer as peer_mod
+from experiments import baseline
+from experiments import benchmark as bench_mod
+from experiments import generate as gen
+from experiments import peer as peer_mod
 from experiments.lib import artifacts, decode_checks, methods, report
-from experiments.lib.cli import USER_ERRORS, write_atomic
 from experiments.lib.checkpoint import save_checkpoint
+from experiments.lib.cli import USER_ERRORS, write_atomic
 from experiments.lib.lm import build_lm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,17 +61,28 @@ def tokenizer_json(size: int) -> str:
 def save_lm(directory: Path, *, tokens: int = 60, eos_id: int = 0, config: dict | None = None) -> Path:
     torch.manual_seed(0)
     config = config or LM
-    return save_checkpoint(directory, model=build_lm(**config), model_config=config, tokenizer_json=tokenizer_json(tokens),
-                           step=1, extra={"kind": "base_lm", "data": {"config": None, "eos_id": eos_id}})
+    return save_checkpoint(
+        directory,
+        model=build_lm(**config),
+        model_config=config,
+        tokenizer_json=tokenizer_json(tokens),
+        step=1,
+        extra={"kind": "base_lm", "data": {"config": None, "eos_id": eos_id}},
+    )
 
 
 def save_drafter(directory: Path, family: str, base_fingerprint: str) -> Path:
     """A drafter checkpoint's files (meta.json as train_drafter writes it); the weights are a stand-in."""
     loss = {"unroll": 1, "target": "kl"} if family == "prophet" else {"target": "kl"}
     drafter = {"package": family, "module": MODULES[family], "loss": loss}
-    return save_checkpoint(directory, model=torch.nn.Linear(2, 2), model_config={"package": family, "module": MODULES[family]},
-                           tokenizer_json=None, step=1, extra={"kind": "drafter", "base_fingerprint": base_fingerprint,
-                                                               "base_checkpoint": "?", "drafter": drafter})
+    return save_checkpoint(
+        directory,
+        model=torch.nn.Linear(2, 2),
+        model_config={"package": family, "module": MODULES[family]},
+        tokenizer_json=None,
+        step=1,
+        extra={"kind": "drafter", "base_fingerprint": base_fingerprint, "base_checkpoint": "?", "drafter": drafter},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +104,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     save_lm(out["run_dir"] / "checkpoint")
     (tmp / "not_a_checkpoint").mkdir()
     out["not_a_checkpoint"] = tmp / "not_a_checkpoint"
-    prompts = {"empty.jsonl": b"", "no_prompt.jsonl": b'{"prompt": "a"}\n{"text": "b"}\n', "prompts.json": b'{"prompt": "a"}\n',
-               "latin1.txt": "caf\xe9\n".encode("latin-1"), "blank.txt": b"\n  \n", "a_file": b"x"}
+    prompts = {
+        "empty.jsonl": b"",
+        "no_prompt.jsonl": b'{"prompt": "a"}\n{"text": "b"}\n',
+        "prompts.json": b'{"prompt": "a"}\n',
+        "latin1.txt": "caf\xe9\n".encode("latin-1"),
+        "blank.txt": b"\n  \n",
+        "a_file": b"x",
+    }
     for name, data in prompts.items():
         (tmp / name).write_bytes(data)
         out[name.replace(".", "_")] = tmp / name
@@ -99,9 +119,17 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 ENTRY = {  # entry point -> (config name, the run function, settings every case shares)
-    "benchmark": ("benchmark", lambda cfg: bench_mod.benchmark(cfg), ["base_checkpoint={lm}", "logger=none", "out_dir={tmp}/out"]),
+    "benchmark": (
+        "benchmark",
+        lambda cfg: bench_mod.benchmark(cfg),
+        ["base_checkpoint={lm}", "logger=none", "out_dir={tmp}/out"],
+    ),
     "generate": ("generate", lambda cfg: gen.generate(cfg), ["base_checkpoint={lm}", "method=prompt_lookup"]),
-    "baseline": ("benchmark", lambda cfg: baseline.compare(cfg), ["base_checkpoint={lm}", "logger=none", "out_dir={tmp}/out"]),
+    "baseline": (
+        "benchmark",
+        lambda cfg: baseline.compare(cfg),
+        ["base_checkpoint={lm}", "logger=none", "out_dir={tmp}/out"],
+    ),
     "peer": ("peer", lambda cfg: peer_mod.peer(cfg), ["out_dir={tmp}/out"]),
 }
 
@@ -128,13 +156,19 @@ def make_cfg(entry: str, overrides: list[str], files: dict, *, hydra_node: bool 
 @pytest.fixture
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Loading or training anything fails the test: every check must come before."""
+
     def work(*args, **kwargs):
         raise AssertionError("a model was loaded or trained before the settings were checked")
 
     # Where each name is looked up: the entry points load the base; experiments/lib/methods.py trains artifacts
     # (checkpoint_for), loads drafters and draft models, and reads the corpus (prompts, the drafters' vocabulary).
-    for module, names in ((bench_mod, ("load_lm",)), (methods, ("ensure", "load_lm", "load_drafter", "prepare_data")),
-                          (gen, ("load_lm",)), (baseline, ("load_lm",)), (peer_mod, ("ensure", "load_lm", "prepare_data"))):
+    for module, names in (
+        (bench_mod, ("load_lm",)),
+        (methods, ("ensure", "load_lm", "load_drafter", "prepare_data")),
+        (gen, ("load_lm",)),
+        (baseline, ("load_lm",)),
+        (peer_mod, ("ensure", "load_lm", "prepare_data")),
+    ):
         for name in names:
             monkeypatch.setattr(module, name, work)
 
@@ -201,14 +235,20 @@ DECODE = [
 
 @pytest.mark.parametrize("entry", ["benchmark", "generate", "baseline"])
 @pytest.mark.parametrize("override, fragment", DECODE)
-def test_bad_decode_setting_fails_before_any_work(entry: str, override: str, fragment: str, files: dict, no_work) -> None:
+def test_bad_decode_setting_fails_before_any_work(
+    entry: str, override: str, fragment: str, files: dict, no_work
+) -> None:
     if entry != "benchmark" and override == "decode.rule=greedy":  # T=1 is the benchmark's second temperature
-        override = "decode.rule=greedy temperature=1" if entry == "generate" else "decode.temperatures=[1] decode.rule=greedy"
+        override = (
+            "decode.rule=greedy temperature=1" if entry == "generate" else "decode.temperatures=[1] decode.rule=greedy"
+        )
     run_bad(entry, override.split(" "), fragment, files)
 
 
 def test_typical_settings_reach_the_loop(files: dict) -> None:
-    cfg = make_cfg("benchmark", ["decode.typical_epsilon=0.2", "decode.typical_alpha=0.5", "decode.rule=typical"], files)
+    cfg = make_cfg(
+        "benchmark", ["decode.typical_epsilon=0.2", "decode.typical_alpha=0.5", "decode.rule=typical"], files
+    )
     _, spec = decode_checks.check_decode(cfg.decode)
     assert (spec.typical_epsilon, spec.typical_alpha, spec.rule) == (0.2, 0.5, "typical")
 
@@ -236,7 +276,10 @@ BENCHMARK = [
     ("prompts.file=/no/prompts.jsonl", "prompts file '/no/prompts.jsonl' does not exist"),
     ("prompts.file={empty_jsonl}", "holds no prompts"),
     ("prompts.file={blank_txt}", "holds no prompts"),
-    ("prompts.file={no_prompt_jsonl}", "no_prompt.jsonl:2 must be a JSON string or an object with a string field 'prompt'"),
+    (
+        "prompts.file={no_prompt_jsonl}",
+        "no_prompt.jsonl:2 must be a JSON string or an object with a string field 'prompt'",
+    ),
     ("prompts.file={prompts_json}", "name a JSON-lines file .jsonl"),
     ("prompts.file={latin1_txt}", "is not UTF-8 text"),
     ("prompts.file={tmp}", "is a directory"),
@@ -255,8 +298,10 @@ BENCHMARK = [
     ("base_checkpoint={not_a_checkpoint}", "is not a checkpoint directory (no meta.json, no model.safetensors)"),
     ("base_checkpoint={run_dir}", "is a run directory, not a checkpoint: give"),
     ("base_checkpoint={truncated}", "corrupted or truncated"),
-    ("base_checkpoint={medusa}", "is a drafter checkpoint (kind=drafter); base_checkpoint takes a base LM checkpoint "
-                                 "(experiments.train_base)"),
+    (
+        "base_checkpoint={medusa}",
+        "is a drafter checkpoint (kind=drafter); base_checkpoint takes a base LM checkpoint (experiments.train_base)",
+    ),
     ("base_checkpoint={big_tokenizer}", "its tokenizer has 100 tokens, more than the model's 64"),
     ("base_checkpoint={bad_eos}", "its EOS id 500 is not a token of its 60-token tokenizer"),
     ("checkpoints.medusa=5", "checkpoints.medusa=5: must be a checkpoint directory or null"),
@@ -316,10 +361,15 @@ PEER = [
 ]
 
 
-@pytest.mark.parametrize("entry, override, fragment", [
-    *(("benchmark", o, f) for o, f in BENCHMARK), *(("generate", o, f) for o, f in GENERATE),
-    *(("baseline", o, f) for o, f in BASELINE), *(("peer", o, f) for o, f in PEER),
-])
+@pytest.mark.parametrize(
+    "entry, override, fragment",
+    [
+        *(("benchmark", o, f) for o, f in BENCHMARK),
+        *(("generate", o, f) for o, f in GENERATE),
+        *(("baseline", o, f) for o, f in BASELINE),
+        *(("peer", o, f) for o, f in PEER),
+    ],
+)
 def test_bad_setting_fails_before_any_work(entry: str, override: str, fragment: str, files: dict, no_work) -> None:
     run_bad(entry, override.split(" "), fragment, files)
 
@@ -328,8 +378,9 @@ def test_the_good_settings_reach_the_work(files: dict, no_work) -> None:
     """The shared settings of the cases above are valid: each entry point gets as far as loading."""
     for entry in ("benchmark", "generate", "baseline"):
         with pytest.raises(AssertionError, match="before the settings were checked"):
-            ENTRY[entry][1](make_cfg(entry, [f"checkpoints.{k}={{{k}}}" for k in MODULES] if entry == "benchmark" else [],
-                                     files))
+            ENTRY[entry][1](
+                make_cfg(entry, [f"checkpoints.{k}={{{k}}}" for k in MODULES] if entry == "benchmark" else [], files)
+            )
 
 
 def test_unwritable_out_dir_fails_before_any_work(files: dict, no_work, tmp_path: Path) -> None:
@@ -339,7 +390,9 @@ def test_unwritable_out_dir_fails_before_any_work(files: dict, no_work, tmp_path
     locked.mkdir(mode=0o500)
     try:
         for entry in ("benchmark", "peer"):
-            run_bad(entry, [f"out_dir={locked / 'run'}"], f"out_dir='{locked / 'run'}' is not a writable directory", files)
+            run_bad(
+                entry, [f"out_dir={locked / 'run'}"], f"out_dir='{locked / 'run'}' is not a writable directory", files
+            )
     finally:
         locked.chmod(0o700)
 
@@ -362,8 +415,9 @@ def test_typed_drafter_setting_must_match_the_checkpoint(files: dict, no_work) -
             with open_dict(cfg):  # as a preset would set it: recorded from the checkpoint instead (test_experiments)
                 cfg[family][key.split(".")[0]][name] = int(typed)
             decode_checks.check_benchmark(cfg)
-    with typed_on_the_command_line("generate", ["method=medusa_tree", "checkpoints.medusa={medusa}",
-                                                "medusa.module.num_heads=64"], files) as cfg:
+    with typed_on_the_command_line(
+        "generate", ["method=medusa_tree", "checkpoints.medusa={medusa}", "medusa.module.num_heads=64"], files
+    ) as cfg:
         with pytest.raises(ValueError, match="num_heads=64 was set on the command line"):
             gen.generate(cfg)
 
@@ -398,7 +452,9 @@ def full_disk(*args, **kwargs):
 
 @pytest.mark.parametrize("fails", ["fsync", "replace"])
 @pytest.mark.parametrize("existed", [True, False])
-def test_full_disk_leaves_the_previous_file(fails: str, existed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_disk_leaves_the_previous_file(
+    fails: str, existed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "results.json"
     if existed:
         path.write_text("previous")
@@ -440,30 +496,55 @@ def test_artifact_result_on_a_full_disk_leaves_no_partial_file(tmp_path: Path, m
 @pytest.mark.slow
 def test_command_line_refuses_a_typed_setting_the_checkpoint_disagrees_with(files: dict, tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.benchmark", f"base_checkpoint={files['lm']}", f"checkpoints.medusa={files['medusa']}",
-         "medusa.module.num_heads=64", "methods=[medusa_chain]", "logger=none", f"hydra.run.dir={tmp_path}",
-         f"artifacts.root={tmp_path / 'artifacts'}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "experiments.benchmark",
+            f"base_checkpoint={files['lm']}",
+            f"checkpoints.medusa={files['medusa']}",
+            "medusa.module.num_heads=64",
+            "methods=[medusa_chain]",
+            "logger=none",
+            f"hydra.run.dir={tmp_path}",
+            f"artifacts.root={tmp_path / 'artifacts'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: medusa.module.num_heads=64 was set"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: medusa.module.num_heads=64 was set"), (
+        proc.stderr
+    )
     assert "was trained with 4" in proc.stderr and not (tmp_path / "artifacts").exists()
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ('artifacts.medusa=["max_minutes=-1"]', "artifacts.medusa (the recipe training medusa): max_minutes must be positive"),
-    ('artifacts.prophet=["nokey=1"]', "artifacts.prophet does not compose: Could not override 'nokey'"),
-    ('artifacts.draft=["optim.lr=0"]', "artifacts.draft (the recipe training draft): optim.lr must be positive"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        (
+            'artifacts.medusa=["max_minutes=-1"]',
+            "artifacts.medusa (the recipe training medusa): max_minutes must be positive",
+        ),
+        ('artifacts.prophet=["nokey=1"]', "artifacts.prophet does not compose: Could not override 'nokey'"),
+        ('artifacts.draft=["optim.lr=0"]', "artifacts.draft (the recipe training draft): optim.lr must be positive"),
+    ],
+)
 def test_a_bad_artifact_recipe_fails_before_any_work(override: str, fragment: str, files: dict, no_work) -> None:
     run_bad("benchmark", [override], fragment, files)
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("medusa.module.num_heads=0", "num_heads=0: must be an integer >= 1"),
-    ("prophet.module.fuse_layers=[99]", "fuse_layers=[99]: 99 is not a block index"),
-])
-def test_a_drafter_setting_its_training_would_refuse_fails_before_any_training(override: str, fragment: str,
-                                                                             files: dict) -> None:
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("medusa.module.num_heads=0", "num_heads=0: must be an integer >= 1"),
+        ("prophet.module.fuse_layers=[99]", "fuse_layers=[99]: 99 is not a block index"),
+    ],
+)
+def test_a_drafter_setting_its_training_would_refuse_fails_before_any_training(
+    override: str, fragment: str, files: dict
+) -> None:
     """Checked on the loaded base before the first artifact trains (methods.make_methods calls it first)."""
     from tests.conftest import make_lm
 

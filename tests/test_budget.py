@@ -70,27 +70,53 @@ def test_best_tree():
     assert table[1]["tokens_per_s"] == pytest.approx(3.0 / 2.5)
     assert table[1]["depth"] == 5 and table[1]["seconds_per_step"] == pytest.approx(2.5)
     # a large overhead per step favours the tree that emits more tokens per step
-    index, table = best_tree([{**small, "overhead_seconds_per_step": 10.0}, {**large, "overhead_seconds_per_step": 10.0}], verify_cost=cost)
+    index, table = best_tree(
+        [{**small, "overhead_seconds_per_step": 10.0}, {**large, "overhead_seconds_per_step": 10.0}], verify_cost=cost
+    )
     assert index == 1 and table[1]["tokens_per_s"] == pytest.approx(3.0 / 12.5)
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: expected_tokens_chain([], 2), r"acceptance=\[\]"),
-    (lambda: expected_tokens_chain([0.5], 0), "gamma=0: must be an integer >= 1"),
-    (lambda: expected_tokens_chain([0.5, 1.5], 2), r"acceptance\[1\]=1.5"),
-    (lambda: interpolate_cost({}, 2), "verify_cost={}"),
-    (lambda: interpolate_cost({1: -0.1}, 2), r"verify_cost\[1\]=-0.1: must be .* > 0"),
-    (lambda: interpolate_cost({0: 1.0}, 2), "verify_cost key k=0"),
-    (lambda: interpolate_cost({1: 1.0}, 0), "k=0"),
-    (lambda: best_chain([0.5], verify_cost=FLAT, draft_step_cost=-1.0, draft_fixed_cost=0.0, max_gamma=2), "draft_step_cost=-1.0"),
-    (lambda: best_chain([0.5], verify_cost=FLAT, draft_step_cost=0.0, draft_fixed_cost=-1, max_gamma=2), "draft_fixed_cost=-1"),
-    (lambda: best_chain([0.5], verify_cost=FLAT, draft_step_cost=0.0, draft_fixed_cost=0.0, max_gamma=0), "max_gamma=0"),
-    (lambda: best_tree([], verify_cost=FLAT), r"candidates=\[\]"),
-    (lambda: best_tree([{"tree_nodes": 4}], verify_cost=FLAT), r"candidates\[0\] lacks tau, draft_seconds_per_step"),
-    (lambda: best_tree([{"tree_nodes": 0, "tau": 1.0, "draft_seconds_per_step": 0.0}], verify_cost=FLAT), "tree_nodes=0"),
-    (lambda: best_tree([{"tree_nodes": 2, "tau": 0.0, "draft_seconds_per_step": 0.0}], verify_cost=FLAT), r"tau=0.0"),
-    (lambda: best_tree([{"tree_nodes": 2, "tau": 1.0, "draft_seconds_per_step": -2.0}], verify_cost=FLAT), "draft_seconds_per_step=-2.0"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: expected_tokens_chain([], 2), r"acceptance=\[\]"),
+        (lambda: expected_tokens_chain([0.5], 0), "gamma=0: must be an integer >= 1"),
+        (lambda: expected_tokens_chain([0.5, 1.5], 2), r"acceptance\[1\]=1.5"),
+        (lambda: interpolate_cost({}, 2), "verify_cost={}"),
+        (lambda: interpolate_cost({1: -0.1}, 2), r"verify_cost\[1\]=-0.1: must be .* > 0"),
+        (lambda: interpolate_cost({0: 1.0}, 2), "verify_cost key k=0"),
+        (lambda: interpolate_cost({1: 1.0}, 0), "k=0"),
+        (
+            lambda: best_chain([0.5], verify_cost=FLAT, draft_step_cost=-1.0, draft_fixed_cost=0.0, max_gamma=2),
+            "draft_step_cost=-1.0",
+        ),
+        (
+            lambda: best_chain([0.5], verify_cost=FLAT, draft_step_cost=0.0, draft_fixed_cost=-1, max_gamma=2),
+            "draft_fixed_cost=-1",
+        ),
+        (
+            lambda: best_chain([0.5], verify_cost=FLAT, draft_step_cost=0.0, draft_fixed_cost=0.0, max_gamma=0),
+            "max_gamma=0",
+        ),
+        (lambda: best_tree([], verify_cost=FLAT), r"candidates=\[\]"),
+        (
+            lambda: best_tree([{"tree_nodes": 4}], verify_cost=FLAT),
+            r"candidates\[0\] lacks tau, draft_seconds_per_step",
+        ),
+        (
+            lambda: best_tree([{"tree_nodes": 0, "tau": 1.0, "draft_seconds_per_step": 0.0}], verify_cost=FLAT),
+            "tree_nodes=0",
+        ),
+        (
+            lambda: best_tree([{"tree_nodes": 2, "tau": 0.0, "draft_seconds_per_step": 0.0}], verify_cost=FLAT),
+            r"tau=0.0",
+        ),
+        (
+            lambda: best_tree([{"tree_nodes": 2, "tau": 1.0, "draft_seconds_per_step": -2.0}], verify_cost=FLAT),
+            "draft_seconds_per_step=-2.0",
+        ),
+    ],
+)
 def test_bad_inputs_raise_one_line_errors(call, message):
     with pytest.raises(ValueError, match=message) as info:
         call()
@@ -105,7 +131,13 @@ import torch  # noqa: E402
 
 from experiments.lib import calibrate  # noqa: E402
 from experiments.lib.calibrate import (  # noqa: E402
-    cached_verify_cost, choose_chain_budget, choose_tree_budget, format_cost_table, machine_key, measure_verify_cost, pilot,
+    cached_verify_cost,
+    choose_chain_budget,
+    choose_tree_budget,
+    format_cost_table,
+    machine_key,
+    measure_verify_cost,
+    pilot,
 )
 from verify.drafter import Draft  # noqa: E402
 from verify.prompt_lookup import PromptLookupDrafter  # noqa: E402
@@ -180,7 +212,12 @@ class TreeLookup:
     """A tree for tests: prompt lookup's chain of min(depth, gamma) nodes, then wrong guesses under the root."""
 
     def __init__(self, vocab_size: int, *, tree_nodes: int, depth: int):
-        self.lookup, self.vocab_size, self.nodes, self.depth = PromptLookupDrafter(vocab_size=vocab_size), vocab_size, tree_nodes, depth
+        self.lookup, self.vocab_size, self.nodes, self.depth = (
+            PromptLookupDrafter(vocab_size=vocab_size),
+            vocab_size,
+            tree_nodes,
+            depth,
+        )
 
     def begin(self, prompts, prefill, pending):
         self.lookup.begin(prompts, prefill, pending)
@@ -229,8 +266,8 @@ def test_timing_and_recording_wrappers_pass_the_optional_protocol_members_on():
     """A fused prophet reads the target's layer states, which speculative_generate asks for from
     drafter.target_layers; an early-exit drafter needs `attach(target)`. A wrapper that hid either would
     make every such pilot or recording fail; one that invented them would change what the loop does."""
-    from experiments.lib.calibrate import _BeginTimer
     from experiments.generate import RecordingDrafter
+    from experiments.lib.calibrate import _BeginTimer
 
     class Fused:
         vocab_size, target_layers = 7, (2, 5)

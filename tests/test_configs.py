@@ -13,9 +13,9 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.lib.base_trainer import validate_config
 from experiments.lib.data import prepare_data
 from experiments.lib.lm import count_parameters
-from experiments.lib.base_trainer import validate_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ["base", "data", "optim", "logger", "experiment"]  # the groups train_base composes
@@ -31,8 +31,7 @@ def options(group: str) -> list[str]:
 
 def make_cfg(*overrides: str, hydra_node: bool = False) -> DictConfig:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("train_base", overrides=["out_dir=/tmp/unused", *overrides],
-                       return_hydra_config=hydra_node)
+        return compose("train_base", overrides=["out_dir=/tmp/unused", *overrides], return_hydra_config=hydra_node)
 
 
 ALL = [f"{group}={name}" for group in GROUPS for name in options(group)]
@@ -76,7 +75,15 @@ def test_logger_targets_exist(name: str) -> None:
 
 def test_optim_keys() -> None:
     keys = set(OmegaConf.load(CONF / "optim" / "adamw.yaml").keys())
-    assert keys == {"lr", "min_lr", "betas", "eps", "weight_decay", "warmup_steps", "grad_clip"}  # precision is top-level
+    assert keys == {
+        "lr",
+        "min_lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "warmup_steps",
+        "grad_clip",
+    }  # precision is top-level
 
 
 def test_defaults_and_recipes() -> None:
@@ -101,8 +108,9 @@ def test_hydra_settings() -> None:
     assert raw["out_dir"] == "${hydra:runtime.output_dir}"
 
 
-@pytest.mark.parametrize("override", ["no_such_key=1", "base.no_such_size=3", "optim.momentum=0.9",
-                                      "base=no_such_preset"])
+@pytest.mark.parametrize(
+    "override", ["no_such_key=1", "base.no_such_size=3", "optim.momentum=0.9", "base=no_such_preset"]
+)
 def test_unknown_override_rejected(override: str) -> None:
     with pytest.raises(ConfigCompositionException):
         make_cfg(override)
@@ -118,14 +126,16 @@ def compose_entry(config_name: str, *overrides: str, hydra_node: bool = False) -
 
 # Every primary config's run and multirun directories (conf/hydra_dirs/default.yaml): named after the config,
 # so experiments.baseline (config benchmark) writes beside the benchmark and train_seq2seq under seq2seq.
-HYDRA_DIRS = {"benchmark": ("outputs/benchmark/", "multirun/benchmark/"),
-              "generate": ("outputs/generate/", "multirun/generate/"),
-              "peer": ("outputs/peer/", "multirun/peer/"),
-              "seq2seq": ("outputs/seq2seq/", "multirun/seq2seq/"),
-              "train_base": ("outputs/train_base/", "multirun/train_base/"),
-              "train_drafter": ("outputs/train_drafter/prophet/", "multirun/train_drafter/"),
-              "cache_features": ("outputs/cache_features/", "multirun/cache_features/"),
-              "grow_tree": (".", "multirun/grow_tree/")}
+HYDRA_DIRS = {
+    "benchmark": ("outputs/benchmark/", "multirun/benchmark/"),
+    "generate": ("outputs/generate/", "multirun/generate/"),
+    "peer": ("outputs/peer/", "multirun/peer/"),
+    "seq2seq": ("outputs/seq2seq/", "multirun/seq2seq/"),
+    "train_base": ("outputs/train_base/", "multirun/train_base/"),
+    "train_drafter": ("outputs/train_drafter/prophet/", "multirun/train_drafter/"),
+    "cache_features": ("outputs/cache_features/", "multirun/cache_features/"),
+    "grow_tree": (".", "multirun/grow_tree/"),
+}
 
 
 @pytest.mark.parametrize("name", HYDRA_DIRS)
@@ -139,22 +149,29 @@ def test_hydra_dirs_of_every_entry_point(name: str) -> None:
     else:
         assert re.fullmatch(re.escape(run) + stamp, cfg.hydra.run.dir), cfg.hydra.run.dir
     assert re.fullmatch(re.escape(sweep) + stamp, cfg.hydra.sweep.dir), cfg.hydra.sweep.dir
-    assert OmegaConf.to_container(cfg.hydra.sweep)["subdir"] == "${hydra.job.num}"  # unresolved: no job outside a multirun
+    assert (
+        OmegaConf.to_container(cfg.hydra.sweep)["subdir"] == "${hydra.job.num}"
+    )  # unresolved: no job outside a multirun
     assert (cfg.hydra.output_subdir is None) == (name == "grow_tree")  # grow_tree only prints: no .hydra/
     raw = OmegaConf.load(CONF / f"{name}.yaml")
-    assert "hydra_dirs: default" in [f"{k}: {v}" for d in raw.defaults if isinstance(d, DictConfig) for k, v in d.items()]
+    assert "hydra_dirs: default" in [
+        f"{k}: {v}" for d in raw.defaults if isinstance(d, DictConfig) for k, v in d.items()
+    ]
 
 
 DRAFTER_KINDS = ("draft", "medusa", "prophet", "sequential", "early_exit")
-FAKE_BASE = ("/nonexistent/base/checkpoint", {"fingerprint": "f00d", "data": {"config": {"source": "stdlib", "vocab_size": 8192}}})
+FAKE_BASE = (
+    "/nonexistent/base/checkpoint",
+    {"fingerprint": "f00d", "data": {"config": {"source": "stdlib", "vocab_size": 8192}}},
+)
 
 
 def test_generate_after_make_demo_trains_nothing() -> None:
     """`make demo` (benchmark experiment=demo) and the README's next command (generate, no overrides) name the
     same artifact of every kind: same recipe, same overrides of train_base / train_drafter, same hash, and the
     same drafters and vocabulary, so generate reuses the demo's artifacts/<kind>-<hash> instead of training."""
-    from experiments.lib.methods import artifact_overrides
     from experiments.lib.artifacts import ENTRY, _compose, recipe_key
+    from experiments.lib.methods import artifact_overrides
 
     demo = compose_entry("benchmark", "experiment=demo")
     generate = compose_entry("generate")
@@ -169,8 +186,12 @@ def test_generate_after_make_demo_trains_nothing() -> None:
             assert demo[kind].module == generate[kind].module and demo[kind].loss == generate[kind].loss, kind
         overrides = artifact_overrides(demo, kind, *FAKE_BASE)
         assert overrides == artifact_overrides(generate, kind, *FAKE_BASE), kind
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):  # _compose then uses it, as in an entry point
-            keys[kind] = {recipe_key(_compose(ENTRY[kind], artifact_overrides(cfg, kind, *FAKE_BASE))) for cfg in (demo, generate)}
+        with initialize_config_dir(
+            config_dir=str(CONF), version_base="1.3"
+        ):  # _compose then uses it, as in an entry point
+            keys[kind] = {
+                recipe_key(_compose(ENTRY[kind], artifact_overrides(cfg, kind, *FAKE_BASE))) for cfg in (demo, generate)
+            }
     assert all(len(key) == 1 for key in keys.values()), keys  # the same artifacts/<kind>-<hash>
 
 
@@ -182,7 +203,9 @@ def test_one_source_of_the_models_and_recipes() -> None:
     for name in ("benchmark", "generate"):
         raw = OmegaConf.load(CONF / f"{name}.yaml")
         assert not shared & set(raw), (name, shared & set(raw))
-        assert "models: default" in [f"{k}: {v}" for d in raw.defaults if isinstance(d, DictConfig) for k, v in d.items()]
+        assert "models: default" in [
+            f"{k}: {v}" for d in raw.defaults if isinstance(d, DictConfig) for k, v in d.items()
+        ]
         cfg = compose_entry(name)
         assert cfg.decode.typical_epsilon == 0.09 and cfg.decode.typical_alpha == 0.3  # conf/decode/default.yaml
         assert "typical_epsilon" not in cfg and "typical_alpha" not in cfg
@@ -190,9 +213,20 @@ def test_one_source_of_the_models_and_recipes() -> None:
 
 
 def test_command_line_overrides_of_the_shared_models() -> None:
-    cfg = compose_entry("benchmark", "base_checkpoint=/b", "checkpoints.medusa=/m", 'artifacts.prophet=["max_steps=2"]',
-                        "vocab=null", "medusa.module.num_heads=3", "drafter@sequential=medusa")
-    assert cfg.checkpoints.base == "/b" and cfg.checkpoints.medusa == "/m" and list(cfg.artifacts.prophet) == ["max_steps=2"]
+    cfg = compose_entry(
+        "benchmark",
+        "base_checkpoint=/b",
+        "checkpoints.medusa=/m",
+        'artifacts.prophet=["max_steps=2"]',
+        "vocab=null",
+        "medusa.module.num_heads=3",
+        "drafter@sequential=medusa",
+    )
+    assert (
+        cfg.checkpoints.base == "/b"
+        and cfg.checkpoints.medusa == "/m"
+        and list(cfg.artifacts.prophet) == ["max_steps=2"]
+    )
     assert cfg.vocab is None and cfg.medusa.module.num_heads == 3 and cfg.sequential.package == "medusa"
     gen = compose_entry("generate", "checkpoints.prophet=/p", "vocab=512", "prophet.loss.unroll=2")
     assert gen.checkpoints.prophet == "/p" and gen.vocab == 512 and gen.prophet.loss.unroll == 2
@@ -209,5 +243,7 @@ def test_baseline_and_peer_compose(tmp_path: Path) -> None:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):  # checks the base's recipe composes
         baseline.check_config(cfg)
     peer = compose_entry("peer")  # its own Llama base and assistant, not the shared models
-    assert list(peer.artifacts.base) == ["experiment=base_llama"] and list(peer.artifacts.assistant) == ["experiment=base_llama_draft"]
+    assert list(peer.artifacts.base) == ["experiment=base_llama"] and list(peer.artifacts.assistant) == [
+        "experiment=base_llama_draft"
+    ]
     assert not {"vocab", "medusa", "base_checkpoint"} & set(peer)

@@ -22,9 +22,8 @@ import torch
 from experiments.lib import data as D
 from experiments.lib.cli import one_line
 from experiments.lib.data import prepare_data, sample_batch, token_counts
-from experiments.lib.prompts import heldout_prompts
 from experiments.lib.features import corpus_windows
-from experiments.lib.prompts import document_regions
+from experiments.lib.prompts import document_regions, heldout_prompts
 from experiments.lib.training import batch_for_step, validation_blocks
 
 WORDS = ["def", "return", "self", "value", "items", "index", "parse", "line", "token", "count", "None", "True"]
@@ -36,8 +35,10 @@ def write_corpus(root: Path, n: int, lines: int = 200, seed: int = 0) -> int:
     rng = random.Random(seed)
     root.mkdir(parents=True)
     for i in range(n):
-        body = "".join(f"def f{i}_{j}({rng.choice(WORDS)}):\n    return {rng.choice(WORDS)}.{rng.choice(WORDS)}({j})\n"
-                       for j in range(lines))
+        body = "".join(
+            f"def f{i}_{j}({rng.choice(WORDS)}):\n    return {rng.choice(WORDS)}.{rng.choice(WORDS)}({j})\n"
+            for j in range(lines)
+        )
         (root / f"m{i:04d}.py").write_text(body)
     return sum(p.stat().st_size for p in root.iterdir())
 
@@ -143,15 +144,25 @@ def test_every_consumer_sees_what_an_in_memory_copy_gives(built):
     for seed in range(3):
         g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         x = sample_batch(mapped.train_ids, batch_size=8, seq_len=32, generator=g1)
-        assert x.dtype == torch.int64 and torch.equal(x, sample_batch(copy.train_ids, batch_size=8, seq_len=32, generator=g2))
+        assert x.dtype == torch.int64 and torch.equal(
+            x, sample_batch(copy.train_ids, batch_size=8, seq_len=32, generator=g2)
+        )
     # training (base and drafters), features, prompts, benchmark: what they do with the streams
-    assert torch.equal(validation_blocks(mapped.val_ids, seq_len=16, eval_blocks=7), validation_blocks(copy.val_ids, seq_len=16, eval_blocks=7))
+    assert torch.equal(
+        validation_blocks(mapped.val_ids, seq_len=16, eval_blocks=7),
+        validation_blocks(copy.val_ids, seq_len=16, eval_blocks=7),
+    )
     step = dict(step=3, seed=1, batch_size=4, seq_len=16, device=torch.device("cpu"))
     assert torch.equal(batch_for_step(mapped.train_ids, **step), batch_for_step(copy.train_ids, **step))
-    assert torch.equal(corpus_windows(mapped.train_ids, seq_len=16, windows=9, seed=0), corpus_windows(copy.train_ids, seq_len=16, windows=9, seed=0))
+    assert torch.equal(
+        corpus_windows(mapped.train_ids, seq_len=16, windows=9, seed=0),
+        corpus_windows(copy.train_ids, seq_len=16, windows=9, seed=0),
+    )
     assert document_regions(mapped.val_ids, mapped.eos_id) == document_regions(copy.val_ids, copy.eos_id)
     assert heldout_prompts(mapped, num_prompts=4, prompt_len=8) == heldout_prompts(copy, num_prompts=4, prompt_len=8)
-    assert torch.equal(token_counts(mapped, mapped.vocab_size), torch.bincount(copy.train_ids, minlength=mapped.vocab_size))
+    assert torch.equal(
+        token_counts(mapped, mapped.vocab_size), torch.bincount(copy.train_ids, minlength=mapped.vocab_size)
+    )
 
 
 @pytest.mark.parametrize("vocab", [65535, 70_000])  # uint16 up to its last id; int32 beyond
@@ -167,7 +178,10 @@ def test_stored_ids_read_back_exactly(tmp_path, vocab):
     mapped = D._load_ids(tmp_path, "train.npy", 5000)
     assert mapped.dtype == (torch.uint16 if vocab <= 65535 else torch.int32)
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
-    assert torch.equal(sample_batch(mapped, batch_size=16, seq_len=64, generator=g1), sample_batch(ids, batch_size=16, seq_len=64, generator=g2))
+    assert torch.equal(
+        sample_batch(mapped, batch_size=16, seq_len=64, generator=g1),
+        sample_batch(ids, batch_size=16, seq_len=64, generator=g2),
+    )
     assert torch.equal(mapped.long(), ids)
 
 
@@ -224,7 +238,9 @@ def test_a_corpus_edited_between_passes_is_refused(tmp_path):
     assert [j for j, _ in D._positions(corpus, scan.doc_ids)] == [0, 1, 2]
     (tmp_path / "corpus" / "m0001.py").write_text("x = 1\n")  # as many documents, other ones
     (tmp_path / "corpus" / "m0002.py").write_text("")
-    with pytest.raises(ValueError, match="the corpus changed while it was read \\(document 1 is 'm0001.py', was 'm0002.py'\\)"):
+    with pytest.raises(
+        ValueError, match="the corpus changed while it was read \\(document 1 is 'm0001.py', was 'm0002.py'\\)"
+    ):
         list(D._positions(corpus, scan.doc_ids))
     (tmp_path / "corpus" / "m0001.py").write_text("")
     (tmp_path / "corpus" / "m0002.py").write_text("y = 2\n")
@@ -251,7 +267,9 @@ def test_a_capped_tokenizer_learns_from_the_sample_only(built, monkeypatch):
     monkeypatch.setattr(D, "train_tokenizer", lambda texts, v: real(learned.extend(texts) or learned, v))
     data = prepare_files(root / "corpus", root / "capped", tokenizer_max_bytes=20_000)
     meta = json.loads((root / "capped" / data.cache_key / "meta.json").read_text())
-    assert sum(len(t.encode()) for t in learned) <= 20_000 and len(learned) == meta["tokenizer_files"] < len(meta["train_files"])
+    assert sum(len(t.encode()) for t in learned) <= 20_000 and len(learned) == meta["tokenizer_files"] < len(
+        meta["train_files"]
+    )
     assert data.cache_key != built[0].cache_key
 
 
@@ -293,12 +311,15 @@ def raises_one_line(exc: type[Exception], match: str, fn, *args, **kwargs) -> st
     return str(info.value)
 
 
-@pytest.mark.parametrize("damage, match", [
-    ("truncate", "has .* bytes, its header says"),
-    ("meta_count", r"meta.json says \(\d+,\) ids"),
-    ("meta_garbage", "meta.json unreadable"),
-    ("missing_val", "val.npy is not a readable .npy file"),
-])
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        ("truncate", "has .* bytes, its header says"),
+        ("meta_count", r"meta.json says \(\d+,\) ids"),
+        ("meta_garbage", "meta.json unreadable"),
+        ("missing_val", "val.npy is not a readable .npy file"),
+    ],
+)
 def test_a_damaged_cache_entry_is_named_with_the_fix(built, tmp_path, damage, match):
     data, root = built
     cache = tmp_path / "cache"
@@ -325,11 +346,32 @@ def test_bad_corpora_fail_in_one_line(tmp_path):
     raises_one_line(ValueError, "gave an empty corpus", prepare_files, tmp_path / "empty", cache)
     raises_one_line(FileNotFoundError, "nowhere", prepare_files, tmp_path / "nowhere", cache)
     empty_hub = str(write_jsonl_dataset(tmp_path / "empty_ds", ["", ""]))
-    raises_one_line(ValueError, "gave an empty corpus", prepare_data, source="hub", hub_name=empty_hub, streaming=True,
-                    cache_dir=str(cache))
+    raises_one_line(
+        ValueError,
+        "gave an empty corpus",
+        prepare_data,
+        source="hub",
+        hub_name=empty_hub,
+        streaming=True,
+        cache_dir=str(cache),
+    )
     other_field = str(write_jsonl_dataset(tmp_path / "other_ds", ["x = 1\n"] * 4, field="content"))
-    raises_one_line(ValueError, "text_field='text' is not a column", prepare_data, source="hub", hub_name=other_field,
-                    streaming=True, cache_dir=str(cache))
-    raises_one_line(FileNotFoundError, "nowhere", prepare_data, source="hub", hub_name=str(tmp_path / "nowhere"),
-                    streaming=True, cache_dir=str(cache))
+    raises_one_line(
+        ValueError,
+        "text_field='text' is not a column",
+        prepare_data,
+        source="hub",
+        hub_name=other_field,
+        streaming=True,
+        cache_dir=str(cache),
+    )
+    raises_one_line(
+        FileNotFoundError,
+        "nowhere",
+        prepare_data,
+        source="hub",
+        hub_name=str(tmp_path / "nowhere"),
+        streaming=True,
+        cache_dir=str(cache),
+    )
     assert not cache.exists() or [p.name for p in cache.iterdir()] == []  # nothing written

@@ -7,10 +7,10 @@ import torch
 from experiments.lib import exit_family
 from experiments.lib.features import teacher_batch
 from prophet.model import base_features
-from verify.early_exit import make_drafter
 from tests.conftest import make_lm
 from tests.test_lossless import NEW, PROMPT, TRIALS, VOCAB, chi_square, exact_joint
 from verify.drafter import Verdict
+from verify.early_exit import make_drafter
 from verify.engine import lean
 from verify.plain import plain_generate
 from verify.sampling import SamplingConfig
@@ -108,8 +108,9 @@ def test_shared_and_own_cache_draft_the_same_tokens():
     head = noisy_head(lm, layer=2)
     runs = []
     for share in (True, False):
-        out = speculative_generate(Target(lm), make_drafter(head, lm, share_cache=share), PROMPTS,
-                                   max_new_tokens=24, spec=SpecConfig(gamma=3))
+        out = speculative_generate(
+            Target(lm), make_drafter(head, lm, share_cache=share), PROMPTS, max_new_tokens=24, spec=SpecConfig(gamma=3)
+        )
         runs.append(out.stats.accepted.tolist())
     assert runs[0] == runs[1]
 
@@ -147,22 +148,34 @@ def test_sampling_reproduces_the_target_distribution():
     lm = sharp(make_lm(num_tokens=VOCAB, dim=16, depth=2, seed=0))
     head = noisy_head(lm, layer=1, scale=0.3)
     sampling = SamplingConfig(temperature=1.0)
-    out = speculative_generate(Target(lm), make_drafter(head, lm), [PROMPT] * TRIALS, max_new_tokens=NEW + 1,
-                               spec=SpecConfig(gamma=2), sampling=sampling, generator=torch.Generator().manual_seed(0))
+    out = speculative_generate(
+        Target(lm),
+        make_drafter(head, lm),
+        [PROMPT] * TRIALS,
+        max_new_tokens=NEW + 1,
+        spec=SpecConfig(gamma=2),
+        sampling=sampling,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert 0 < out.stats.alpha < 1  # both acceptance and rejection were exercised
     stat, critical = chi_square([t[:NEW] for t in out.tokens], exact_joint(lm, sampling))
     assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}: the output is not the target's distribution"
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda lm: exit_family.build(lm, layer=0), r"layer=\[0\]: 0 is not a block index in \[1, 3\]"),
-    (lambda lm: exit_family.build(lm, layer=4), r"4 is not a block index in \[1, 3\]"),
-    (lambda lm: exit_family.build(lm, layer=True), r"True is not a block index"),
-    (lambda lm: exit_family.build(lm, layer=1, num_layers=-1), r"num_layers=-1: must be an integer >= 0"),
-    (lambda lm: make_drafter(exit_family.build(lm, layer=1), lm, share_cache="yes"), r"share_cache='yes'"),
-    (lambda lm: make_drafter(exit_family.build(lm, layer=1), make_lm(depth=4, seed=1)).attach(Target(lm)),
-     r"built on another model than the target"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda lm: exit_family.build(lm, layer=0), r"layer=\[0\]: 0 is not a block index in \[1, 3\]"),
+        (lambda lm: exit_family.build(lm, layer=4), r"4 is not a block index in \[1, 3\]"),
+        (lambda lm: exit_family.build(lm, layer=True), r"True is not a block index"),
+        (lambda lm: exit_family.build(lm, layer=1, num_layers=-1), r"num_layers=-1: must be an integer >= 0"),
+        (lambda lm: make_drafter(exit_family.build(lm, layer=1), lm, share_cache="yes"), r"share_cache='yes'"),
+        (
+            lambda lm: make_drafter(exit_family.build(lm, layer=1), make_lm(depth=4, seed=1)).attach(Target(lm)),
+            r"built on another model than the target",
+        ),
+    ],
+)
 def test_bad_arguments_raise_one_line_errors(make, match):
     with pytest.raises(ValueError, match=match) as excinfo:
         make(make_lm(depth=4))
@@ -211,6 +224,7 @@ def test_compiled_early_exit_equals_plain_greedy(share):
     lm = make_lm(depth=4)
     reference = plain_generate(Target(lm), PROMPTS, max_new_tokens=24).tokens
     drafter = make_drafter(noisy_head(lm, layer=2), lm, share_cache=share, compile=True)
-    out = speculative_generate(Target(lm, compile=True, widths=(1, 4)), drafter, PROMPTS, max_new_tokens=24,
-                               spec=SpecConfig(gamma=3))
+    out = speculative_generate(
+        Target(lm, compile=True, widths=(1, 4)), drafter, PROMPTS, max_new_tokens=24, spec=SpecConfig(gamma=3)
+    )
     assert out.tokens == reference and int(out.stats.accepted.sum()) > 0

@@ -32,8 +32,8 @@ def test_prefill_and_chain_match_x_transformers():
     out = target.extend(chain).logits
     for i, p in enumerate(prompts):
         ref = full(lm, p + chain[i].tolist())
-        assert (first.logits[i, -len(p):] - ref[: len(p)]).abs().max() <= TOL
-        assert (out[i] - ref[len(p):]).abs().max() <= TOL
+        assert (first.logits[i, -len(p) :] - ref[: len(p)]).abs().max() <= TOL
+        assert (out[i] - ref[len(p) :]).abs().max() <= TOL
 
 
 def test_hidden_states_match_x_transformers():
@@ -92,7 +92,9 @@ def test_eager_attention_reads_only_the_slots_in_use(monkeypatch):
     target = Target(lm, max_draft=100)  # capacity 181
     spans = []
     real = LeanDecoder.forward
-    monkeypatch.setattr(LeanDecoder, "forward", lambda self, x, k, v, *a: spans.append(k[0].shape[2]) or real(self, x, k, v, *a))
+    monkeypatch.setattr(
+        LeanDecoder, "forward", lambda self, x, k, v, *a: spans.append(k[0].shape[2]) or real(self, x, k, v, *a)
+    )
     seq = list(range(1, 75))
     target.prefill([seq[:10]])
     out = target.extend(torch.tensor([seq[10:74]])).logits[0]
@@ -116,17 +118,20 @@ def _wrapper(**decoder_kwargs):
     return TransformerWrapper(num_tokens=50, max_seq_len=32, use_abs_pos_emb=False, attn_layers=Decoder(**kwargs))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(ff_glu=True), "feed-forward"),
-    (dict(attn_qk_norm=True), "qk_norm"),
-    (dict(attn_num_mem_kv=2), "num_mem_kv"),
-    (dict(attn_kv_heads=1), "kv_heads"),
-    (dict(sandwich_norm=True), "sandwich_norm"),
-    (dict(use_rmsnorm=True), "LayerNorm"),
-    (dict(rotary_pos_emb=False), "rotary"),
-    (dict(rotary_xpos=True), "rotary"),
-    (dict(residual_attn=True), "residual_attn"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(ff_glu=True), "feed-forward"),
+        (dict(attn_qk_norm=True), "qk_norm"),
+        (dict(attn_num_mem_kv=2), "num_mem_kv"),
+        (dict(attn_kv_heads=1), "kv_heads"),
+        (dict(sandwich_norm=True), "sandwich_norm"),
+        (dict(use_rmsnorm=True), "LayerNorm"),
+        (dict(rotary_pos_emb=False), "rotary"),
+        (dict(rotary_xpos=True), "rotary"),
+        (dict(residual_attn=True), "residual_attn"),
+    ],
+)
 def test_unsupported_options_refused_in_one_line(kwargs, match):
     with pytest.raises(UnsupportedModel, match=match) as err:
         Target(_wrapper(**kwargs))
@@ -190,7 +195,9 @@ def test_compiled_target_matches_eager():
     outs = []
     for t in (eager, compiled):
         t.prefill(prompts)
-        outs.append([t.extend(torch.tensor([[30, 31, 32], [33, 34, 35]])).logits, t.extend(torch.tensor([[1], [2]])).logits])
+        outs.append(
+            [t.extend(torch.tensor([[30, 31, 32], [33, 34, 35]])).logits, t.extend(torch.tensor([[1], [2]])).logits]
+        )
     for a, b in zip(*outs):
         assert (a - b).abs().max() <= TOL
 
@@ -214,7 +221,9 @@ def test_compiled_drafters_stay_exact(family):
         prophet = prophet_train.build(base, dim=32, depth=1, heads=2, fuse_layers=fuse).eval()
         if fuse:
             with torch.no_grad():  # a mix that really reads the layer states (a fresh one ignores them)
-                prophet.mix.weight.add_(0.1 * torch.randn(prophet.mix.weight.shape, generator=torch.Generator().manual_seed(0)))
+                prophet.mix.weight.add_(
+                    0.1 * torch.randn(prophet.mix.weight.shape, generator=torch.Generator().manual_seed(0))
+                )
         drafter = make_drafter(prophet, base, mode=family.split("_")[1], compile=True)
     target = Target(base, compile=True, widths=(1, 4, 17))
     ref = plain_generate(target, prompts, max_new_tokens=12).tokens
@@ -226,7 +235,10 @@ def test_compiled_drafters_stay_exact(family):
     if family == "draft_model":
         drafter = DraftModelDrafter(project_lm(10))
     eager = speculative_generate(Target(base), drafter, prompts, max_new_tokens=12, spec=SpecConfig(gamma=3))
-    assert out.stats.accepted.tolist() == eager.stats.accepted.tolist() and out.stats.forwards.tolist() == eager.stats.forwards.tolist()
+    assert (
+        out.stats.accepted.tolist() == eager.stats.accepted.tolist()
+        and out.stats.forwards.tolist() == eager.stats.forwards.tolist()
+    )
     assert torch._dynamo.config.fail_on_recompile_limit_hit
 
 
@@ -251,11 +263,11 @@ def test_layer_states_match_base_features():
     first = target.prefill(prompts)
     assert first.layers.shape == (2, 11, 2, 64)
     for i, p in enumerate(prompts):
-        assert (first.layers[i, -len(p):] - layer_states(lm, p, layers)).abs().max() <= TOL
+        assert (first.layers[i, -len(p) :] - layer_states(lm, p, layers)).abs().max() <= TOL
     drafts = [[50, 51, 52], [60, 61, 62]]
     chain = target.extend(torch.tensor(drafts))
     for i, p in enumerate(prompts):
-        assert (chain.layers[i] - layer_states(lm, p + drafts[i], layers)[len(p):]).abs().max() <= TOL
+        assert (chain.layers[i] - layer_states(lm, p + drafts[i], layers)[len(p) :]).abs().max() <= TOL
         assert (chain.hidden[i, :, None] - chain.layers[i]).abs().max() > 0.1  # not the final hidden state
     target.commit(torch.tensor([[True, True, False], [True, False, False]]))
     parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 1, 0]])
@@ -284,21 +296,28 @@ def test_layer_states_cost_nothing_unless_asked_and_survive_padding():
     for t in (plain, padded):
         t.use_layers([1])
         t.prefill(prompts)
-        outs.append([t.extend(torch.tensor([[30, 31, 32], [33, 34, 35]])).layers,
-                     t.extend(torch.tensor([[40, 41, 42, 43]] * 2), parents=torch.tensor([-1, 0, 0, 1])).layers])
+        outs.append(
+            [
+                t.extend(torch.tensor([[30, 31, 32], [33, 34, 35]])).layers,
+                t.extend(torch.tensor([[40, 41, 42, 43]] * 2), parents=torch.tensor([-1, 0, 0, 1])).layers,
+            ]
+        )
     for a, b in zip(*outs):
         assert a.shape == b.shape and a.shape[2] == 1 and (a - b).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("layers, match", [
-    ((0,), r"0 is not a block index in \[1, 2\]"),
-    ((3,), r"3 is not a block index in \[1, 2\]"),
-    ((-1,), r"-1 is not a block index"),
-    ((1.0,), r"1.0 is not a block index"),
-    ((True,), r"True is not a block index"),
-    ((1, 1), "each block at most once"),
-    (2, "must be a list of block indices"),
-])
+@pytest.mark.parametrize(
+    "layers, match",
+    [
+        ((0,), r"0 is not a block index in \[1, 2\]"),
+        ((3,), r"3 is not a block index in \[1, 2\]"),
+        ((-1,), r"-1 is not a block index"),
+        ((1.0,), r"1.0 is not a block index"),
+        ((True,), r"True is not a block index"),
+        ((1, 1), "each block at most once"),
+        (2, "must be a list of block indices"),
+    ],
+)
 def test_bad_layers_refused_in_one_line(layers, match):
     target = Target(project_lm(15))
     with pytest.raises(ValueError, match=match) as err:

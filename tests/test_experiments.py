@@ -20,11 +20,16 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import benchmark as bench_mod, summarize as summ_mod
-from experiments.lib import base_trainer, decode_checks, drafter_trainer, families, methods
-from experiments.lib import artifacts
+from experiments import benchmark as bench_mod
+from experiments import summarize as summ_mod
+from experiments.lib import artifacts, base_trainer, decode_checks, drafter_trainer, families, methods
 from experiments.lib.checkpoint import (
-    RESERVED_META_KEYS, CheckpointError, fingerprint, load_checkpoint, load_lm, save_checkpoint,
+    RESERVED_META_KEYS,
+    CheckpointError,
+    fingerprint,
+    load_checkpoint,
+    load_lm,
+    save_checkpoint,
 )
 from experiments.lib.lm import build_lm
 from experiments.lib.report import repeated_ngram_share
@@ -35,16 +40,52 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 # The base's data: a 512-token BPE on 30 stdlib files (the tokenizer is trained once per module, in DATA's cache).
 DATA = ["data.max_files=30", "data.vocab_size=512"]
-BASE = ["base.dim=32", "base.depth=2", "base.heads=2", *DATA, "logger=none", "max_steps=20", "optim.warmup_steps=2",
-        "batch_size=4", "seq_len=64", "eval_blocks=2", "eval_every=10", "checkpoint_every=10"]
-DRAFTER = [*DATA, "logger=none", "max_steps=4", "eval_every=2", "log_every=1", "eval_blocks=2", "batch_size=2",
-           "seq_len=32", "optim.warmup_steps=1"]
-SMALL = {"medusa": [], "prophet": ["drafter.module.dim=32", "drafter.module.heads=2"],  # a prophet as narrow as the base
-         "draft": ["drafter.module.dim=32", "drafter.module.depth=1", "drafter.module.heads=2"],
-         "sequential": [], "early_exit": ["drafter.module.layer=1"]}  # the base has 2 blocks: exit after the first
+BASE = [
+    "base.dim=32",
+    "base.depth=2",
+    "base.heads=2",
+    *DATA,
+    "logger=none",
+    "max_steps=20",
+    "optim.warmup_steps=2",
+    "batch_size=4",
+    "seq_len=64",
+    "eval_blocks=2",
+    "eval_every=10",
+    "checkpoint_every=10",
+]
+DRAFTER = [
+    *DATA,
+    "logger=none",
+    "max_steps=4",
+    "eval_every=2",
+    "log_every=1",
+    "eval_blocks=2",
+    "batch_size=2",
+    "seq_len=32",
+    "optim.warmup_steps=1",
+]
+SMALL = {
+    "medusa": [],
+    "prophet": ["drafter.module.dim=32", "drafter.module.heads=2"],  # a prophet as narrow as the base
+    "draft": ["drafter.module.dim=32", "drafter.module.depth=1", "drafter.module.heads=2"],
+    "sequential": [],
+    "early_exit": ["drafter.module.layer=1"],
+}  # the base has 2 blocks: exit after the first
 FAMILIES = ("medusa", "prophet", "draft", "sequential", "early_exit")
-ROW_KEYS = {"name", "tau", "repeat4", "alpha", "speedup", "tokens_per_s", "exact", "lossless", "temperature", "threads",
-            "compiled"}
+ROW_KEYS = {
+    "name",
+    "tau",
+    "repeat4",
+    "alpha",
+    "speedup",
+    "tokens_per_s",
+    "exact",
+    "lossless",
+    "temperature",
+    "threads",
+    "compiled",
+}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -73,8 +114,17 @@ def options(group: str) -> list[str]:
 
 
 def drafter_cfg(family: str, base: Path, cache_dir: str, out_dir: Path, *overrides: str) -> DictConfig:
-    return make_cfg("train_drafter", f"drafter={family}", f"base_checkpoint={base}", *DRAFTER, *SMALL[family],
-                    f"data.cache_dir={cache_dir}", f"features.root={cache_dir}/features", f"out_dir={out_dir}", *overrides)
+    return make_cfg(
+        "train_drafter",
+        f"drafter={family}",
+        f"base_checkpoint={base}",
+        *DRAFTER,
+        *SMALL[family],
+        f"data.cache_dir={cache_dir}",
+        f"features.root={cache_dir}/features",
+        f"out_dir={out_dir}",
+        *overrides,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +136,7 @@ def drafters(tmp_path_factory: pytest.TempPathFactory, tiny_base: Path, cache_di
         out_dir = tmp_path_factory.mktemp(family)
         captured = []
 
-        def capturing_load_lm(*args, **kwargs):
+        def capturing_load_lm(*args, captured=captured, **kwargs):
             loaded = load_lm(*args, **kwargs)
             captured.append(loaded[0])
             return loaded
@@ -101,13 +151,19 @@ def drafters(tmp_path_factory: pytest.TempPathFactory, tiny_base: Path, cache_di
 def bench_overrides(tiny_base: Path, drafters: dict) -> list[str]:
     """A benchmark fast dev run: the tiny base is also its own draft model (so alpha = 1 at T = 0)."""
     return [
-        f"base_checkpoint={tiny_base}", f"checkpoints.draft={tiny_base}",
+        f"base_checkpoint={tiny_base}",
+        f"checkpoints.draft={tiny_base}",
         f"checkpoints.medusa={drafters['medusa']['result']['checkpoint']}",
         f"checkpoints.prophet={drafters['prophet']['result']['checkpoint']}",
         f"checkpoints.sequential={drafters['sequential']['result']['checkpoint']}",
         f"checkpoints.early_exit={drafters['early_exit']['result']['checkpoint']}",
-        "prompts.num_prompts=2", "prompts.prompt_len=8", "decode.max_new_tokens=8", "repeats=1",
-        "decode.temperatures=[0,1]", "logger=none", "threads=1",
+        "prompts.num_prompts=2",
+        "prompts.prompt_len=8",
+        "decode.max_new_tokens=8",
+        "repeats=1",
+        "decode.temperatures=[0,1]",
+        "logger=none",
+        "threads=1",
     ]
 
 
@@ -120,12 +176,18 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory, tiny_base: Path, drafter
 
 # ------------------------------------------------------------------------------- 1. configs compose
 
+
 def experiment_entry(name: str) -> str:
     """The entry point an experiment file is a delta of: a base recipe overrides /base, a drafter recipe
     overrides /drafter, the rest are benchmark presets."""
     defaults = " ".join(map(str, OmegaConf.load(CONF / "experiment" / f"{name}.yaml").get("defaults", [])))
-    return "train_base" if "override /base" in defaults else "train_drafter" if "override /drafter" in defaults \
+    return (
+        "train_base"
+        if "override /base" in defaults
+        else "train_drafter"
+        if "override /drafter" in defaults
         else "benchmark"
+    )
 
 
 def assert_keys_exist(delta: dict, cfg: DictConfig, path: str = "") -> None:
@@ -195,8 +257,14 @@ def check_benchmark_cfg(cfg: DictConfig) -> None:
     decode_checks.check_decode(cfg.decode)
     base_trainer.validate_config(make_cfg("train_base", *cfg.artifacts.base, "out_dir=/tmp/unused"))
     for family in ("draft", *FAMILIES):  # the draft model is distilled from the base like the others
-        recipe = make_cfg("train_drafter", *cfg.artifacts[family], f"drafter={family}", "base_checkpoint=/b",
-                          *methods.drafter_overrides(cfg[family], "drafter"), "out_dir=/tmp/unused")
+        recipe = make_cfg(
+            "train_drafter",
+            *cfg.artifacts[family],
+            f"drafter={family}",
+            "base_checkpoint=/b",
+            *methods.drafter_overrides(cfg[family], "drafter"),
+            "out_dir=/tmp/unused",
+        )
         drafter_trainer.validate_config(recipe)
         assert recipe.drafter.module == cfg[family].module and recipe.drafter.loss == cfg[family].loss
 
@@ -220,11 +288,14 @@ def test_hydra_settings_of_new_entry_points() -> None:
         assert OmegaConf.to_container(OmegaConf.load(CONF / f"{name}.yaml"))["out_dir"] == "${hydra:runtime.output_dir}"
 
 
-@pytest.mark.parametrize("override, module, target", [
-    ("hydra/launcher=joblib", "hydra_plugins.hydra_joblib_launcher", "joblib"),
-    ("hydra/launcher=submitit_local", "hydra_plugins.hydra_submitit_launcher", "submitit"),
-    ("hydra/sweeper=optuna", "hydra_plugins.hydra_optuna_sweeper", "optuna"),
-])
+@pytest.mark.parametrize(
+    "override, module, target",
+    [
+        ("hydra/launcher=joblib", "hydra_plugins.hydra_joblib_launcher", "joblib"),
+        ("hydra/launcher=submitit_local", "hydra_plugins.hydra_submitit_launcher", "submitit"),
+        ("hydra/sweeper=optuna", "hydra_plugins.hydra_optuna_sweeper", "optuna"),
+    ],
+)
 def test_sweep_plugins_compose(override: str, module: str, target: str) -> None:
     pytest.importorskip(module)  # the optional `sweep` extra
     for name in ("benchmark", "train_base", "train_drafter"):
@@ -240,14 +311,36 @@ def test_sweep_plugins_compose(override: str, module: str, target: str) -> None:
 def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path) -> None:
     result, out_dir = drafters[family]["result"], drafters[family]["out_dir"]
     assert result["step"] == 4 and result["parameters"] > 0 and Path(result["out_dir"]) == out_dir
-    about_the_run = {"step", "elapsed_s", "parameters", "checkpoint", "out_dir", "precision", "positions", "positions_per_s",
-                     "features", "feature_key", "feature_windows", "feature_source", "feature_seconds",
-                     "start_step", "stopped_by", "world_size", "rank", "replica_fingerprints"}
+    about_the_run = {
+        "step",
+        "elapsed_s",
+        "parameters",
+        "checkpoint",
+        "out_dir",
+        "precision",
+        "positions",
+        "positions_per_s",
+        "features",
+        "feature_key",
+        "feature_windows",
+        "feature_source",
+        "feature_seconds",
+        "start_step",
+        "stopped_by",
+        "world_size",
+        "rank",
+        "replica_fingerprints",
+    }
     assert about_the_run <= set(result), result
     metric_keys = set(result) - about_the_run
     assert metric_keys and all(isinstance(result[k], float) for k in metric_keys), result
-    agreement = {"medusa": "head1_agree", "prophet": "step1_agree", "draft": "agree", "sequential": "head1_agree",
-                 "early_exit": "agree"}[family]
+    agreement = {
+        "medusa": "head1_agree",
+        "prophet": "step1_agree",
+        "draft": "agree",
+        "sequential": "head1_agree",
+        "early_exit": "agree",
+    }[family]
     assert 0 <= result[agreement] <= 1  # agreement with the base's top-1, what acceptance measures
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "val"] == [2, 4]
@@ -281,8 +374,12 @@ def test_load_drafter_same_base_and_another_base(family: str, drafters: dict, ti
     assert package is families.FAMILIES[family] and not module.training
     saved = load_checkpoint(ckpt).state_dict
     assert all(torch.equal(module.state_dict()[k], v) for k, v in saved.items())
-    assert package.make_drafter(module, base, **dict(make_cfg("train_drafter", f"drafter={family}",
-                                                         "base_checkpoint=/b").drafter.decode)) is not None
+    assert (
+        package.make_drafter(
+            module, base, **dict(make_cfg("train_drafter", f"drafter={family}", "base_checkpoint=/b").drafter.decode)
+        )
+        is not None
+    )
     # another base: same architecture, another seed
     torch.manual_seed(1)
     other = build_lm(**base_meta["model_config"]).eval()
@@ -295,15 +392,26 @@ def test_load_drafter_same_base_and_another_base(family: str, drafters: dict, ti
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
-def test_drafter_training_reads_the_cache_instead_of_running_the_base(use_cache: bool, tiny_base: Path, cache_dir: str,
-                                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_drafter_training_reads_the_cache_instead_of_running_the_base(
+    use_cache: bool, tiny_base: Path, cache_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from experiments.lib import features
 
     calls = []
     original = features.base_features
     monkeypatch.setattr(features, "base_features", lambda *a, **k: calls.append(a[1].shape) or original(*a, **k))
-    cfg = lambda out: drafter_cfg("medusa", tiny_base, cache_dir, out, f"features.use={str(use_cache).lower()}",  # noqa: E731
-                                  f"features.root={tmp_path / 'features'}", "features.windows=6")
+
+    def cfg(out):
+        return drafter_cfg(
+            "medusa",
+            tiny_base,
+            cache_dir,
+            out,
+            f"features.use={str(use_cache).lower()}",
+            f"features.root={tmp_path / 'features'}",
+            "features.windows=6",
+        )
+
     drafter_trainer.train(cfg(tmp_path / "a"))  # writes the cache (when used) on first use
     calls.clear()
     drafter_trainer.train(cfg(tmp_path / "b"))
@@ -319,22 +427,29 @@ def test_load_drafter_refuses_a_base_checkpoint(tiny_base: Path) -> None:
         families.load_drafter(tiny_base, base, base_meta)
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("max_steps=0", "max_steps must be a positive integer, got 0"),
-    ("batch_size=0", "batch_size must be a positive integer or null, got 0"),
-    ("vocab=0", "vocab must be a positive integer or null, got 0"),
-    ("precision=fp16", "precision='fp16': must be one of auto, fp32, bf16"),
-    ("features.source=web", "features.source='web'"),
-    ("features.windows=0", "features.windows=0"),
-    ("eval_blocks=-1", "eval_blocks must be a positive integer"),
-    ("max_minutes=0", "max_minutes must be positive or null"),
-    ("optim.lr=0", "optim.lr must be positive"),
-    ("optim.warmup_steps=5", "optim.warmup_steps (5) must not exceed max_steps (4)"),
-    ("drafter.package=nonexistent", "drafter.package='nonexistent': must be one of draft, medusa, prophet, sequential, early_exit"),
-    ("drafter.package=json", "drafter.package='json': must be one of"),
-])
-def test_train_drafter_bad_config_fails_before_work(override: str, fragment: str, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("max_steps=0", "max_steps must be a positive integer, got 0"),
+        ("batch_size=0", "batch_size must be a positive integer or null, got 0"),
+        ("vocab=0", "vocab must be a positive integer or null, got 0"),
+        ("precision=fp16", "precision='fp16': must be one of auto, fp32, bf16"),
+        ("features.source=web", "features.source='web'"),
+        ("features.windows=0", "features.windows=0"),
+        ("eval_blocks=-1", "eval_blocks must be a positive integer"),
+        ("max_minutes=0", "max_minutes must be positive or null"),
+        ("optim.lr=0", "optim.lr must be positive"),
+        ("optim.warmup_steps=5", "optim.warmup_steps (5) must not exceed max_steps (4)"),
+        (
+            "drafter.package=nonexistent",
+            "drafter.package='nonexistent': must be one of draft, medusa, prophet, sequential, early_exit",
+        ),
+        ("drafter.package=json", "drafter.package='json': must be one of"),
+    ],
+)
+def test_train_drafter_bad_config_fails_before_work(
+    override: str, fragment: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the config was validated")
 
@@ -354,8 +469,9 @@ def test_train_drafter_refuses_another_tokenizer(tiny_base: Path, cache_dir: str
 
 
 @pytest.mark.parametrize("seq_len", [-1, 300])
-def test_train_drafter_bad_seq_len_fails_before_data(seq_len: int, tiny_base: Path, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_drafter_bad_seq_len_fails_before_data(
+    seq_len: int, tiny_base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def no_work(*args, **kwargs):
         raise AssertionError("data was prepared before seq_len was validated")
 
@@ -367,10 +483,17 @@ def test_train_drafter_bad_seq_len_fails_before_data(seq_len: int, tiny_base: Pa
 # ------------------------------------------------------------------------------ 3. artifact cache
 
 
-def test_artifacts_ensure_trains_once_and_keys_by_recipe(tmp_path: Path, cache_dir: str,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    recipe = [*BASE, f"data.cache_dir={cache_dir}", "max_steps=2", "optim.warmup_steps=1", "eval_every=2",
-              "checkpoint_every=2"]
+def test_artifacts_ensure_trains_once_and_keys_by_recipe(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = [
+        *BASE,
+        f"data.cache_dir={cache_dir}",
+        "max_steps=2",
+        "optim.warmup_steps=1",
+        "eval_every=2",
+        "checkpoint_every=2",
+    ]
     ckpt = artifacts.ensure("base", recipe, root=tmp_path)
     assert ckpt.parent.parent == tmp_path and ckpt.parent.name.startswith("base-")
     assert load_checkpoint(ckpt).meta["step"] == 2
@@ -419,8 +542,14 @@ def test_artifacts_drafter_follows_the_base_at_its_path(tiny_base: Path, cache_d
     model, _, meta = load_lm(base_dir)
     with torch.no_grad():
         next(model.parameters()).add_(0.01)
-    save_checkpoint(base_dir, model=model, model_config=meta["model_config"], tokenizer_json=meta["tokenizer"],
-                    step=meta["step"] + 1, extra={k: v for k, v in meta.items() if k not in RESERVED_META_KEYS})
+    save_checkpoint(
+        base_dir,
+        model=model,
+        model_config=meta["model_config"],
+        tokenizer_json=meta["tokenizer"],
+        step=meta["step"] + 1,
+        extra={k: v for k, v in meta.items() if k not in RESERVED_META_KEYS},
+    )
     new_base, _, new_meta = load_lm(base_dir)
     assert new_meta["fingerprint"] != meta["fingerprint"]
     second = artifacts.ensure("medusa", recipe, root=tmp_path / "artifacts")
@@ -493,14 +622,21 @@ def test_benchmark_files(bench_run: tuple[dict, Path], tiny_base: Path) -> None:
 def test_benchmark_rep4_is_plain_greedy_decodings_share(tiny_base: Path, drafters: dict, tmp_path: Path) -> None:
     """rep4 at T=0 is repeated_ngram_share of plain greedy decoding on the benchmark's own prompts (40 new
     tokens, so the barely trained base repeats itself and the figure is not a trivial 0)."""
-    cfg = make_cfg("benchmark", *bench_overrides(tiny_base, drafters), f"out_dir={tmp_path}", "methods=[prompt_lookup]",
-                   "decode.temperatures=[0]", "decode.max_new_tokens=40")
+    cfg = make_cfg(
+        "benchmark",
+        *bench_overrides(tiny_base, drafters),
+        f"out_dir={tmp_path}",
+        "methods=[prompt_lookup]",
+        "decode.temperatures=[0]",
+        "decode.max_new_tokens=40",
+    )
     bench_mod.benchmark(cfg)
     base, tokenizer, meta = load_lm(tiny_base)
     prompts = methods.get_prompts(cfg, tokenizer, meta)
     assert cfg.decode.batch_size == 1 and cfg.stop_at_eos  # so: one prompt at a time, stopping at EOS
-    greedy = [plain_generate(Target(base), [p], max_new_tokens=40, eos_id=meta["data"]["eos_id"]).tokens[0]
-              for p in prompts]
+    greedy = [
+        plain_generate(Target(base), [p], max_new_tokens=40, eos_id=meta["data"]["eos_id"]).tokens[0] for p in prompts
+    ]
     results = json.loads((tmp_path / "results.json").read_text())
     expected = repeated_ngram_share(prompts, greedy)
     assert 0 < expected and [r["repeat4"] for r in results["plain"] + results["methods"]] == [expected, expected]
@@ -510,8 +646,9 @@ def fast_bench_cfg(tiny_base: Path, drafters: dict, out_dir: Path, *overrides: s
     return make_cfg("benchmark", *bench_overrides(tiny_base, drafters), f"out_dir={out_dir}", *overrides)
 
 
-def test_benchmark_exactness_failure_is_loud(tiny_base: Path, drafters: dict, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_benchmark_exactness_failure_is_loud(
+    tiny_base: Path, drafters: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = bench_mod.speculative_generate
 
     def wrong_first_token(*args, **kwargs):
@@ -525,32 +662,44 @@ def test_benchmark_exactness_failure_is_loud(tiny_base: Path, drafters: dict, tm
     assert not (tmp_path / "results.json").exists()
 
 
-def test_benchmark_lenient_rule_is_not_checked_for_exactness(tiny_base: Path, drafters: dict, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_benchmark_lenient_rule_is_not_checked_for_exactness(
+    tiny_base: Path, drafters: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A rule that is not lossless (delta > 0) is reported, not failed, when it differs."""
-    cfg = fast_bench_cfg(tiny_base, drafters, tmp_path, "methods=[prompt_lookup]", "decode.temperatures=[1]",
-                         "decode.rule=speculative", "decode.delta=0.5")
+    cfg = fast_bench_cfg(
+        tiny_base,
+        drafters,
+        tmp_path,
+        "methods=[prompt_lookup]",
+        "decode.temperatures=[1]",
+        "decode.rule=speculative",
+        "decode.delta=0.5",
+    )
     (row,) = bench_mod.benchmark(cfg)["methods"]
     assert row["lossless"] is False and row["exact"] is None
     assert "| prompt_lookup | eager 1t | 1 | speculative | no |" in (tmp_path / "results.md").read_text()
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("methods=[nope]", "methods contain ['nope']"),
-    ("decode.temperatures=[-1]", "temperature"),
-    ("decode.rule=greedy", "greedy acceptance needs temperature 0"),
-    ("decode.gamma=0", "gamma=0"),
-    ("threads=[1,0]", "threads=0"),
-    ("threads=[]", "threads=[]"),
-    ("compile=maybe", "compile='maybe'"),
-    ("budget=sometimes", "budget='sometimes'"),
-    ("budget_search.max_gamma=0", "budget_search.max_gamma=0"),
-    ("budget_search.prophet_trees=[{tree_nodes: 4}]", "needs tree_nodes and depth"),
-    ("budget_search.medusa_trees=[{tree_nodes: 4, depth: 2, top_k: 3}]", "allowed keys"),
-    ("prophet.decode.tree_nodes=lots", "prophet.decode.tree_nodes='lots'"),
-])
-def test_benchmark_bad_config_is_one_line_value_error(override: str, fragment: str, tiny_base: Path,
-                                                      drafters: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("methods=[nope]", "methods contain ['nope']"),
+        ("decode.temperatures=[-1]", "temperature"),
+        ("decode.rule=greedy", "greedy acceptance needs temperature 0"),
+        ("decode.gamma=0", "gamma=0"),
+        ("threads=[1,0]", "threads=0"),
+        ("threads=[]", "threads=[]"),
+        ("compile=maybe", "compile='maybe'"),
+        ("budget=sometimes", "budget='sometimes'"),
+        ("budget_search.max_gamma=0", "budget_search.max_gamma=0"),
+        ("budget_search.prophet_trees=[{tree_nodes: 4}]", "needs tree_nodes and depth"),
+        ("budget_search.medusa_trees=[{tree_nodes: 4, depth: 2, top_k: 3}]", "allowed keys"),
+        ("prophet.decode.tree_nodes=lots", "prophet.decode.tree_nodes='lots'"),
+    ],
+)
+def test_benchmark_bad_config_is_one_line_value_error(
+    override: str, fragment: str, tiny_base: Path, drafters: dict, tmp_path: Path
+) -> None:
     with pytest.raises(ValueError) as excinfo:
         bench_mod.benchmark(fast_bench_cfg(tiny_base, drafters, tmp_path, override))
     assert fragment in str(excinfo.value) and "\n" not in str(excinfo.value), str(excinfo.value)
@@ -558,8 +707,15 @@ def test_benchmark_bad_config_is_one_line_value_error(override: str, fragment: s
 
 def test_benchmark_settings_share_rounds_and_the_fastest_plain(tiny_base: Path, drafters: dict, tmp_path: Path) -> None:
     """threads=[1,2]: both settings in one run; every speedup is against the fastest plain of each round."""
-    cfg = fast_bench_cfg(tiny_base, drafters, tmp_path, "methods=[prompt_lookup]", "decode.temperatures=[0]",
-                         "threads=[1,2]", "repeats=2")
+    cfg = fast_bench_cfg(
+        tiny_base,
+        drafters,
+        tmp_path,
+        "methods=[prompt_lookup]",
+        "decode.temperatures=[0]",
+        "threads=[1,2]",
+        "repeats=2",
+    )
     summary = bench_mod.benchmark(cfg)
     results = json.loads((tmp_path / "results.json").read_text())
     plains = results["plain"]
@@ -569,31 +725,53 @@ def test_benchmark_settings_share_rounds_and_the_fastest_plain(tiny_base: Path, 
         assert p["speedups"] == pytest.approx([x / f for x, f in zip(p["tokens_per_s_rounds"], fastest)])
         assert p["speedup"] <= 1.0
     assert max(max(p["speedups"]) for p in plains) == pytest.approx(1.0)
-    assert [(r["name"], r["threads"], r["exact"]) for r in summary["methods"]] == [("prompt_lookup", 1, True), ("prompt_lookup", 2, True)]
+    assert [(r["name"], r["threads"], r["exact"]) for r in summary["methods"]] == [
+        ("prompt_lookup", 1, True),
+        ("prompt_lookup", 2, True),
+    ]
 
 
 def test_benchmark_budget_auto_picks_and_records_budgets(tiny_base: Path, drafters: dict, tmp_path: Path) -> None:
-    cfg = fast_bench_cfg(tiny_base, drafters, tmp_path, "methods=[prompt_lookup,prophet_tree]", "decode.temperatures=[0]",
-                         "budget=auto", "budget_search.max_gamma=3", "budget_search.pilot_prompts=1",
-                         "budget_search.prophet_trees=[{tree_nodes: 2, depth: 2}, {tree_nodes: 4, depth: 3}]",
-                         f"budget_search.cache_dir={tmp_path / 'calibration'}")
+    cfg = fast_bench_cfg(
+        tiny_base,
+        drafters,
+        tmp_path,
+        "methods=[prompt_lookup,prophet_tree]",
+        "decode.temperatures=[0]",
+        "budget=auto",
+        "budget_search.max_gamma=3",
+        "budget_search.pilot_prompts=1",
+        "budget_search.prophet_trees=[{tree_nodes: 2, depth: 2}, {tree_nodes: 4, depth: 3}]",
+        f"budget_search.cache_dir={tmp_path / 'calibration'}",
+    )
     bench_mod.benchmark(cfg)
     results = json.loads((tmp_path / "results.json").read_text())
     lookup, tree = results["methods"]
-    assert 1 <= lookup["gamma"] <= 3 and lookup["budget"]["gamma"] == lookup["gamma"] and len(lookup["budget"]["table"]) >= 1
+    assert (
+        1 <= lookup["gamma"] <= 3
+        and lookup["budget"]["gamma"] == lookup["gamma"]
+        and len(lookup["budget"]["table"]) >= 1
+    )
     assert tree["budget"]["tree_nodes"] in (2, 4) and tree["gamma"] == {2: 2, 4: 3}[tree["budget"]["tree_nodes"]]
     assert lookup["exact"] and tree["exact"]
     assert list(results["cost_tables"]) == ["eager 1t"] and "1" in results["cost_tables"]["eager 1t"]
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 1  # the verify costs, cached per machine and model
 
 
-def test_benchmark_trains_missing_drafter_through_the_cache(tiny_base: Path, drafters: dict, cache_dir: str,
-                                                            tmp_path: Path) -> None:
+def test_benchmark_trains_missing_drafter_through_the_cache(
+    tiny_base: Path, drafters: dict, cache_dir: str, tmp_path: Path
+) -> None:
     """checkpoints.medusa=null: the heads are trained by the artifact cache with the benchmark's medusa config
     (two heads, as in the sweep_heads preset, while decode.gamma stays 4), then reused by the next run."""
     recipe = json.dumps([*DRAFTER, f"data.cache_dir={cache_dir}", "max_steps=2", "eval_every=2"])
-    overrides = ["checkpoints.medusa=null", f"artifacts.root={tmp_path / 'artifacts'}", f"artifacts.medusa={recipe}",
-                 "medusa.module.num_heads=2", "methods=[medusa_chain,medusa_tree]", "decode.temperatures=[0]"]
+    overrides = [
+        "checkpoints.medusa=null",
+        f"artifacts.root={tmp_path / 'artifacts'}",
+        f"artifacts.medusa={recipe}",
+        "medusa.module.num_heads=2",
+        "methods=[medusa_chain,medusa_tree]",
+        "decode.temperatures=[0]",
+    ]
     summary = bench_mod.benchmark(fast_bench_cfg(tiny_base, drafters, tmp_path / "run1", *overrides))
     assert [(r["name"], r["exact"]) for r in summary["methods"]] == [("medusa_chain", True), ("medusa_tree", True)]
     (heads,) = (tmp_path / "artifacts").glob("medusa-*/checkpoint")
@@ -605,12 +783,14 @@ def test_benchmark_trains_missing_drafter_through_the_cache(tiny_base: Path, dra
     assert (heads / "meta.json").stat().st_mtime_ns == mtime and len(list((tmp_path / "artifacts").iterdir())) == 1
 
 
-def test_benchmark_records_the_drafter_config_its_checkpoint_was_trained_with(tiny_base: Path, drafters: dict,
-                                                                            tmp_path: Path) -> None:
+def test_benchmark_records_the_drafter_config_its_checkpoint_was_trained_with(
+    tiny_base: Path, drafters: dict, tmp_path: Path
+) -> None:
     """A 4-head checkpoint beside medusa.module.num_heads=2 from a preset or a default (not typed on the command
     line, which is refused: test_bad_inputs): the checkpoint runs, and results.json says what ran."""
-    cfg = fast_bench_cfg(tiny_base, drafters, tmp_path, "methods=[medusa_chain]", "decode.temperatures=[0]",
-                         "medusa.module.num_heads=2")
+    cfg = fast_bench_cfg(
+        tiny_base, drafters, tmp_path, "methods=[medusa_chain]", "decode.temperatures=[0]", "medusa.module.num_heads=2"
+    )
     bench_mod.benchmark(cfg)
     results = json.loads((tmp_path / "results.json").read_text())
     ckpt = drafters["medusa"]["result"]["checkpoint"]
@@ -619,7 +799,11 @@ def test_benchmark_records_the_drafter_config_its_checkpoint_was_trained_with(ti
     assert results["config"]["medusa"]["module"] == meta["model_config"]["module"]
     assert results["config"]["medusa"]["loss"] == meta["drafter"]["loss"]
     record = results["checkpoints"]["medusa"]
-    assert record["checkpoint"] == ckpt and record["fingerprint"] == meta["fingerprint"] and record["module"]["num_heads"] == 4
+    assert (
+        record["checkpoint"] == ckpt
+        and record["fingerprint"] == meta["fingerprint"]
+        and record["module"]["num_heads"] == 4
+    )
     assert list(results["checkpoints"]) == ["medusa"] and results["methods"][0]["exact"]
 
 
@@ -627,17 +811,32 @@ def test_benchmark_records_the_drafter_config_its_checkpoint_was_trained_with(ti
 def base_other_tokenizer(tmp_path_factory: pytest.TempPathFactory, cache_dir: str, tiny_base: Path) -> Path:
     """A tiny base with the same vocabulary size but another tokenizer (trained on 31 files, not 30)."""
     out_dir = tmp_path_factory.mktemp("base31")
-    cfg = make_cfg("train_base", *BASE, "data.max_files=31", f"data.cache_dir={cache_dir}", f"out_dir={out_dir}",
-                   "max_steps=2", "eval_every=2", "checkpoint_every=2")
+    cfg = make_cfg(
+        "train_base",
+        *BASE,
+        "data.max_files=31",
+        f"data.cache_dir={cache_dir}",
+        f"out_dir={out_dir}",
+        "max_steps=2",
+        "eval_every=2",
+        "checkpoint_every=2",
+    )
     ckpt = Path(base_trainer.train(cfg)["checkpoint"])
     assert load_checkpoint(ckpt).meta["tokenizer"] != load_checkpoint(tiny_base).meta["tokenizer"]
     return ckpt
 
 
-def test_benchmark_refuses_draft_model_with_another_tokenizer(tiny_base: Path, drafters: dict, tmp_path: Path,
-                                                              base_other_tokenizer: Path) -> None:
-    cfg = fast_bench_cfg(tiny_base, drafters, tmp_path, f"checkpoints.draft={base_other_tokenizer}",
-                         "methods=[draft_model]", "decode.temperatures=[0]")
+def test_benchmark_refuses_draft_model_with_another_tokenizer(
+    tiny_base: Path, drafters: dict, tmp_path: Path, base_other_tokenizer: Path
+) -> None:
+    cfg = fast_bench_cfg(
+        tiny_base,
+        drafters,
+        tmp_path,
+        f"checkpoints.draft={base_other_tokenizer}",
+        "methods=[draft_model]",
+        "decode.temperatures=[0]",
+    )
     with pytest.raises(ValueError, match="tokenizer"):
         bench_mod.benchmark(cfg)
 
@@ -647,8 +846,9 @@ def test_benchmark_unknown_method_fails_before_training(tmp_path: Path, monkeypa
         raise AssertionError("an artifact was trained before the config was validated")
 
     monkeypatch.setattr(methods, "ensure", no_training)  # where checkpoint_for looks it up
-    cfg = make_cfg("benchmark", "methods=[medusa_chian]", f"artifacts.root={tmp_path}", f"out_dir={tmp_path}",
-                   "logger=none")
+    cfg = make_cfg(
+        "benchmark", "methods=[medusa_chian]", f"artifacts.root={tmp_path}", f"out_dir={tmp_path}", "logger=none"
+    )
     with pytest.raises(ValueError, match="medusa_chian"):
         bench_mod.benchmark(cfg)
 
@@ -658,13 +858,15 @@ def test_benchmark_unknown_method_fails_before_training(tmp_path: Path, monkeypa
 
 def run_module(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_benchmark_main_prints_json_last(tiny_base: Path, drafters: dict, tmp_path: Path) -> None:
-    proc = run_module("experiments.benchmark", *bench_overrides(tiny_base, drafters), "threads=1",
-                      f"hydra.run.dir={tmp_path}")
+    proc = run_module(
+        "experiments.benchmark", *bench_overrides(tiny_base, drafters), "threads=1", f"hydra.run.dir={tmp_path}"
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(summary) == {"plain_tokens_per_s", "methods"} and len(summary["methods"]) == 2 * len(methods.METHODS)
@@ -734,8 +936,15 @@ def test_summarize_keeps_job_order(bench_run: tuple[dict, Path], tmp_path: Path)
 @pytest.mark.slow
 def test_benchmark_multirun_then_summarize(tiny_base: Path, drafters: dict, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    proc = run_module("experiments.benchmark", "-m", "decode.gamma=1,2", *bench_overrides(tiny_base, drafters),
-                      "threads=1", f"hydra.sweep.dir={sweep}", timeout=600)
+    proc = run_module(
+        "experiments.benchmark",
+        "-m",
+        "decode.gamma=1,2",
+        *bench_overrides(tiny_base, drafters),
+        "threads=1",
+        f"hydra.sweep.dir={sweep}",
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (sweep / "0" / "results.json").is_file() and (sweep / "1" / "results.json").is_file()
     proc = run_module("experiments.summarize", str(sweep))

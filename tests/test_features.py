@@ -3,8 +3,7 @@ computes, refuses another base or setting, resumes; the teacher is the base's ow
 model family trains only itself toward the base."""
 
 import json
-import os
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,8 +11,14 @@ import torch
 from experiments.lib import draft_family
 from experiments.lib.distill import agreement, distill_loss, subset_index
 from experiments.lib.features import (
-    FeatureBatch, FeatureCache, FeatureSpec, StaleFeatures, check_features_config, corpus_windows, open_features,
-    teacher_batch, write_features,
+    FeatureCache,
+    FeatureSpec,
+    StaleFeatures,
+    check_features_config,
+    corpus_windows,
+    open_features,
+    teacher_batch,
+    write_features,
 )
 from experiments.lib.lm import build_lm
 from prophet.model import base_features
@@ -71,8 +76,13 @@ def test_cache_holds_exactly_what_the_base_computes(tmp_path, dtype, tol):
 def test_cache_refuses_another_base_data_or_setting(tmp_path):
     base, ids = make_base(), stream()
     open_features(base, ids, spec_for(), directory=tmp_path / "f")
-    for change, word in [({"base_fingerprint": "base-b"}, "base_fingerprint"), ({"data_key": "data-b"}, "data_key"),
-                         ({"top_k": 4}, "top_k"), ({"layers": (1,)}, "layers"), ({"source": "greedy", "prompt_len": 4}, "source")]:
+    for change, word in [
+        ({"base_fingerprint": "base-b"}, "base_fingerprint"),
+        ({"data_key": "data-b"}, "data_key"),
+        ({"top_k": 4}, "top_k"),
+        ({"layers": (1,)}, "layers"),
+        ({"source": "greedy", "prompt_len": 4}, "source"),
+    ]:
         with pytest.raises(StaleFeatures, match=word) as info:
             FeatureCache(tmp_path / "f", spec_for(**change))
         assert "\n" not in str(info.value)
@@ -126,7 +136,9 @@ def test_greedy_source_caches_the_bases_own_continuations(tmp_path):
     assert torch.equal(tokens[:, :5], prompts)
     plain = plain_generate(Target(base), prompts.tolist(), max_new_tokens=12).tokens
     assert tokens[:, 5:].tolist() == plain
-    assert torch.equal(cache.data["top_ids"][:, 4:, 0].long(), tokens[:, 5:])  # greedy text: base's top-1 is the next token
+    assert torch.equal(
+        cache.data["top_ids"][:, 4:, 0].long(), tokens[:, 5:]
+    )  # greedy text: base's top-1 is the next token
 
 
 def test_sampling_is_a_function_of_seed_and_step(tmp_path):
@@ -137,14 +149,29 @@ def test_sampling_is_a_function_of_seed_and_step(tmp_path):
     assert a.hidden.shape == (5, 16, 32) and a.tokens.shape == (5, 17) and a.hidden.dtype == torch.float32
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"source": "web"}, "features.source='web'"), ({"dtype": "int8"}, "features.dtype='int8'"),
-    ({"top_k": 0}, "features.top_k=0"), ({"windows": 0}, "features.windows=0"), ({"use": "yes"}, "features.use"),
-    ({"prompt_len": -1}, "features.prompt_len=-1"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"source": "web"}, "features.source='web'"),
+        ({"dtype": "int8"}, "features.dtype='int8'"),
+        ({"top_k": 0}, "features.top_k=0"),
+        ({"windows": 0}, "features.windows=0"),
+        ({"use": "yes"}, "features.use"),
+        ({"prompt_len": -1}, "features.prompt_len=-1"),
+    ],
+)
 def test_bad_feature_settings_are_one_line_errors(change, match):
-    config = {"use": True, "dir": None, "root": "x", "windows": None, "source": "corpus", "prompt_len": 4, "top_k": 8,
-              "dtype": "float16", "seed": 0}
+    config = {
+        "use": True,
+        "dir": None,
+        "root": "x",
+        "windows": None,
+        "source": "corpus",
+        "prompt_len": 4,
+        "top_k": 8,
+        "dtype": "float16",
+        "seed": 0,
+    }
     with pytest.raises(ValueError, match=match) as info:
         check_features_config({**config, **change})
     assert "\n" not in str(info.value)
@@ -200,7 +227,9 @@ def test_draft_model_learns_the_base_and_only_itself():
     base = make_base(depth=2)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(1, V, (8, 4), generator=g).tolist()
-    text = torch.tensor([p + c for p, c in zip(prompts, plain_generate(Target(base), prompts, max_new_tokens=28).tokens)])
+    text = torch.tensor(
+        [p + c for p, c in zip(prompts, plain_generate(Target(base), prompts, max_new_tokens=28).tokens)]
+    )
     batch = teacher_batch(base, text, top_k=V)
     torch.manual_seed(0)
     draft = draft_family.build(base, dim=32, depth=1, heads=2)

@@ -14,13 +14,23 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from experiments import generate as gen
-from experiments.lib.methods import DRAFTER_KINDS, METHODS
-from experiments.lib.checkpoint import load_lm
 from experiments.lib.base_trainer import train
+from experiments.lib.checkpoint import load_lm
+from experiments.lib.methods import DRAFTER_KINDS, METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST_BASE = ["base.dim=32", "base.depth=1", "data.max_files=30", "data.vocab_size=512", "logger=none",
-             "batch_size=8", "seq_len=64", "optim.warmup_steps=2", "eval_blocks=8", "max_steps=10"]
+FAST_BASE = [
+    "base.dim=32",
+    "base.depth=1",
+    "data.max_files=30",
+    "data.vocab_size=512",
+    "logger=none",
+    "batch_size=8",
+    "seq_len=64",
+    "optim.warmup_steps=2",
+    "eval_blocks=8",
+    "max_steps=10",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -35,8 +45,7 @@ def one_thread():
 def base_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
     tmp, threads = tmp_path_factory.mktemp("generate"), torch.get_num_threads()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train_base", overrides=[*FAST_BASE, f"out_dir={tmp / 'base'}",
-                                               f"data.cache_dir={tmp / 'data'}"])
+        cfg = compose("train_base", overrides=[*FAST_BASE, f"out_dir={tmp / 'base'}", f"data.cache_dir={tmp / 'data'}"])
     torch.set_num_threads(1)  # module fixtures start before the function-scoped one_thread
     try:
         return train(cfg)["checkpoint"]
@@ -46,8 +55,13 @@ def base_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def make_cfg(base_ckpt: str, *overrides: str) -> DictConfig:
     # artifacts.root in the test's tree: a missing checkpoint must never train into the repository
-    fixed = [f"base_checkpoint={base_ckpt}", f"artifacts.root={Path(base_ckpt).parent}", "device=cpu",
-             "max_new_tokens=24", "warmup_tokens=2"]
+    fixed = [
+        f"base_checkpoint={base_ckpt}",
+        f"artifacts.root={Path(base_ckpt).parent}",
+        "device=cpu",
+        "max_new_tokens=24",
+        "warmup_tokens=2",
+    ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose("generate", overrides=[*fixed, *overrides])
 
@@ -71,15 +85,26 @@ def test_prompt_lookup_one_shot(base_ckpt: str, capsys: pytest.CaptureFixture) -
     assert st["tau"] >= 1 and 0 <= st["alpha"] <= 1 and st["speedup"] > 0
     assert sum(not m for m in result["accepted_mask"]) == st["speculative_forwards"]  # one own token per forward
     out = capsys.readouterr().out
-    for fragment in ("plain", "speculative: prompt_lookup", "tau", "alpha", "tokens/s", "speedup",
-                     "drafter / target / other", "acceptance by position", "identical", "def fib(n):"):
+    for fragment in (
+        "plain",
+        "speculative: prompt_lookup",
+        "tau",
+        "alpha",
+        "tokens/s",
+        "speedup",
+        "drafter / target / other",
+        "acceptance by position",
+        "identical",
+        "def fib(n):",
+    ):
         assert fragment in out, fragment
 
 
 def test_draft_model_on_itself_accepts_every_draft(base_ckpt: str) -> None:
     console = Console(record=True, force_terminal=True, width=160)
-    cfg = make_cfg(base_ckpt, "method=draft_model", f"checkpoints.draft={base_ckpt}", "stop_at_eos=false",
-                   "decode.gamma=4")
+    cfg = make_cfg(
+        base_ckpt, "method=draft_model", f"checkpoints.draft={base_ckpt}", "stop_at_eos=false", "decode.gamma=4"
+    )
     result = gen.generate(cfg, console=console)
     assert result["plain_ids"] == result["speculative_ids"] and result["stats"]["alpha"] == 1.0
     expected = [False]  # the prefill's token, then per step: gamma accepted drafts and the bonus token
@@ -123,7 +148,9 @@ def fail_to_load(cfg, checked):
 
 
 @pytest.mark.parametrize("stdin", [io.StringIO(""), io.StringIO("\n"), None], ids=["eof", "empty_line", "closed"])
-def test_interactive_with_nothing_on_stdin_ends_before_loading(stdin, base_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interactive_with_nothing_on_stdin_ends_before_loading(
+    stdin, base_ckpt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(sys, "stdin", stdin)
     monkeypatch.setattr(gen, "load_session", fail_to_load)  # nothing to generate: nothing loads or trains
     console = Console(record=True, width=120)
@@ -135,13 +162,16 @@ def test_interactive_line_that_is_not_utf8_is_one_error(base_ckpt: str, monkeypa
     stdin = io.TextIOWrapper(io.BytesIO(b"import os\n\xff\xfe\nclass A:\n"), encoding="utf-8")  # as sys.stdin on a pipe
     monkeypatch.setattr(sys, "stdin", stdin)
     console = Console(record=True, width=200)
-    out = gen.generate(make_cfg(base_ckpt, "method=prompt_lookup", "interactive=true", "max_new_tokens=4"), console=console)
+    out = gen.generate(
+        make_cfg(base_ckpt, "method=prompt_lookup", "interactive=true", "max_new_tokens=4"), console=console
+    )
     assert [r["prompt"] for r in out["results"]] == ["import os", "class A:"]
     assert "error: stdin line 2 is not UTF-8 text (invalid start byte at byte 0): skipped" in console.export_text()
 
 
 def test_ctrl_c_in_interactive_mode_is_not_swallowed(base_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """KeyboardInterrupt reaches the CLI's decorator (one line, exit 130) from reading and from decoding."""
+
     class Interrupted(io.StringIO):
         def readline(self, *args):
             raise KeyboardInterrupt
@@ -178,17 +208,21 @@ def test_accepted_mask_checks_the_record() -> None:
         gen.accepted_mask([4, 5, 9], steps)
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("prompt=", "prompt='': give a non-empty text"),
-    ('prompt="   "', "give a non-empty text"),
-    ("method=magic", "method='magic': must be one of draft_model, prompt_lookup"),
-    ("temperature=-1", "temperature=-1: must be a finite number >= 0"),
-    ("max_new_tokens=0", "max_new_tokens=0: must be an integer >= 1"),
-    ("interactive=maybe", "interactive='maybe': must be true or false"),
-    ("decode.rule=greedy,temperature=1", "greedy acceptance needs temperature 0"),
-])
-def test_bad_input_fails_in_one_line_before_loading(override: str, fragment: str,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("prompt=", "prompt='': give a non-empty text"),
+        ('prompt="   "', "give a non-empty text"),
+        ("method=magic", "method='magic': must be one of draft_model, prompt_lookup"),
+        ("temperature=-1", "temperature=-1: must be a finite number >= 0"),
+        ("max_new_tokens=0", "max_new_tokens=0: must be an integer >= 1"),
+        ("interactive=maybe", "interactive='maybe': must be true or false"),
+        ("decode.rule=greedy,temperature=1", "greedy acceptance needs temperature 0"),
+    ],
+)
+def test_bad_input_fails_in_one_line_before_loading(
+    override: str, fragment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def no_load(*args, **kwargs):
         raise AssertionError("a checkpoint was loaded before the config was checked")
 
@@ -202,7 +236,10 @@ def test_bad_input_fails_in_one_line_before_loading(override: str, fragment: str
 def test_entry_point(tmp_path: Path, base_ckpt: str) -> None:
     run = lambda *args: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "experiments.generate", f"hydra.run.dir={tmp_path}", "threads=1", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     bad = run("method=magic")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: method='magic': must be one of")
@@ -213,7 +250,20 @@ def test_entry_point(tmp_path: Path, base_ckpt: str) -> None:
 
 @pytest.mark.slow
 def test_entry_point_with_stdin_closed(tmp_path: Path, base_ckpt: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "experiments.generate", f"hydra.run.dir={tmp_path}", f"base_checkpoint={base_ckpt}",
-                           "method=prompt_lookup", "interactive=true"],
-                          cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.generate",
+            f"hydra.run.dir={tmp_path}",
+            f"base_checkpoint={base_ckpt}",
+            "method=prompt_lookup",
+            "interactive=true",
+        ],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "no prompt on standard input" in proc.stdout, proc.stderr

@@ -16,8 +16,9 @@ def ruff(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("args", [("check", "--no-cache", "."), ("format", "--check", "--no-cache", ".")],
-                         ids=["check", "format"])
+@pytest.mark.parametrize(
+    "args", [("check", "--no-cache", "."), ("format", "--check", "--no-cache", ".")], ids=["check", "format"]
+)
 def test_ruff_passes(args: tuple[str, ...]) -> None:
     done = ruff(*args)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -16,7 +16,12 @@ from tokenizers import Tokenizer, models
 
 from experiments.lib import checkpoint as ckpt_mod
 from experiments.lib.checkpoint import (
-    CheckpointError, checkpoint_exists, fingerprint, load_checkpoint, load_lm, save_checkpoint,
+    CheckpointError,
+    checkpoint_exists,
+    fingerprint,
+    load_checkpoint,
+    load_lm,
+    save_checkpoint,
 )
 from experiments.lib.cli import exit_on_user_error
 from experiments.lib.lm import build_lm, count_parameters
@@ -61,8 +66,9 @@ def assert_one_line_error(excinfo: pytest.ExceptionInfo, *fragments: str) -> Non
 # ------------------------------------------------------------------------------------------------ lm
 
 
-@pytest.mark.parametrize("name, low, high", [("tiny", 2.7e6, 3.1e6), ("small", 10.0e6, 11.0e6),
-                                             ("draft", 1.5e6, 2.6e6)])
+@pytest.mark.parametrize(
+    "name, low, high", [("tiny", 2.7e6, 3.1e6), ("small", 10.0e6, 11.0e6), ("draft", 1.5e6, 2.6e6)]
+)
 def test_preset_sizes(name: str, low: float, high: float) -> None:
     n = count_parameters(build_lm(**preset(name)))
     assert low <= n <= high, f"{name}: {n} parameters"
@@ -80,15 +86,18 @@ def test_forward_shape_and_rotary_only() -> None:
     assert not any("pos_emb.emb" in name for name in model.state_dict())  # no absolute position table
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ({"dim": 0}, "dim must be a positive integer, got 0"),
-    ({"depth": -1}, "depth must be a positive integer, got -1"),
-    ({"heads": 2.5}, "heads must be a positive integer, got 2.5"),
-    ({"num_tokens": True}, "num_tokens must be a positive integer, got True"),
-    ({"max_seq_len": "256"}, "max_seq_len must be a positive integer, got '256'"),
-    ({"heads": 3}, "dim (32) must be divisible by heads (3)"),
-    ({"attn_dim_head": 0}, "attn_dim_head must be a positive integer, got 0"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ({"dim": 0}, "dim must be a positive integer, got 0"),
+        ({"depth": -1}, "depth must be a positive integer, got -1"),
+        ({"heads": 2.5}, "heads must be a positive integer, got 2.5"),
+        ({"num_tokens": True}, "num_tokens must be a positive integer, got True"),
+        ({"max_seq_len": "256"}, "max_seq_len must be a positive integer, got '256'"),
+        ({"heads": 3}, "dim (32) must be divisible by heads (3)"),
+        ({"attn_dim_head": 0}, "attn_dim_head must be a positive integer, got 0"),
+    ],
+)
 def test_bad_sizes_rejected(override: dict, fragment: str) -> None:
     with pytest.raises(ValueError) as excinfo:
         build_lm(**{**SMALL, **override})
@@ -333,13 +342,17 @@ def test_cli_bug_keeps_traceback() -> None:
 
 def test_the_project_imports_and_refuses_llama_without_transformers():
     """transformers is the optional `hf` extra: without it every module imports, and arch=llama says what to install."""
-    code = ("import sys; sys.modules['transformers'] = None\n"
-            "import prophet.model, medusa.drafter, verify.hf, verify.early_exit, verify.speculative\n"
-            "import experiments.benchmark, experiments.generate, experiments.train_drafter, experiments.peer\n"
-            "from experiments.lib.lm import build_lm\n"
-            "try:\n    build_lm(arch='llama', num_tokens=10, dim=8, depth=1, heads=2, max_seq_len=8)\n"
-            "except ValueError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import prophet.model, medusa.drafter, verify.hf, verify.early_exit, verify.speculative\n"
+        "import experiments.benchmark, experiments.generate, experiments.train_drafter, experiments.peer\n"
+        "from experiments.lib.lm import build_lm\n"
+        "try:\n    build_lm(arch='llama', num_tokens=10, dim=8, depth=1, heads=2, max_seq_len=8)\n"
+        "except ValueError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "arch=llama needs transformers: pip install -e '.[hf]'"
 
@@ -359,27 +372,41 @@ def no_weights_read(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_load_lm_refuses_a_drafter_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    directory = save(tmp_path / "medusa", make_model(), tokenizer_json=None, model_config={"package": "medusa", "module": {}},
-                     extra={"kind": "drafter", "base_fingerprint": "0" * 16})
+    directory = save(
+        tmp_path / "medusa",
+        make_model(),
+        tokenizer_json=None,
+        model_config={"package": "medusa", "module": {}},
+        extra={"kind": "drafter", "base_fingerprint": "0" * 16},
+    )
     no_weights_read(monkeypatch)
     with pytest.raises(CheckpointError) as excinfo:
         load_lm(directory)
-    assert_one_line_error(excinfo, f"{directory} is a drafter checkpoint (kind=drafter); base_checkpoint takes a base LM "
-                                   "checkpoint (experiments.train_base)")
+    assert_one_line_error(
+        excinfo,
+        f"{directory} is a drafter checkpoint (kind=drafter); base_checkpoint takes a base LM "
+        "checkpoint (experiments.train_base)",
+    )
     with pytest.raises(CheckpointError) as excinfo:
         load_lm(directory, role="checkpoints.assistant")
     assert_one_line_error(excinfo, "checkpoints.assistant takes a base LM checkpoint")
 
 
-@pytest.mark.parametrize("tokens, eos_id, fragment", [
-    (100, 0, "its tokenizer has 100 tokens, more than the model's 64 (num_tokens)"),
-    (10, 10, "its EOS id 10 is not a token of its 10-token tokenizer"),
-    (10, -1, "its EOS id -1"),
-    (10, "0", "its EOS id '0'"),
-])
-def test_load_lm_refuses_a_tokenizer_that_does_not_fit_the_weights(tokens: int, eos_id, fragment: str, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    directory = save(tmp_path / "ckpt", make_model(), tokenizer_json=word_tokenizer(tokens), extra={"data": {"eos_id": eos_id}})
+@pytest.mark.parametrize(
+    "tokens, eos_id, fragment",
+    [
+        (100, 0, "its tokenizer has 100 tokens, more than the model's 64 (num_tokens)"),
+        (10, 10, "its EOS id 10 is not a token of its 10-token tokenizer"),
+        (10, -1, "its EOS id -1"),
+        (10, "0", "its EOS id '0'"),
+    ],
+)
+def test_load_lm_refuses_a_tokenizer_that_does_not_fit_the_weights(
+    tokens: int, eos_id, fragment: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = save(
+        tmp_path / "ckpt", make_model(), tokenizer_json=word_tokenizer(tokens), extra={"data": {"eos_id": eos_id}}
+    )
     no_weights_read(monkeypatch)
     with pytest.raises(CheckpointError) as excinfo:
         load_lm(directory)
@@ -392,11 +419,14 @@ def test_load_lm_accepts_a_tokenizer_that_fits(tmp_path: Path) -> None:
     assert tokenizer.get_vocab_size() == model.num_tokens == 64 and meta["data"]["eos_id"] == 63
 
 
-@pytest.mark.parametrize("tokenizer, model_config, fragment", [
-    ('{"not a tokenizer"', SMALL, "its tokenizer does not load"),
-    (None, SMALL, "has no tokenizer: base_checkpoint takes a base LM checkpoint"),
-    (tokenizer_json(), {"package": "medusa", "module": {}}, "holds no model this loader builds"),
-])
+@pytest.mark.parametrize(
+    "tokenizer, model_config, fragment",
+    [
+        ('{"not a tokenizer"', SMALL, "its tokenizer does not load"),
+        (None, SMALL, "has no tokenizer: base_checkpoint takes a base LM checkpoint"),
+        (tokenizer_json(), {"package": "medusa", "module": {}}, "holds no model this loader builds"),
+    ],
+)
 def test_load_lm_refuses_what_is_not_a_base_lm(tokenizer, model_config: dict, fragment: str, tmp_path: Path) -> None:
     directory = save(tmp_path / "ckpt", make_model(), tokenizer_json=tokenizer, model_config=model_config)
     with pytest.raises(CheckpointError) as excinfo:
@@ -404,7 +434,9 @@ def test_load_lm_refuses_what_is_not_a_base_lm(tokenizer, model_config: dict, fr
     assert_one_line_error(excinfo, fragment)
 
 
-def test_read_meta_reads_no_weights_and_says_what_a_directory_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_read_meta_reads_no_weights_and_says_what_a_directory_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     directory = save(tmp_path / "run" / "checkpoint", make_model())
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
@@ -413,10 +445,12 @@ def test_read_meta_reads_no_weights_and_says_what_a_directory_is(tmp_path: Path,
     truncated.write_bytes(truncated.read_bytes()[:-8])
     no_weights_read(monkeypatch)
     assert ckpt_mod.read_meta(directory)["step"] == 7
-    for path, fragment in ((tmp_path / "run", f"is a run directory, not a checkpoint: give {directory}"),
-                           (tmp_path / "hf", "is a Hugging Face model directory, not a checkpoint of this project"),
-                           (tmp_path / "empty", "is not a checkpoint directory (no meta.json, no model.safetensors)"),
-                           (truncated.parent, f"corrupted or truncated {truncated}")):
+    for path, fragment in (
+        (tmp_path / "run", f"is a run directory, not a checkpoint: give {directory}"),
+        (tmp_path / "hf", "is a Hugging Face model directory, not a checkpoint of this project"),
+        (tmp_path / "empty", "is not a checkpoint directory (no meta.json, no model.safetensors)"),
+        (truncated.parent, f"corrupted or truncated {truncated}"),
+    ):
         with pytest.raises(CheckpointError) as excinfo:
             ckpt_mod.read_meta(path)
         assert_one_line_error(excinfo, fragment)

@@ -100,4 +100,6 @@ def test_speculative_sampling_reproduces_the_target_distribution(case):
 def test_negative_control_delta_is_detected():
     make, sampling = CASES["draft_model_t1"]
     (stat, critical), _ = run(make(), sampling, delta=0.5)
-    assert stat > critical, f"the biased rule (delta=0.5) passed: chi2 {stat:.1f} < {critical:.1f}; the test has no power"
+    assert stat > critical, (
+        f"the biased rule (delta=0.5) passed: chi2 {stat:.1f} < {critical:.1f}; the test has no power"
+    )

@@ -13,7 +13,8 @@ from medusa import train
 from medusa.drafter import MedusaDrafter, make_drafter
 from medusa.heads import MedusaHeads, ResBlock
 from medusa.trees import default_tree, node_table, tree_from_accuracies
-from tests.test_lossless import run as run_lossless, sharp_lm
+from tests.test_lossless import run as run_lossless
+from tests.test_lossless import sharp_lm
 from verify.plain import plain_generate
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate
@@ -89,7 +90,9 @@ def test_fresh_heads_predict_exactly_the_base_projection(share):
     for k in range(3):
         assert torch.equal(out[:, :, k], base.to_logits(hidden))  # zero blocks are the identity, projections copies
     vocab = torch.tensor([2, 5, 40, 96])
-    assert torch.allclose(heads(hidden[0, 3], vocab), heads(hidden[0, 3])[:, vocab], atol=1e-6)  # (K, N): the subset columns
+    assert torch.allclose(
+        heads(hidden[0, 3], vocab), heads(hidden[0, 3])[:, vocab], atol=1e-6
+    )  # (K, N): the subset columns
 
 
 def test_only_head_parameters_get_gradients():
@@ -173,7 +176,9 @@ def test_argmax_target_is_the_base_top1_and_true_target_the_corpus_token():
     pred = heads(batch.hidden[:, :-1])[:, :, 0].log_softmax(-1)  # head 1 at t, for token t + 2
     argmax = -pred.gather(-1, batch.top_ids[:, 1:, :1]).mean()
     true = -pred.gather(-1, batch.tokens[:, 2:, None]).mean()
-    assert abs(train.loss(heads, base, batch, target="argmax", positions=None, weight=1)[0].item() - argmax.item()) < 1e-4
+    assert (
+        abs(train.loss(heads, base, batch, target="argmax", positions=None, weight=1)[0].item() - argmax.item()) < 1e-4
+    )
     assert abs(train.loss(heads, base, batch, target="true", positions=None, weight=1)[0].item() - true.item()) < 1e-4
 
 
@@ -217,10 +222,16 @@ def test_evaluate_keys_and_ranges():
 def test_default_and_measured_trees():
     tree = default_tree(4, 16)
     assert len(tree) == 16 and tree[0] == (0,) and max(map(len, tree)) <= 4 and sort_paths(tree) == tree
-    metrics = {f"head{k}_rank{r}": v for k, row in enumerate([[0.6, 0.35], [0.5, 0.1], [0.2]], 1) for r, v in enumerate(row)}
+    metrics = {
+        f"head{k}_rank{r}": v for k, row in enumerate([[0.6, 0.35], [0.5, 0.1], [0.2]], 1) for r, v in enumerate(row)
+    }
     assert tree_from_accuracies(metrics, 3, 4) == [(0,), (1,), (0, 0), (1, 0)]  # 0.6, 0.35, 0.3, 0.175
     parents, head, rank = node_table(SMALL_TREE, 2)
-    assert parents.tolist() == [-1, -1, -1, 0, 0, 1] and head.tolist() == [0, 0, 0, 1, 1, 1] and rank.tolist() == [0, 1, 2, 0, 1, 0]
+    assert (
+        parents.tolist() == [-1, -1, -1, 0, 0, 1]
+        and head.tolist() == [0, 0, 0, 1, 1, 1]
+        and rank.tolist() == [0, 1, 2, 0, 1, 0]
+    )
 
 
 def fake_prefill(b=2, seed=0):
@@ -252,7 +263,9 @@ def plain(base, prompts, n):
 
 
 def spec(base, drafter, prompts, n, gamma, **kwargs):
-    return speculative_generate(Target(base), drafter, prompts, max_new_tokens=n, spec=SpecConfig(gamma=gamma), **kwargs)
+    return speculative_generate(
+        Target(base), drafter, prompts, max_new_tokens=n, spec=SpecConfig(gamma=gamma), **kwargs
+    )
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
@@ -335,7 +348,10 @@ def test_medusa_sampling_reproduces_the_target_distribution(mode):
         (lambda b, h: MedusaHeads.from_base(b, num_heads=0, num_layers=1), "num_heads=0"),
         (lambda b, h: MedusaHeads.from_base(b, num_heads=2, num_layers=True), "num_layers=True"),
         (lambda b, h: MedusaHeads.from_base(b, num_heads="4", num_layers=1), "num_heads='4'"),
-        (lambda b, h: MedusaHeads.from_base(b, num_heads=2, num_layers=1, share_base_projection="no"), "share_base_projection='no'"),
+        (
+            lambda b, h: MedusaHeads.from_base(b, num_heads=2, num_layers=1, share_base_projection="no"),
+            "share_base_projection='no'",
+        ),
         (lambda b, h: MedusaHeads(projection=b.token_emb.emb, num_heads=2, num_layers=1), "projection is a Embedding"),
         (lambda b, h: MedusaDrafter(h, mode="beam"), "mode='beam'"),
         (lambda b, h: MedusaDrafter(h, tree_nodes=0), "tree_nodes=0"),
@@ -348,7 +364,10 @@ def test_medusa_sampling_reproduces_the_target_distribution(mode):
         (lambda b, h: train.loss(h, b, random_batch(b), target="yes"), "target='yes'"),
         (lambda b, h: train.loss(h, b, random_batch(b), positions=0), "positions=0"),
         (lambda b, h: train.loss(h, b, random_batch(b, t=2)), "T=2"),
-        (lambda b, h: train.evaluate(h, b, replace(random_batch(b), tokens=torch.zeros(3, 5, dtype=torch.long))), r"tokens \(3, 5\)"),
+        (
+            lambda b, h: train.evaluate(h, b, replace(random_batch(b), tokens=torch.zeros(3, 5, dtype=torch.long))),
+            r"tokens \(3, 5\)",
+        ),
         (lambda b, h: tree_from_accuracies({"head1_rank0": 0.5}, 2, 4), "no head2_rank0"),
         (lambda b, h: default_tree(2, 0), "tree_nodes=0"),
     ],
@@ -372,11 +391,20 @@ def test_grow_tree_command_reads_measured_accuracies(tmp_path):
     base = build_lm(num_tokens=64, dim=16, depth=1, heads=2, max_seq_len=32)
     heads = MedusaHeads.from_base(base, num_heads=2, num_layers=1)
     metrics = {f"head{k}_rank{r}": (0.6 if k == 1 else 0.3) * 0.5**r for k in (1, 2) for r in range(10)}
-    save_checkpoint(tmp_path / "ckpt", model=heads, tokenizer_json=None, step=1,
-                    model_config={"package": "medusa", "module": {"num_heads": 2, "num_layers": 1}},
-                    extra={"kind": "drafter", "metrics": metrics, "base_fingerprint": "x"})
-    out = subprocess.run([sys.executable, "-m", "experiments.grow_tree", f"checkpoint={tmp_path / 'ckpt'}", "tree_nodes=4"],
-                         capture_output=True, text=True, check=True)
+    save_checkpoint(
+        tmp_path / "ckpt",
+        model=heads,
+        tokenizer_json=None,
+        step=1,
+        model_config={"package": "medusa", "module": {"num_heads": 2, "num_layers": 1}},
+        extra={"kind": "drafter", "metrics": metrics, "base_fingerprint": "x"},
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.grow_tree", f"checkpoint={tmp_path / 'ckpt'}", "tree_nodes=4"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     tree = [tuple(p) for p in json.loads(out.stdout.strip().splitlines()[-1])]
     # node values: (0,) 0.6, (1,) 0.3, (0, 0) 0.6 * 0.3, (2,) 0.15, then (0, 1) and (1, 0) at 0.09
     assert tree == sort_paths([(0,), (1,), (2,), (0, 0)]) == [(0,), (1,), (2,), (0, 0)]

@@ -109,7 +109,9 @@ def test_plain_names_the_step_and_the_row():
     clean = plain_generate(Target(make_lm()), PROMPTS, max_new_tokens=NEW).tokens
     x, j = a_poison(clean)
     # emitted token j is sampled at step j and fed at step j + 1; row 0 decodes on, clean
-    with pytest.raises(NonFiniteError, match=rf"^non-finite target logits at decode step {j + 1} \(0 = the prefill\), row 1 \(NaN\): "):
+    with pytest.raises(
+        NonFiniteError, match=rf"^non-finite target logits at decode step {j + 1} \(0 = the prefill\), row 1 \(NaN\): "
+    ):
         plain_generate(Target(poisoned(x)), PROMPTS, max_new_tokens=NEW)
 
 
@@ -147,7 +149,9 @@ def test_speculative_names_the_step_and_the_row(make):
     # 0 and 0 * NaN is NaN, so a rejected NaN-making draft token would break its row from that step on.
     assert all(x not in d[1] for d in spy.drafts[: step - 1])
     lm = poisoned(x)
-    with pytest.raises(NonFiniteError, match=rf"^non-finite target logits at decode step {step} \(0 = the prefill\), row 1 \(NaN\)"):
+    with pytest.raises(
+        NonFiniteError, match=rf"^non-finite target logits at decode step {step} \(0 = the prefill\), row 1 \(NaN\)"
+    ):
         speculative_generate(Target(lm), make(lm), PROMPTS, max_new_tokens=NEW, spec=SpecConfig(gamma=3))
 
 
@@ -179,10 +183,18 @@ def test_only_the_q_a_rule_compared_is_checked():
     x = next(t for t in range(97) if t not in sum(greedy, []))
     sampling = SamplingConfig(temperature=1.0, top_k=1)
     run = lambda drafter: speculative_generate(  # noqa: E731
-        Target(make_lm()), drafter, PROMPTS, max_new_tokens=NEW, spec=SpecConfig(gamma=2), sampling=sampling,
-        generator=torch.Generator().manual_seed(0))
+        Target(make_lm()),
+        drafter,
+        PROMPTS,
+        max_new_tokens=NEW,
+        spec=SpecConfig(gamma=2),
+        sampling=sampling,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert run(Hopeless(x, float("inf"), at=1)).tokens == greedy
-    with pytest.raises(NonFiniteError, match=r"non-finite drafter q at decode step 1 \(0 = the prefill\), row 0 \(inf\)"):
+    with pytest.raises(
+        NonFiniteError, match=r"non-finite drafter q at decode step 1 \(0 = the prefill\), row 0 \(inf\)"
+    ):
         run(Hopeless(x, float("inf"), at=0))
 
 
@@ -190,7 +202,14 @@ class PoisonQ:
     """Wraps a sampling drafter: at step `at`, one entry of row `row`'s q at draft node 0 becomes `value`."""
 
     def __init__(self, inner, *, at, row, value):
-        self.inner, self.vocab_size, self.at, self.row, self.value, self.steps = inner, inner.vocab_size, at, row, value, 0
+        self.inner, self.vocab_size, self.at, self.row, self.value, self.steps = (
+            inner,
+            inner.vocab_size,
+            at,
+            row,
+            value,
+            0,
+        )
 
     def begin(self, prompts, prefill, pending):
         self.inner.begin(prompts, prefill, pending)
@@ -210,9 +229,18 @@ class PoisonQ:
 @pytest.mark.parametrize("value, kind", [(float("inf"), "inf"), (float("nan"), "NaN")])
 def test_a_drafters_bad_q_names_the_step_and_the_row(value, kind):
     drafter = PoisonQ(DraftModelDrafter(make_lm(dim=16, depth=1, seed=1)), at=2, row=1, value=value)
-    with pytest.raises(NonFiniteError, match=rf"^non-finite drafter q at decode step 2 \(0 = the prefill\), row 1 \({kind}\): the drafter's"):
-        speculative_generate(Target(make_lm()), drafter, PROMPTS, max_new_tokens=NEW, sampling=SamplingConfig(temperature=1.0),
-                             generator=torch.Generator().manual_seed(0))
+    with pytest.raises(
+        NonFiniteError,
+        match=rf"^non-finite drafter q at decode step 2 \(0 = the prefill\), row 1 \({kind}\): the drafter's",
+    ):
+        speculative_generate(
+            Target(make_lm()),
+            drafter,
+            PROMPTS,
+            max_new_tokens=NEW,
+            sampling=SamplingConfig(temperature=1.0),
+            generator=torch.Generator().manual_seed(0),
+        )
 
 
 def test_nan_weights_fail_at_build_and_the_error_is_one_line():
@@ -281,6 +309,15 @@ def test_a_tree_drafters_bad_q_names_the_step_and_the_row():
                 draft.q[1, 0, 3] = float("inf")  # node 0 hangs from the root: its q is always compared
             return draft
 
-    with pytest.raises(NonFiniteError, match=r"^non-finite drafter q at decode step 2 \(0 = the prefill\), row 1 \(inf\)"):
-        speculative_generate(Target(sharp_lm(0)), PoisonTreeQ(True), [PROMPT] * 3, max_new_tokens=8, spec=SpecConfig(gamma=2),
-                             sampling=SamplingConfig(temperature=1.0), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(
+        NonFiniteError, match=r"^non-finite drafter q at decode step 2 \(0 = the prefill\), row 1 \(inf\)"
+    ):
+        speculative_generate(
+            Target(sharp_lm(0)),
+            PoisonTreeQ(True),
+            [PROMPT] * 3,
+            max_new_tokens=8,
+            spec=SpecConfig(gamma=2),
+            sampling=SamplingConfig(temperature=1.0),
+            generator=torch.Generator().manual_seed(0),
+        )

@@ -16,13 +16,16 @@ def fake_cpu(monkeypatch: pytest.MonkeyPatch, flags: set[str] | None) -> None:
     monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
 
 
-@pytest.mark.parametrize("flags, used, reason", [
-    (PLAIN_AVX512, "fp32", "CPU lacks amx_bf16 and avx512_bf16"),
-    (PLAIN_AVX512 | {"avx512_bf16"}, "bf16", "CPU has avx512_bf16"),
-    (PLAIN_AVX512 | {"amx_bf16", "amx_tile"}, "bf16", "CPU has amx_bf16"),
-    (PLAIN_AVX512 | {"amx_bf16", "avx512_bf16"}, "bf16", "CPU has amx_bf16 and avx512_bf16"),
-    (None, "fp32", "CPU flags unreadable"),
-])
+@pytest.mark.parametrize(
+    "flags, used, reason",
+    [
+        (PLAIN_AVX512, "fp32", "CPU lacks amx_bf16 and avx512_bf16"),
+        (PLAIN_AVX512 | {"avx512_bf16"}, "bf16", "CPU has avx512_bf16"),
+        (PLAIN_AVX512 | {"amx_bf16", "amx_tile"}, "bf16", "CPU has amx_bf16"),
+        (PLAIN_AVX512 | {"amx_bf16", "avx512_bf16"}, "bf16", "CPU has amx_bf16 and avx512_bf16"),
+        (None, "fp32", "CPU flags unreadable"),
+    ],
+)
 def test_auto_follows_the_cpu_flags(monkeypatch: pytest.MonkeyPatch, flags, used: str, reason: str) -> None:
     fake_cpu(monkeypatch, flags)
     resolved = resolve_precision("auto", CPU)

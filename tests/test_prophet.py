@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from einops import repeat
 from omegaconf import OmegaConf
 
+import prophet.drafter as drafter_module
 from experiments.lib.features import teacher_batch
 from experiments.lib.lm import build_lm
-import prophet.drafter as drafter_module
 from prophet import train
 from prophet.drafter import ProphetDrafter, _settled, make_drafter
 from prophet.model import Prophet, base_features
@@ -165,7 +165,11 @@ def chain_reference(base, prophet):
 
     def reference(ctx, gamma):
         x = torch.tensor([ctx])
-        feats, toks, out = true_features(base, prophet, x)[:, :-1], x[:, 1:], []  # the pending token's feature is not known yet
+        feats, toks, out = (
+            true_features(base, prophet, x)[:, :-1],
+            x[:, 1:],
+            [],
+        )  # the pending token's feature is not known yet
         for _ in range(gamma):
             f = seeded_forward(prophet, feats, toks)[:, -1:]
             d = prophet.logits(f).argmax(-1)
@@ -254,8 +258,10 @@ def run_spy(base, drafter, reference, gamma):
     return out, spy
 
 
-@pytest.mark.parametrize("mode, gamma, tree", [("chain", 2, None), ("chain", 4, None), ("tree", 2, TREE),
-                                               ("tree", 4, TREE), ("tree", 4, PRUNED)])
+@pytest.mark.parametrize(
+    "mode, gamma, tree",
+    [("chain", 2, None), ("chain", 4, None), ("tree", 2, TREE), ("tree", 4, TREE), ("tree", 4, PRUNED)],
+)
 def test_drafter_follows_the_accepted_context(trained, monkeypatch, mode, gamma, tree):
     base, prophet = trained
     settled = []
@@ -302,16 +308,18 @@ def test_greedy_equals_plain(trained, mode, gamma, rows):
     base, prophet = trained
     prompts = PROMPTS[-rows:]
     ref = plain_generate(Target(base), prompts, max_new_tokens=24).tokens
-    out = speculative_generate(Target(base), ProphetDrafter(prophet, mode=mode), prompts, max_new_tokens=24,
-                               spec=SpecConfig(gamma=gamma))
+    out = speculative_generate(
+        Target(base), ProphetDrafter(prophet, mode=mode), prompts, max_new_tokens=24, spec=SpecConfig(gamma=gamma)
+    )
     assert out.tokens == ref
 
 
 @pytest.mark.parametrize("mode, gamma, least", [("chain", 3, 1.2), ("tree", 4, 1.5)])
 def test_trained_prophet_is_accepted(trained, mode, gamma, least):
     base, prophet = trained
-    out = speculative_generate(Target(base), ProphetDrafter(prophet, mode=mode), PROMPTS, max_new_tokens=30,
-                               spec=SpecConfig(gamma=gamma))
+    out = speculative_generate(
+        Target(base), ProphetDrafter(prophet, mode=mode), PROMPTS, max_new_tokens=30, spec=SpecConfig(gamma=gamma)
+    )
     assert out.stats.tau > least, out.stats.tau
 
 
@@ -340,7 +348,9 @@ class TreeChecker:
 @pytest.mark.parametrize("top_k, depth, tree_nodes", [(4, 5, 16), (2, 4, 16), (3, 6, 10), (1, 3, 2)])
 def test_dynamic_trees_are_valid(trained, top_k, depth, tree_nodes):
     base, prophet = trained
-    checker = TreeChecker(ProphetDrafter(prophet, mode="tree", top_k=top_k, depth=depth, tree_nodes=tree_nodes), tree_nodes)
+    checker = TreeChecker(
+        ProphetDrafter(prophet, mode="tree", top_k=top_k, depth=depth, tree_nodes=tree_nodes), tree_nodes
+    )
     for gamma in (1, 3, 6):
         out = speculative_generate(Target(base), checker, PROMPTS, max_new_tokens=16, spec=SpecConfig(gamma=gamma))
         assert out.tokens == plain_generate(Target(base), PROMPTS, max_new_tokens=16).tokens
@@ -372,12 +382,13 @@ def test_config_drives_the_four_functions():
     data = batch(base, b=2, t=8)
     loss, metrics = train.loss(module, base, data, **cfg["loss"])
     steps = range(1, cfg["loss"]["unroll"] + 1)
-    assert torch.isfinite(loss) and set(metrics) == {f"step{j}_{m}" for j in steps for m in ("feature", "ce", "agree")} | {"loss"}
+    assert torch.isfinite(loss) and set(metrics) == {
+        f"step{j}_{m}" for j in steps for m in ("feature", "ce", "agree")
+    } | {"loss"}
     assert set(train.evaluate(module, base, data)) == {f"step{j}_agree" for j in range(1, 6)}
     drafter = make_drafter(module, base, **cfg["decode"])
     out = speculative_generate(Target(base), drafter, PROMPTS, max_new_tokens=8, spec=SpecConfig(gamma=5))
     assert out.tokens == plain_generate(Target(base), PROMPTS, max_new_tokens=8).tokens
-
 
 
 @pytest.mark.parametrize(
@@ -422,8 +433,10 @@ def test_layer_states_are_the_residual_stream_after_each_block():
     base = deep_base()
     tokens = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(0))
     seen = {}
-    hooks = [base.attn_layers.layers[2 * i][0][0].register_forward_pre_hook(lambda m, args, i=i: seen.setdefault(i, args[0]))
-             for i in (1, 2)]  # the norm before block i + 1's attention reads the stream after block i
+    hooks = [
+        base.attn_layers.layers[2 * i][0][0].register_forward_pre_hook(lambda m, args, i=i: seen.setdefault(i, args[0]))
+        for i in (1, 2)
+    ]  # the norm before block i + 1's attention reads the stream after block i
     try:
         hidden, logits, states = base_features(base, tokens, [2, 1])
     finally:
@@ -551,8 +564,9 @@ def test_fused_greedy_equals_plain(fused_trained, mode, gamma):
     base, prophet = fused_trained
     target = Target(base)
     ref = plain_generate(target, PROMPTS, max_new_tokens=24).tokens
-    out = speculative_generate(target, ProphetDrafter(prophet, mode=mode), PROMPTS, max_new_tokens=24,
-                               spec=SpecConfig(gamma=gamma))
+    out = speculative_generate(
+        target, ProphetDrafter(prophet, mode=mode), PROMPTS, max_new_tokens=24, spec=SpecConfig(gamma=gamma)
+    )
     assert out.tokens == ref and out.stats.alpha > 0
     assert target.layers == (1, 2)
     plain_generate(target, PROMPTS, max_new_tokens=2)  # the same target, reused: plain decoding asks for no layers
@@ -564,24 +578,32 @@ def test_a_wrapper_that_hides_target_layers_gets_a_one_line_error(fused_trained)
 
     class Wrapper:  # like a recording wrapper that forwards begin/propose/commit but not target_layers
         def __init__(self, inner):
-            self.vocab_size, self.begin, self.propose, self.commit = inner.vocab_size, inner.begin, inner.propose, inner.commit
+            self.vocab_size, self.begin, self.propose, self.commit = (
+                inner.vocab_size,
+                inner.begin,
+                inner.propose,
+                inner.commit,
+            )
 
     with pytest.raises(ValueError, match="returned no layer states") as err:
         speculative_generate(Target(base), Wrapper(ProphetDrafter(prophet)), PROMPTS, max_new_tokens=8)
     assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("fuse_layers, match", [
-    ([0], r"fuse_layers=\[0\]: 0 is not a block index in \[1, 2\]"),
-    ([3], r"fuse_layers=\[3\]: 3 is not a block index in \[1, 2\]"),  # 3 = depth: the final hidden state
-    ([-1], r"-1 is not a block index"),
-    ([1.5], r"1.5 is not a block index"),
-    ([True], r"True is not a block index"),
-    (["1"], r"'1' is not a block index"),
-    ([2, 2], r"fuse_layers=\[2, 2\]: each block at most once"),
-    ([], r"fuse_layers=\[\]: name at least one block"),
-    (2, r"fuse_layers=2: must be a list"),
-])
+@pytest.mark.parametrize(
+    "fuse_layers, match",
+    [
+        ([0], r"fuse_layers=\[0\]: 0 is not a block index in \[1, 2\]"),
+        ([3], r"fuse_layers=\[3\]: 3 is not a block index in \[1, 2\]"),  # 3 = depth: the final hidden state
+        ([-1], r"-1 is not a block index"),
+        ([1.5], r"1.5 is not a block index"),
+        ([True], r"True is not a block index"),
+        (["1"], r"'1' is not a block index"),
+        ([2, 2], r"fuse_layers=\[2, 2\]: each block at most once"),
+        ([], r"fuse_layers=\[\]: name at least one block"),
+        (2, r"fuse_layers=2: must be a list"),
+    ],
+)
 def test_bad_fuse_layers_raise_one_line_errors(fuse_layers, match):
     with pytest.raises(ValueError, match=match) as err:
         Prophet.from_base(deep_base(), dim=32, heads=2, fuse_layers=fuse_layers)
@@ -599,4 +621,6 @@ def test_missing_or_mismatched_layer_states_raise_one_line_errors():
     with pytest.raises(ValueError, match=r"layers=\[0\]: 0 is not a block index"):
         base_features(base, torch.tensor([[1, 2, 3]]), [0])
     with pytest.raises(ValueError, match="single block"):
-        Prophet.from_base(build_lm(num_tokens=V, dim=32, depth=1, heads=2, max_seq_len=32), dim=32, heads=2, fuse_layers=[1])
+        Prophet.from_base(
+            build_lm(num_tokens=V, dim=32, depth=1, heads=2, max_seq_len=32), dim=32, heads=2, fuse_layers=[1]
+        )

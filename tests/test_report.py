@@ -63,15 +63,23 @@ def test_prompts_and_outputs_must_pair_up() -> None:
 def test_curves_read_agreement_under_current_and_older_names(tmp_path):
     from experiments.curves import agreement, main
 
-    assert agreement({"head2_agree": 0.2, "head1_agree": 0.4, "head1_top1": 0.1}) == {"head1_agree": 0.4, "head2_agree": 0.2}
+    assert agreement({"head2_agree": 0.2, "head1_agree": 0.4, "head1_top1": 0.1}) == {
+        "head1_agree": 0.4,
+        "head2_agree": 0.2,
+    }
     assert agreement({"head1_rank0": 0.3, "head1_rank1": 0.1}) == {"head1_agree": 0.3}  # older Medusa runs
     assert agreement({"step1_top1": 0.5, "step10_top1": 0.2, "step2_top1": 0.4}) == {
-        "step1_agree": 0.5, "step2_agree": 0.4, "step10_agree": 0.2}  # position order, not string order
+        "step1_agree": 0.5,
+        "step2_agree": 0.4,
+        "step10_agree": 0.2,
+    }  # position order, not string order
     run = tmp_path / "prophet"
     run.mkdir()
-    rows = [{"kind": "train", "step": 1, "elapsed_s": 1.0, "loss": 2.0},
-            {"kind": "val", "step": 2, "elapsed_s": 60.0, "step1_agree": 0.3, "step2_agree": 0.2},
-            {"kind": "val", "step": 4, "elapsed_s": 120.0, "step1_agree": 0.5, "step2_agree": 0.4}]
+    rows = [
+        {"kind": "train", "step": 1, "elapsed_s": 1.0, "loss": 2.0},
+        {"kind": "val", "step": 2, "elapsed_s": 60.0, "step1_agree": 0.3, "step2_agree": 0.2},
+        {"kind": "val", "step": 4, "elapsed_s": 120.0, "step1_agree": 0.5, "step2_agree": 0.4},
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main([f"out={tmp_path / 'c.png'}", str(run)]) == 0 and (tmp_path / "c.png").stat().st_size > 0
     assert main([str(tmp_path / "missing")]) == 1

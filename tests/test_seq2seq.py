@@ -23,12 +23,23 @@ V, BOS = 40, 0
 SOURCES = [[5, 6, 7, 8, 9, 5, 6, 7], [3, 4], [10, 11, 12, 13, 10, 11]]  # ragged
 
 
-def make_encdec(*, dim: int = 32, depth: int = 2, seed: int = 0, num_tokens: int = V, scale: float = 1.0,
-                max_len: int = 32) -> XTransformer:
+def make_encdec(
+    *, dim: int = 32, depth: int = 2, seed: int = 0, num_tokens: int = V, scale: float = 1.0, max_len: int = 32
+) -> XTransformer:
     torch.manual_seed(seed)
-    model = XTransformer(dim=dim, enc_num_tokens=num_tokens, enc_depth=depth, enc_heads=2, enc_max_seq_len=16,
-                         enc_rotary_pos_emb=True, dec_num_tokens=num_tokens, dec_depth=depth, dec_heads=2,
-                         dec_max_seq_len=max_len, dec_rotary_pos_emb=True)
+    model = XTransformer(
+        dim=dim,
+        enc_num_tokens=num_tokens,
+        enc_depth=depth,
+        enc_heads=2,
+        enc_max_seq_len=16,
+        enc_rotary_pos_emb=True,
+        dec_num_tokens=num_tokens,
+        dec_depth=depth,
+        dec_heads=2,
+        dec_max_seq_len=max_len,
+        dec_rotary_pos_emb=True,
+    )
     with torch.no_grad():  # random small weights give near-uniform outputs: sharpen them
         model.decoder.net.to_logits.weight.mul_(scale)
     return model.eval()
@@ -73,12 +84,16 @@ def test_plain_greedy_equals_xtransformers_generate(model):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_speculative_equals_plain(model, drafter, gamma, batch):
     target, sources = Seq2SeqTarget(model, bos_id=BOS), SOURCES[:batch]
-    make = {"self": lambda: Seq2SeqDraftDrafter(model, bos_id=BOS),  # always accepted
-            "noisy": lambda: Seq2SeqDraftDrafter(noisy_copy(model, 0.1), bos_id=BOS),  # sometimes
-            "small": lambda: Seq2SeqDraftDrafter(make_encdec(dim=16, depth=1, seed=3), bos_id=BOS),
-            "lookup": lambda: PromptLookupDrafter(vocab_size=V)}
+    make = {
+        "self": lambda: Seq2SeqDraftDrafter(model, bos_id=BOS),  # always accepted
+        "noisy": lambda: Seq2SeqDraftDrafter(noisy_copy(model, 0.1), bos_id=BOS),  # sometimes
+        "small": lambda: Seq2SeqDraftDrafter(make_encdec(dim=16, depth=1, seed=3), bos_id=BOS),
+        "lookup": lambda: PromptLookupDrafter(vocab_size=V),
+    }
     plain = plain_generate(target, sources, max_new_tokens=20, eos_id=2)
-    spec = speculative_generate(target, make[drafter](), sources, max_new_tokens=20, eos_id=2, spec=SpecConfig(gamma=gamma))
+    spec = speculative_generate(
+        target, make[drafter](), sources, max_new_tokens=20, eos_id=2, spec=SpecConfig(gamma=gamma)
+    )
     assert spec.tokens == plain.tokens
     if drafter == "self":
         assert spec.stats.alpha == 1.0
@@ -87,8 +102,13 @@ def test_greedy_speculative_equals_plain(model, drafter, gamma, batch):
 def test_noisy_draft_rows_accept_different_lengths(model):
     """The ragged-acceptance case the exactness test above needs to have exercised."""
     target = Seq2SeqTarget(model, bos_id=BOS)
-    spec = speculative_generate(target, Seq2SeqDraftDrafter(noisy_copy(model, 0.1), bos_id=BOS), SOURCES,
-                                max_new_tokens=20, spec=SpecConfig(gamma=3))
+    spec = speculative_generate(
+        target,
+        Seq2SeqDraftDrafter(noisy_copy(model, 0.1), bos_id=BOS),
+        SOURCES,
+        max_new_tokens=20,
+        spec=SpecConfig(gamma=3),
+    )
     assert 0 < spec.stats.alpha < 1
     assert len(set(spec.stats.forwards.tolist())) > 1
 
@@ -149,20 +169,31 @@ def exact_joint(model: XTransformer, sampling: SamplingConfig) -> dict[tuple, fl
         encoded = model.encoder(torch.tensor([SOURCE] * len(prefixes)), return_embeddings=True)
         logits = model.decoder.net(torch.tensor([[BOS, *pre] for pre in prefixes]), context=encoded)
     p = probs_from_logits(logits, sampling)  # (prefixes, NEW, V)
-    return {pre + (last,): math.prod(float(p[row, i, t]) for i, t in enumerate(pre + (last,)))
-            for row, pre in enumerate(prefixes) for last in range(SMALL_V)}
+    return {
+        pre + (last,): math.prod(float(p[row, i, t]) for i, t in enumerate(pre + (last,)))
+        for row, pre in enumerate(prefixes)
+        for last in range(SMALL_V)
+    }
 
 
-@pytest.mark.parametrize("drafter, delta, lossless", [("draft", 0.0, True), ("lookup", 0.0, True), ("draft", 0.5, False)])
+@pytest.mark.parametrize(
+    "drafter, delta, lossless", [("draft", 0.0, True), ("lookup", 0.0, True), ("draft", 0.5, False)]
+)
 def test_sampling_reproduces_the_target_distribution(drafter, delta, lossless):
     # Short decoders and a small max_draft: 20,000 rows of cache stay a few MB.
     model = make_encdec(dim=16, depth=1, num_tokens=SMALL_V, scale=3.0, max_len=NEW + 2)
     draft = make_encdec(dim=16, depth=1, num_tokens=SMALL_V, seed=5, scale=3.0, max_len=NEW + 2)
     made = Seq2SeqDraftDrafter(draft, bos_id=BOS) if drafter == "draft" else PromptLookupDrafter(vocab_size=SMALL_V)
     sampling = SamplingConfig(temperature=1.0)
-    out = speculative_generate(Seq2SeqTarget(model, bos_id=BOS, max_draft=2), made, [SOURCE] * TRIALS, max_new_tokens=NEW + 1,
-                               spec=SpecConfig(gamma=2, delta=delta), sampling=sampling,
-                               generator=torch.Generator().manual_seed(0))
+    out = speculative_generate(
+        Seq2SeqTarget(model, bos_id=BOS, max_draft=2),
+        made,
+        [SOURCE] * TRIALS,
+        max_new_tokens=NEW + 1,
+        spec=SpecConfig(gamma=2, delta=delta),
+        sampling=sampling,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert 0 < out.stats.alpha < 1  # both acceptance and rejection were exercised
     stat, critical = chi_square([t[:NEW] for t in out.tokens], exact_joint(model, sampling))
     assert (stat < critical) == lossless, f"chi2 {stat:.1f} vs critical {critical:.1f} (delta {delta})"
@@ -171,37 +202,68 @@ def test_sampling_reproduces_the_target_distribution(drafter, delta, lossless):
 # ---------------------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("sources, max_new, match", [
-    ([[1, 2], []], 4, r"^source 1 is empty: every source needs at least one token$"),
-    ([[1, V]], 4, rf"^source 0 has token id {V}: ids must be in \[0, {V}\)$"),
-    ([list(range(17))], 4, r"^source 0 has 17 tokens: the encoder takes at most 16$"),
-    ([[1, 2]], 32, r"^max_new_tokens=32: the decoder takes at most max_seq_len - 1 = 31 new tokens after its start token$"),
-    ([], 4, r"^prompts=\[\]: need at least one source$"),
-])
+@pytest.mark.parametrize(
+    "sources, max_new, match",
+    [
+        ([[1, 2], []], 4, r"^source 1 is empty: every source needs at least one token$"),
+        ([[1, V]], 4, rf"^source 0 has token id {V}: ids must be in \[0, {V}\)$"),
+        ([list(range(17))], 4, r"^source 0 has 17 tokens: the encoder takes at most 16$"),
+        (
+            [[1, 2]],
+            32,
+            r"^max_new_tokens=32: the decoder takes at most max_seq_len - 1 = 31 new tokens after its start token$",
+        ),
+        ([], 4, r"^prompts=\[\]: need at least one source$"),
+    ],
+)
 def test_bad_sources_raise_one_line_errors(model, sources, max_new, match):
     with pytest.raises(ValueError, match=match):
         plain_generate(Seq2SeqTarget(model, bos_id=BOS), sources, max_new_tokens=max_new)
 
 
 def test_a_draft_encoder_shorter_than_the_source_is_a_one_line_error(model):
-    short = XTransformer(dim=16, enc_num_tokens=V, enc_depth=1, enc_heads=2, enc_max_seq_len=4, enc_rotary_pos_emb=True,
-                         dec_num_tokens=V, dec_depth=1, dec_heads=2, dec_max_seq_len=32, dec_rotary_pos_emb=True)
+    short = XTransformer(
+        dim=16,
+        enc_num_tokens=V,
+        enc_depth=1,
+        enc_heads=2,
+        enc_max_seq_len=4,
+        enc_rotary_pos_emb=True,
+        dec_num_tokens=V,
+        dec_depth=1,
+        dec_heads=2,
+        dec_max_seq_len=32,
+        dec_rotary_pos_emb=True,
+    )
     with pytest.raises(ValueError, match=r"^source 0 has 8 tokens: the encoder takes at most 4$"):
-        speculative_generate(Seq2SeqTarget(model, bos_id=BOS), Seq2SeqDraftDrafter(short, bos_id=BOS), SOURCES[:1], max_new_tokens=4)
+        speculative_generate(
+            Seq2SeqTarget(model, bos_id=BOS), Seq2SeqDraftDrafter(short, bos_id=BOS), SOURCES[:1], max_new_tokens=4
+        )
 
 
 def test_layers_and_bad_models_are_refused_in_one_line(model):
     target = Seq2SeqTarget(model, bos_id=BOS)
     target.use_layers(())
-    with pytest.raises(ValueError, match=r"^layers=\[1\]: an encoder-decoder target gives no layer states \(only \(\) is allowed\)$"):
+    with pytest.raises(
+        ValueError, match=r"^layers=\[1\]: an encoder-decoder target gives no layer states \(only \(\) is allowed\)$"
+    ):
         target.use_layers((1,))
     with pytest.raises(ValueError, match=rf"^bos_id={V}: must be a token id in \[0, {V}\)$"):
         Seq2SeqTarget(model, bos_id=V)
     encoder = TransformerWrapper(num_tokens=V, max_seq_len=16, attn_layers=Encoder(dim=16, depth=1, heads=2))
-    plain = TransformerWrapper(num_tokens=V, max_seq_len=16, use_abs_pos_emb=False, attn_layers=Decoder(dim=16, depth=1, heads=2, rotary_pos_emb=True))
-    with pytest.raises(UnsupportedModel, match=r"cross_attend=False: the lean engine implements only cross_attend=True"):
+    plain = TransformerWrapper(
+        num_tokens=V,
+        max_seq_len=16,
+        use_abs_pos_emb=False,
+        attn_layers=Decoder(dim=16, depth=1, heads=2, rotary_pos_emb=True),
+    )
+    with pytest.raises(
+        UnsupportedModel, match=r"cross_attend=False: the lean engine implements only cross_attend=True"
+    ):
         Seq2SeqTarget((encoder, plain), bos_id=BOS)
-    absolute = TransformerWrapper(num_tokens=V, max_seq_len=16, attn_layers=Decoder(dim=16, depth=1, heads=2, cross_attend=True))
+    absolute = TransformerWrapper(
+        num_tokens=V, max_seq_len=16, attn_layers=Decoder(dim=16, depth=1, heads=2, cross_attend=True)
+    )
     with pytest.raises(UnsupportedModel, match=r"absolute position embedding"):
         Seq2SeqTarget((encoder, absolute), bos_id=BOS)
 
@@ -210,8 +272,11 @@ def test_layers_and_bad_models_are_refused_in_one_line(model):
 
 
 def test_function_docstrings_removes_the_docstring_and_keeps_the_summary():
-    text = 'class A:\n    def f(self, x):\n        """Add one.\n\n        Longer text.\n        """\n        return x + 1\n\n' \
-           'def g():\n    """Only a docstring."""\n\ndef h(): "same line"; return 1\n'
+    text = (
+        'class A:\n    def f(self, x):\n        """Add one.\n\n        Longer text.\n        """\n'
+        "        return x + 1\n\n"
+        'def g():\n    """Only a docstring."""\n\ndef h(): "same line"; return 1\n'
+    )
     assert function_docstrings(text) == [("f", "def f(self, x):\n    return x + 1\n", "Add one.")]
     assert function_docstrings("def broken(:\n") == []
 
@@ -224,10 +289,21 @@ def make_t5(*, d_model: int = 32, layers: int = 2, seed: int = 0, std: float = 0
     of std 0.5 give outputs that vary with the source."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    config = transformers.T5Config(vocab_size=V, d_model=d_model, d_kv=16, d_ff=2 * d_model, num_layers=layers,
-                                   num_decoder_layers=layers, num_heads=2, relative_attention_num_buckets=8,
-                                   relative_attention_max_distance=16, dropout_rate=0.0, decoder_start_token_id=0,
-                                   pad_token_id=0, eos_token_id=1)
+    config = transformers.T5Config(
+        vocab_size=V,
+        d_model=d_model,
+        d_kv=16,
+        d_ff=2 * d_model,
+        num_layers=layers,
+        num_decoder_layers=layers,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     model = transformers.T5ForConditionalGeneration(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -259,11 +335,16 @@ def test_t5_greedy_speculative_equals_plain(drafter, gamma):
     from verify.t5 import T5DraftDrafter, T5Target
 
     target = T5Target(make_t5())
-    make = {"self": lambda: T5DraftDrafter(make_t5()), "small": lambda: T5DraftDrafter(make_t5(d_model=16, layers=1, seed=3)),
-            "lookup": lambda: PromptLookupDrafter(vocab_size=V)}
+    make = {
+        "self": lambda: T5DraftDrafter(make_t5()),
+        "small": lambda: T5DraftDrafter(make_t5(d_model=16, layers=1, seed=3)),
+        "lookup": lambda: PromptLookupDrafter(vocab_size=V),
+    }
     for source in T5_SOURCES:
         plain = plain_generate(target, [source], max_new_tokens=16, eos_id=1)
-        spec = speculative_generate(target, make[drafter](), [source], max_new_tokens=16, eos_id=1, spec=SpecConfig(gamma=gamma))
+        spec = speculative_generate(
+            target, make[drafter](), [source], max_new_tokens=16, eos_id=1, spec=SpecConfig(gamma=gamma)
+        )
         assert spec.tokens == plain.tokens
         if drafter == "self":
             assert spec.stats.alpha == 1.0
@@ -280,7 +361,9 @@ def test_t5_rollback_then_extend_equals_a_fresh_run():
     assert target.row_lengths.tolist() == [3]
     out = target.extend(torch.tensor([[12]])).logits[0, -1]
     with torch.no_grad():
-        ref = model(input_ids=torch.tensor([T5_SOURCES[1]]), decoder_input_ids=torch.tensor([[0, 7, 8, 12]])).logits[0, -1]
+        ref = model(input_ids=torch.tensor([T5_SOURCES[1]]), decoder_input_ids=torch.tensor([[0, 7, 8, 12]])).logits[
+            0, -1
+        ]
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -288,7 +371,9 @@ def test_t5_refuses_batches_trees_and_layers_in_one_line():
     from verify.t5 import T5Target
 
     target = T5Target(make_t5())
-    with pytest.raises(ValueError, match=r"^batch of 2 sources: the T5 target decodes one source at a time \(batch 1\)$"):
+    with pytest.raises(
+        ValueError, match=r"^batch of 2 sources: the T5 target decodes one source at a time \(batch 1\)$"
+    ):
         plain_generate(target, T5_SOURCES[:2], max_new_tokens=4)
     with pytest.raises(ValueError, match=r"^source 0 has token id 40: ids must be in \[0, 40\)$"):
         plain_generate(target, [[1, V]], max_new_tokens=4)
@@ -304,10 +389,28 @@ def test_t5_refuses_batches_trees_and_layers_in_one_line():
 
 # ------------------------------------------------------------------------------------ entry point
 
-TINY = ["logger=none", "data.max_files=60", "data.vocab_size=512", "target.dim=32", "target.enc_depth=1",
-        "target.dec_depth=1", "target.heads=2", "draft.dim=16", "draft.enc_depth=1", "draft.dec_depth=1", "draft.heads=2",
-        "train.target_steps=6", "train.draft_steps=4", "train.batch_size=4", "train.log_every=2", "train.eval_pairs=8",
-        "bench.pairs=3", "bench.batch=2", "bench.max_new_tokens=8", "bench.repeats=1"]
+TINY = [
+    "logger=none",
+    "data.max_files=60",
+    "data.vocab_size=512",
+    "target.dim=32",
+    "target.enc_depth=1",
+    "target.dec_depth=1",
+    "target.heads=2",
+    "draft.dim=16",
+    "draft.enc_depth=1",
+    "draft.dec_depth=1",
+    "draft.heads=2",
+    "train.target_steps=6",
+    "train.draft_steps=4",
+    "train.batch_size=4",
+    "train.log_every=2",
+    "train.eval_pairs=8",
+    "bench.pairs=3",
+    "bench.batch=2",
+    "bench.max_new_tokens=8",
+    "bench.repeats=1",
+]
 
 
 def seq2seq_cfg(*overrides: str):
@@ -319,22 +422,25 @@ def seq2seq_cfg(*overrides: str):
         return compose("seq2seq", overrides=["out_dir=/tmp/unused", *overrides])
 
 
-@pytest.mark.parametrize("override, match", [
-    ("mode=serve", r"^mode='serve': use one of train, bench, all$"),
-    ("mode=bench", r"^mode=bench needs checkpoints="),
-    ("target.dim=30", r"^target.dim=30 must be a multiple of target.heads=4$"),
-    ("draft.enc_depth=0", r"^draft.enc_depth=0: must be an integer >= 1$"),
-    ("pairs.max_target_tokens=1", r"^pairs.max_target_tokens=1: must be an integer >= 2$"),
-    ("train.draft_minutes=0", r"^train.draft_minutes=0: must be a number > 0, or null"),
-    ("bench.max_new_tokens=65", r"^bench.max_new_tokens=65: must be at most pairs.max_target_tokens=64"),
-    ("bench.batch=0", r"^bench.batch=0: must be an integer >= 1$"),
-    ("bench.temperatures=[]", r"^bench.temperatures=\[\]: must be a non-empty list of finite numbers >= 0$"),
-    ("bench.temperatures=[0,inf]", r"^bench.temperatures=\[0, inf\]: must be a non-empty list of finite numbers"),
-    ("bench.temperatures=[1e-30]", r"^temperature=1e-30: must be a number >= 0, and 0 or at least 1e-06"),
-    ("train.lr=inf", r"^train.lr=inf: must be a finite number > 0$"),
-    ("train.checkpoint_every=0", r"^train.checkpoint_every=0: must be an integer >= 1$"),
-    ("data=files", r"^data.source='files': the function -> docstring task reads the stdlib only"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("mode=serve", r"^mode='serve': use one of train, bench, all$"),
+        ("mode=bench", r"^mode=bench needs checkpoints="),
+        ("target.dim=30", r"^target.dim=30 must be a multiple of target.heads=4$"),
+        ("draft.enc_depth=0", r"^draft.enc_depth=0: must be an integer >= 1$"),
+        ("pairs.max_target_tokens=1", r"^pairs.max_target_tokens=1: must be an integer >= 2$"),
+        ("train.draft_minutes=0", r"^train.draft_minutes=0: must be a number > 0, or null"),
+        ("bench.max_new_tokens=65", r"^bench.max_new_tokens=65: must be at most pairs.max_target_tokens=64"),
+        ("bench.batch=0", r"^bench.batch=0: must be an integer >= 1$"),
+        ("bench.temperatures=[]", r"^bench.temperatures=\[\]: must be a non-empty list of finite numbers >= 0$"),
+        ("bench.temperatures=[0,inf]", r"^bench.temperatures=\[0, inf\]: must be a non-empty list of finite numbers"),
+        ("bench.temperatures=[1e-30]", r"^temperature=1e-30: must be a number >= 0, and 0 or at least 1e-06"),
+        ("train.lr=inf", r"^train.lr=inf: must be a finite number > 0$"),
+        ("train.checkpoint_every=0", r"^train.checkpoint_every=0: must be an integer >= 1$"),
+        ("data=files", r"^data.source='files': the function -> docstring task reads the stdlib only"),
+    ],
+)
 def test_bad_settings_raise_one_line_errors_before_any_work(override, match):
     from experiments.train_seq2seq import validate_config
 
@@ -357,7 +463,9 @@ def test_train_and_benchmark_end_to_end(tmp_path):
     meta = load_checkpoint(tmp_path / "run" / "target" / "checkpoint").meta
     assert meta["model_config"]["dim"] == 32 and meta["task"] == "function -> docstring summary"
     rows = json.loads((tmp_path / "run" / "results.json").read_text())["rows"]
-    assert {(r["method"], r["temperature"]) for r in rows} == {(m, t) for m in ("plain", "draft", "lookup") for t in (0.0, 1.0)}
+    assert {(r["method"], r["temperature"]) for r in rows} == {
+        (m, t) for m in ("plain", "draft", "lookup") for t in (0.0, 1.0)
+    }
     assert all(r["identical_to_plain"] for r in rows if r["temperature"] == 0)
     assert "| 0 | lookup |" in (tmp_path / "run" / "results.md").read_text()
 
@@ -369,8 +477,16 @@ def test_a_crash_during_the_draft_keeps_the_target_and_resumes_the_draft(tmp_pat
     from experiments.train_seq2seq import run
 
     def cfg(*more):
-        c = seq2seq_cfg(*TINY, "mode=train", "train.checkpoint_every=2", "train.target_minutes=null",
-                        "train.draft_minutes=null", "threads=1", f"data.cache_dir={tmp_path / 'data'}", *more)
+        c = seq2seq_cfg(
+            *TINY,
+            "mode=train",
+            "train.checkpoint_every=2",
+            "train.target_minutes=null",
+            "train.draft_minutes=null",
+            "threads=1",
+            f"data.cache_dir={tmp_path / 'data'}",
+            *more,
+        )
         return c
 
     clean = cfg()
@@ -390,11 +506,15 @@ def test_a_crash_during_the_draft_keeps_the_target_and_resumes_the_draft(tmp_pat
         run(crashed)
     monkeypatch.undo()
     target_before = load_checkpoint(tmp_path / "crashed" / "target" / "checkpoint").meta
-    assert target_before["finished"] and load_checkpoint(tmp_path / "crashed" / "draft" / "checkpoint").meta["step"] == 2
+    assert (
+        target_before["finished"] and load_checkpoint(tmp_path / "crashed" / "draft" / "checkpoint").meta["step"] == 2
+    )
     run(crashed)
     target_after = load_checkpoint(tmp_path / "crashed" / "target" / "checkpoint").meta
     assert target_after["provenance"]["time"] == target_before["provenance"]["time"]  # reused, not retrained
     for name in ("target", "draft"):  # and both equal the uninterrupted run's, bit for bit
-        fingerprints = {load_checkpoint(tmp_path / run_dir / name / "checkpoint").meta["fingerprint"]
-                        for run_dir in ("clean", "crashed")}
+        fingerprints = {
+            load_checkpoint(tmp_path / run_dir / name / "checkpoint").meta["fingerprint"]
+            for run_dir in ("clean", "crashed")
+        }
         assert len(fingerprints) == 1, name

@@ -13,8 +13,20 @@ from medusa.heads import ResBlock
 from medusa.sequential import SequentialHeads
 from medusa.sequential_drafter import SequentialDrafter, make_drafter
 from medusa.trees import node_table
-from tests.test_lossless import run as run_lossless, sharp_lm
-from tests.test_medusa import PROMPTS, SMALL_TREE, HiddenSpy, batch_of, fake_prefill, make_base, perturb, plain, random_batch, spec
+from tests.test_lossless import run as run_lossless
+from tests.test_lossless import sharp_lm
+from tests.test_medusa import (
+    PROMPTS,
+    SMALL_TREE,
+    HiddenSpy,
+    batch_of,
+    fake_prefill,
+    make_base,
+    perturb,
+    plain,
+    random_batch,
+    spec,
+)
 from verify.plain import plain_generate
 from verify.sampling import SamplingConfig
 from verify.target import Target
@@ -49,7 +61,11 @@ def test_heads_blocks_and_mixes_are_separate_modules_initialised_to_pass_h_throu
     assert all(torch.all(b.linear.weight == 0) and torch.all(b.linear.bias == 0) for b in blocks)
     for k, mix in enumerate(heads.mix, start=1):  # [I, 0, .., 0]: reads h, ignores the k token embeddings
         assert mix.weight.shape == (32, 32 + k * 32)
-        assert torch.equal(mix.weight[:, :32], torch.eye(32)) and torch.all(mix.weight[:, 32:] == 0) and torch.all(mix.bias == 0)
+        assert (
+            torch.equal(mix.weight[:, :32], torch.eye(32))
+            and torch.all(mix.weight[:, 32:] == 0)
+            and torch.all(mix.bias == 0)
+        )
 
 
 def test_fresh_heads_predict_exactly_the_base_projection():
@@ -118,7 +134,9 @@ def test_loss_aligns_head_k_with_tokens_up_to_t_plus_k_and_the_teacher_at_t_plus
     t = 24
     for k in (1, 2):
         logp = manual_head_logits(heads, batch, k)[:, : t - 2].log_softmax(-1)  # the loss keeps t < T - K
-        ids = batch.top_ids[:, k : k + t - 2, :1] if target == "argmax" else batch.tokens[:, k + 1 : k + 1 + t - 2, None]
+        ids = (
+            batch.top_ids[:, k : k + t - 2, :1] if target == "argmax" else batch.tokens[:, k + 1 : k + 1 + t - 2, None]
+        )
         assert abs(metrics[f"head{k}_loss"] + logp.gather(-1, ids).mean().item()) < 1e-4, k
 
 
@@ -142,7 +160,9 @@ def test_evaluate_keys_ranges_and_alignment():
         assert metrics[f"head{k}_agree"] == metrics[f"head{k}_rank0"]
         top = manual_head_logits(heads, batch, k).topk(3, dim=-1).indices  # (B, T - k, 3)
         for r in range(3):  # the same positions, tokens and teacher as the loss
-            assert abs(metrics[f"head{k}_rank{r}"] - (top[..., r] == batch.top_ids[:, k:, 0]).float().mean().item()) < 1e-6
+            assert (
+                abs(metrics[f"head{k}_rank{r}"] - (top[..., r] == batch.top_ids[:, k:, 0]).float().mean().item()) < 1e-6
+            )
     vocab = batch.top_ids[:, :, 0].unique()  # a trimmed vocabulary: the heads' top-1 over the subset, as full ids
     trimmed = train.evaluate(heads, base, batch, vocab=vocab)
     top1 = vocab[manual_head_logits(heads, batch, 1)[..., vocab].argmax(-1)]
@@ -211,7 +231,9 @@ def test_drafts_are_the_ranked_head_guesses_under_their_path(gamma, depth, vocab
     chain.begin([[1], [2]], prefill, pending)
     draft = chain.propose(gamma, SamplingConfig(), None)
     assert draft.q is None and draft.parents is None
-    assert draft.tokens.tolist() == reference_tree(heads, prefill.hidden[:, -1], pending, [(0,) * d for d in range(1, depth + 1)], vocab)
+    assert draft.tokens.tolist() == reference_tree(
+        heads, prefill.hidden[:, -1], pending, [(0,) * d for d in range(1, depth + 1)], vocab
+    )
 
 
 # ------------------------------------------------------------------------------------------- decoding
@@ -284,7 +306,9 @@ def test_sampling_reproduces_the_target_distribution(mode):
     # perturbed heads on the chi-square test's own target; measured acceptance 0.30 (chain), 0.50 (tree)
     heads = perturb(SequentialHeads.from_base(sharp_lm(0), num_heads=2, num_layers=1), seed=0, scale=0.3)
     tree = [[0], [1], [2], [0, 0], [0, 1], [1, 0]] if mode == "tree" else None
-    (stat, critical), stats = run_lossless(SequentialDrafter(heads, mode=mode, tree=tree), SamplingConfig(temperature=1.0))
+    (stat, critical), stats = run_lossless(
+        SequentialDrafter(heads, mode=mode, tree=tree), SamplingConfig(temperature=1.0)
+    )
     assert 0.2 < stats.alpha < 1  # acceptance and rejection both exercised, at depth 1 and 2
     assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}: sequential {mode} is not lossless"
 
@@ -297,11 +321,23 @@ def test_sampling_reproduces_the_target_distribution(mode):
     [
         (lambda b, h: SequentialHeads.from_base(b, num_heads=0, num_layers=1), "num_heads=0"),
         (lambda b, h: SequentialHeads.from_base(b, num_heads=2, num_layers=True), "num_layers=True"),
-        (lambda b, h: SequentialHeads(embedding=b.to_logits, projection=b.to_logits, num_heads=2), "embedding is a Linear"),
-        (lambda b, h: SequentialHeads(embedding=b.token_emb.emb, projection=b.token_emb.emb, num_heads=2), "projection is a Embedding"),
-        (lambda b, h: SequentialHeads(embedding=nn.Embedding(50, 32), projection=b.to_logits, num_heads=2), "embedding has 50 tokens"),
+        (
+            lambda b, h: SequentialHeads(embedding=b.to_logits, projection=b.to_logits, num_heads=2),
+            "embedding is a Linear",
+        ),
+        (
+            lambda b, h: SequentialHeads(embedding=b.token_emb.emb, projection=b.token_emb.emb, num_heads=2),
+            "projection is a Embedding",
+        ),
+        (
+            lambda b, h: SequentialHeads(embedding=nn.Embedding(50, 32), projection=b.to_logits, num_heads=2),
+            "embedding has 50 tokens",
+        ),
         (lambda b, h: h(torch.zeros(3, 32), torch.zeros(3, 3, dtype=torch.long)), r"tokens of shape \(3, 3\)"),
-        (lambda b, h: h.head_logits(2, torch.zeros(3, 32), torch.zeros(3, 1, dtype=torch.long)), "head 2 reads 2 tokens"),
+        (
+            lambda b, h: h.head_logits(2, torch.zeros(3, 32), torch.zeros(3, 1, dtype=torch.long)),
+            "head 2 reads 2 tokens",
+        ),
         (lambda b, h: SequentialDrafter(h, mode="beam"), "mode='beam'"),
         (lambda b, h: SequentialDrafter(h, tree_nodes=0), "tree_nodes=0"),
         (lambda b, h: SequentialDrafter(h, tree=[]), r"tree=\[\]"),
@@ -314,7 +350,10 @@ def test_sampling_reproduces_the_target_distribution(mode):
         (lambda b, h: train.loss(h, b, random_batch(b), target="yes"), "target='yes'"),
         (lambda b, h: train.loss(h, b, random_batch(b), positions=0), "positions=0"),
         (lambda b, h: train.loss(h, b, random_batch(b, t=2)), "T=2"),
-        (lambda b, h: train.evaluate(h, b, replace(random_batch(b), tokens=torch.zeros(3, 5, dtype=torch.long))), r"tokens \(3, 5\)"),
+        (
+            lambda b, h: train.evaluate(h, b, replace(random_batch(b), tokens=torch.zeros(3, 5, dtype=torch.long))),
+            r"tokens \(3, 5\)",
+        ),
     ],
 )
 def test_bad_arguments_raise_one_line_errors(make, match):
@@ -329,16 +368,21 @@ def test_bad_arguments_raise_one_line_errors(make, match):
 def test_grow_tree_reads_sequential_checkpoints_and_refuses_others(package, tmp_path):
     from omegaconf import OmegaConf
 
-    from experiments.lib.checkpoint import save_checkpoint
     from experiments.grow_tree import grow
+    from experiments.lib.checkpoint import save_checkpoint
     from tests.conftest import make_lm
 
     base = make_lm(num_tokens=64, dim=16, depth=1)
     heads = SequentialHeads.from_base(base, num_heads=2)
     metrics = {f"head{k}_rank{r}": (0.6 if k == 1 else 0.3) * 0.5**r for k in (1, 2) for r in range(10)}
-    save_checkpoint(tmp_path / "ckpt", model=heads, tokenizer_json=None, step=1,
-                    model_config={"package": package, "module": {"num_heads": 2, "num_layers": 1}},
-                    extra={"kind": "drafter", "metrics": metrics, "base_fingerprint": "x"})
+    save_checkpoint(
+        tmp_path / "ckpt",
+        model=heads,
+        tokenizer_json=None,
+        step=1,
+        model_config={"package": package, "module": {"num_heads": 2, "num_layers": 1}},
+        extra={"kind": "drafter", "metrics": metrics, "base_fingerprint": "x"},
+    )
     cfg = OmegaConf.create({"checkpoint": str(tmp_path / "ckpt"), "tree_nodes": 4})
     if package == "prophet":
         with pytest.raises(ValueError, match="not a Medusa or sequential heads checkpoint"):

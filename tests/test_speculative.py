@@ -77,7 +77,10 @@ def test_sometimes_right_ragged_batch(lm, gamma):
     right = lambda i, s: (i + 2 * s) % (gamma + 1)  # noqa: E731  rows accept different counts each step
     out = spec(lm, OracleStub(ref, right), PROMPTS, n, gamma)
     assert out.tokens == ref
-    alone = [spec(lm, OracleStub([r], lambda _, s, i=i: right(i, s)), [p], n, gamma).tokens[0] for i, (p, r) in enumerate(zip(PROMPTS, ref))]
+    alone = [
+        spec(lm, OracleStub([r], lambda _, s, i=i: right(i, s)), [p], n, gamma).tokens[0]
+        for i, (p, r) in enumerate(zip(PROMPTS, ref))
+    ]
     assert alone == ref
 
 
@@ -127,7 +130,9 @@ def test_adaptive_gamma_grows_and_stays_exact(lm):
     out = spec(lm, drafters(lm)["draft_model_self"](), PROMPTS, 40, 2, adaptive_gamma=True, max_gamma=8)
     assert out.tokens == ref
     assert len(out.stats.acceptance_by_position) > 2  # gamma grew past its start
-    assert int(out.stats.forwards.max()) < int(spec(lm, drafters(lm)["draft_model_self"](), PROMPTS, 40, 2).stats.forwards.max())
+    assert int(out.stats.forwards.max()) < int(
+        spec(lm, drafters(lm)["draft_model_self"](), PROMPTS, 40, 2).stats.forwards.max()
+    )
 
 
 def test_budget_never_passes_max_seq_len(lm):
@@ -142,7 +147,9 @@ def test_budget_never_passes_max_seq_len(lm):
         return out
 
     target.extend = spy
-    out = speculative_generate(target, DraftModelDrafter(make_lm()), prompt, max_new_tokens=16, spec=SpecConfig(gamma=8))
+    out = speculative_generate(
+        target, DraftModelDrafter(make_lm()), prompt, max_new_tokens=16, spec=SpecConfig(gamma=8)
+    )
     assert out.tokens == plain(lm, prompt, 16)
     assert max(lengths) <= 96
 
@@ -168,11 +175,16 @@ def test_bad_settings_raise_before_work(make, match):
         make()
 
 
-@pytest.mark.parametrize("kwargs, match", [({"delta": 1.5}, "delta=1.5"), ({"delta": -0.1}, "delta=-0.1"), ({"rule": "magic"}, "rule='magic'")])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"delta": 1.5}, "delta=1.5"), ({"delta": -0.1}, "delta=-0.1"), ({"rule": "magic"}, "rule='magic'")],
+)
 def test_bad_rule_options_raise_before_work(lm, kwargs, match):
     target = Target(lm)
     with pytest.raises(ValueError, match=match):
-        speculative_generate(target, PromptLookupDrafter(vocab_size=97), PROMPTS, max_new_tokens=5, spec=SpecConfig(**kwargs))
+        speculative_generate(
+            target, PromptLookupDrafter(vocab_size=97), PROMPTS, max_new_tokens=5, spec=SpecConfig(**kwargs)
+        )
     assert target.cache is None  # nothing ran
 
 

@@ -27,8 +27,9 @@ def module_name(root: Path, path: Path) -> str:
 
 def project_modules(root: Path) -> dict[str, Path]:
     """Every module of the project's packages by dotted name (experiments/results holds no code of the package)."""
-    return {module_name(root, p): p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))
-            if (root / pkg).is_dir()}
+    return {
+        module_name(root, p): p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py")) if (root / pkg).is_dir()
+    }
 
 
 def entry_points(root: Path) -> set[str]:
@@ -38,7 +39,8 @@ def entry_points(root: Path) -> set[str]:
 def _type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports(path: Path, *, module_level: bool) -> set[str]:
@@ -81,15 +83,17 @@ def entry_point_imports(root: Path) -> list[str]:
 def import_cycles(root: Path) -> list[list[str]]:
     """Cycles of module-level imports among the project's modules (each cycle once, as a path)."""
     modules = project_modules(root)
-    graph = {name: sorted(m for m in imports(path, module_level=True) if m in modules and m != name)
-             for name, path in modules.items()}
+    graph = {
+        name: sorted(m for m in imports(path, module_level=True) if m in modules and m != name)
+        for name, path in modules.items()
+    }
     cycles, state = [], {}  # state: 1 on the current path, 2 done
 
     def walk(node: str, path: list[str]) -> None:
         state[node] = 1
         for nxt in graph[node]:
             if state.get(nxt) == 1:
-                cycles.append(path[path.index(nxt):] + [nxt])
+                cycles.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 walk(nxt, path + [nxt])
         state[node] = 2
@@ -162,16 +166,20 @@ def test_a_planted_entry_point_import_is_found(scratch: Path) -> None:
     assert entry_point_imports(scratch) == []
     (scratch / "experiments" / "generate.py").write_text("from experiments.benchmark import METHODS\n")
     (scratch / "experiments" / "lib" / "report.py").write_text("def f():\n    from experiments import benchmark\n")
-    assert entry_point_imports(scratch) == ["experiments.generate imports experiments.benchmark",
-                                            "experiments.lib.report imports experiments.benchmark"]
+    assert entry_point_imports(scratch) == [
+        "experiments.generate imports experiments.benchmark",
+        "experiments.lib.report imports experiments.benchmark",
+    ]
 
 
 def test_a_planted_cycle_is_found_and_lazy_or_typing_imports_are_not(scratch: Path) -> None:
     lib = scratch / "experiments" / "lib"
     (lib / "data.py").write_text("from experiments.lib.prompts import load_prompts\n")
-    (lib / "prompts.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                    "    from experiments.lib.data import PreparedData\n"
-                                    "def f():\n    from experiments.lib import data\n")
+    (lib / "prompts.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from experiments.lib.data import PreparedData\n"
+        "def f():\n    from experiments.lib import data\n"
+    )
     assert import_cycles(scratch) == []
     (lib / "prompts.py").write_text("from experiments.lib.data import PreparedData\n")
     assert import_cycles(scratch) == [["experiments.lib.data", "experiments.lib.prompts", "experiments.lib.data"]]

@@ -30,8 +30,17 @@ from experiments.lib import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-ENTRY_POINTS = ("train_base", "train_drafter", "benchmark", "generate", "baseline", "cache_features", "grow_tree",
-                "peer", "train_seq2seq")
+ENTRY_POINTS = (
+    "train_base",
+    "train_drafter",
+    "benchmark",
+    "generate",
+    "baseline",
+    "cache_features",
+    "grow_tree",
+    "peer",
+    "train_seq2seq",
+)
 
 APP = '''
 """A Hydra app decorated like the entry points: value=N writes results.json, other values fail or sleep."""
@@ -92,8 +101,7 @@ def env() -> dict:
 
 
 def run(*args: str, cwd: Path, timeout: int = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
 def run_app(app: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -106,10 +114,16 @@ def error_lines(stderr: str) -> list[str]:
 
 def interrupt_app(app: Path, *overrides: str) -> tuple[int, str]:
     """Run the app until it prints `ready`, press Ctrl-C (SIGINT), return its exit status and stderr."""
-    proc = subprocess.Popen([sys.executable, str(app), *overrides], cwd=app.parent, env=env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            # a shell's background job ignores SIGINT, and children inherit that: undo it
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, str(app), *overrides],
+        cwd=app.parent,
+        env=env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        # a shell's background job ignores SIGINT, and children inherit that: undo it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     for line in proc.stdout:
         if line.strip() == "ready":
             break
@@ -145,8 +159,14 @@ def test_jobs_before_and_after_a_failure_run(sweep) -> None:
 def test_failed_json_of_a_user_error_and_of_a_bug(sweep) -> None:
     sweep_dir, _ = sweep
     user = json.loads((sweep_dir / "1" / "failed.json").read_text())
-    assert user == {"job": 1, "overrides": ["value=bad"], "error_type": "ValueError",
-                    "message": "value must be an integer, got 'bad'", "user_error": True, "traceback": None}
+    assert user == {
+        "job": 1,
+        "overrides": ["value=bad"],
+        "error_type": "ValueError",
+        "message": "value must be an integer, got 'bad'",
+        "user_error": True,
+        "traceback": None,
+    }
     bug = json.loads((sweep_dir / "2" / "failed.json").read_text())
     assert bug["job"] == 2 and bug["overrides"] == ["value=bug"] and bug["error_type"] == "ZeroDivisionError"
     assert bug["user_error"] is False and bug["message"].startswith("ZeroDivisionError: division by zero")
@@ -159,10 +179,14 @@ def test_multirun_with_failures_exits_non_zero_naming_them_in_one_line_each(swee
     assert "Traceback" not in proc.stderr  # a bug's traceback is in its failed.json, not on the terminal
     lines = error_lines(proc.stderr)
     assert lines[0] == "error: job 1 (value=bad): value must be an integer, got 'bad'"
-    assert lines[1] == (f"error: job 2 (value=bug): ZeroDivisionError: division by zero "
-                        f"(traceback in {sweep_dir / '2' / 'failed.json'})")
-    assert lines[2] == (f"error: 2 jobs of the sweep failed: job 1 (value=bad), job 2 (value=bug); "
-                        f"each one's failed.json in {sweep_dir} says why")
+    assert lines[1] == (
+        f"error: job 2 (value=bug): ZeroDivisionError: division by zero "
+        f"(traceback in {sweep_dir / '2' / 'failed.json'})"
+    )
+    assert lines[2] == (
+        f"error: 2 jobs of the sweep failed: job 1 (value=bad), job 2 (value=bug); "
+        f"each one's failed.json in {sweep_dir} says why"
+    )
     assert len(lines) == 3
 
 
@@ -183,7 +207,8 @@ def test_joblib_launcher_runs_every_job_and_records_the_failure(app: Path, tmp_p
     assert json.loads((tmp_path / "1" / "failed.json").read_text())["error_type"] == "ValueError"
     assert error_lines(proc.stderr) == [
         "error: job 1 (value=bad): value must be an integer, got 'bad'",
-        f"error: 1 job of the sweep failed: job 1 (value=bad); each one's failed.json in {tmp_path} says why"]
+        f"error: 1 job of the sweep failed: job 1 (value=bad); each one's failed.json in {tmp_path} says why",
+    ]
 
 
 def test_every_entry_point_keeps_the_decorator_inside_hydra_main() -> None:
@@ -197,21 +222,39 @@ def test_every_entry_point_keeps_the_decorator_inside_hydra_main() -> None:
 @pytest.mark.slow  # importing torch and the project: ~5 s on a quiet machine
 def test_a_real_entry_point_multirun_runs_every_job(tmp_path: Path) -> None:
     """train_base refuses max_steps <= 0 before loading any data: two jobs, two failures, both recorded."""
-    proc = run("-m", "experiments.train_base", "-m", "max_steps=0,-1", "logger=none", f"hydra.sweep.dir={tmp_path}",
-               cwd=ROOT, timeout=120)
+    proc = run(
+        "-m",
+        "experiments.train_base",
+        "-m",
+        "max_steps=0,-1",
+        "logger=none",
+        f"hydra.sweep.dir={tmp_path}",
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stderr
     assert error_lines(proc.stderr) == [
         "error: job 0 (max_steps=0 logger=none): max_steps must be a positive integer, got 0",
         "error: job 1 (max_steps=-1 logger=none): max_steps must be a positive integer, got -1",
         "error: 2 jobs of the sweep failed: job 0 (max_steps=0 logger=none), job 1 (max_steps=-1 logger=none); "
-        f"each one's failed.json in {tmp_path} says why"]
+        f"each one's failed.json in {tmp_path} says why",
+    ]
     assert [json.loads((tmp_path / job / "failed.json").read_text())["job"] for job in "01"] == [0, 1]
 
 
 @pytest.mark.slow
 def test_a_real_entry_point_multirun_with_joblib(tmp_path: Path) -> None:
-    proc = run("-m", "experiments.train_base", "-m", "hydra/launcher=parallel", "max_steps=0,-1", "logger=none",
-               f"hydra.sweep.dir={tmp_path}", cwd=ROOT, timeout=300)
+    proc = run(
+        "-m",
+        "experiments.train_base",
+        "-m",
+        "hydra/launcher=parallel",
+        "max_steps=0,-1",
+        "logger=none",
+        f"hydra.sweep.dir={tmp_path}",
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr
     assert sorted(p.parent.name for p in tmp_path.glob("*/failed.json")) == ["0", "1"]
     assert error_lines(proc.stderr)[-1].startswith("error: 2 jobs of the sweep failed: job 0 (max_steps=0")
@@ -243,8 +286,10 @@ def test_ctrl_c_stops_the_whole_sweep(interrupted_sweep) -> None:
 def test_full_disk_in_a_single_run_is_one_line_exit_2(app: Path, tmp_path: Path) -> None:
     proc = run_app(app, "value=full", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2
-    assert proc.stderr == (f"error: disk full while writing {tmp_path / 'checkpoint.pt'}: free some space or write "
-                           "elsewhere (No space left on device)\n")
+    assert proc.stderr == (
+        f"error: disk full while writing {tmp_path / 'checkpoint.pt'}: free some space or write "
+        "elsewhere (No space left on device)\n"
+    )
 
 
 def test_a_user_error_in_a_single_run_is_unchanged(app: Path, tmp_path: Path) -> None:
@@ -261,20 +306,33 @@ def raising(error: BaseException):
     return main
 
 
-@pytest.mark.parametrize("error, line", [
-    (OSError(errno.ENOSPC, "No space left on device", "/data/run/checkpoint.pt"),
-     "error: disk full while writing /data/run/checkpoint.pt: free some space or write elsewhere "
-     "(No space left on device)"),
-    (OSError(errno.ENOSPC, "No space left on device"),  # a write through an open file: the OS names no file
-     "error: disk full while writing a file: free some space or write elsewhere (No space left on device)"),
-    (PermissionError(errno.EACCES, "Permission denied", "/data/run/results.json"),
-     "error: cannot write /data/run/results.json: permission denied"),
-    (OSError(errno.EACCES, "Permission denied", "/data/run/results.json"),
-     "error: cannot write /data/run/results.json: permission denied"),
-    (OSError(errno.EROFS, "Read-only file system", "/mnt/ro/metrics.jsonl"),
-     "error: cannot write /mnt/ro/metrics.jsonl: read-only file system"),
-    (FileNotFoundError("checkpoint /x does not exist"), "error: checkpoint /x does not exist"),
-])
+@pytest.mark.parametrize(
+    "error, line",
+    [
+        (
+            OSError(errno.ENOSPC, "No space left on device", "/data/run/checkpoint.pt"),
+            "error: disk full while writing /data/run/checkpoint.pt: free some space or write elsewhere "
+            "(No space left on device)",
+        ),
+        (
+            OSError(errno.ENOSPC, "No space left on device"),  # a write through an open file: the OS names no file
+            "error: disk full while writing a file: free some space or write elsewhere (No space left on device)",
+        ),
+        (
+            PermissionError(errno.EACCES, "Permission denied", "/data/run/results.json"),
+            "error: cannot write /data/run/results.json: permission denied",
+        ),
+        (
+            OSError(errno.EACCES, "Permission denied", "/data/run/results.json"),
+            "error: cannot write /data/run/results.json: permission denied",
+        ),
+        (
+            OSError(errno.EROFS, "Read-only file system", "/mnt/ro/metrics.jsonl"),
+            "error: cannot write /mnt/ro/metrics.jsonl: read-only file system",
+        ),
+        (FileNotFoundError("checkpoint /x does not exist"), "error: checkpoint /x does not exist"),
+    ],
+)
 def test_runtime_faults_are_one_line_exit_2(error: BaseException, line: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as excinfo:
         raising(error)()
@@ -282,8 +340,9 @@ def test_runtime_faults_are_one_line_exit_2(error: BaseException, line: str, cap
     assert capsys.readouterr().err == line + "\n"
 
 
-def test_permission_denied_on_a_file_we_may_not_read_says_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                               capsys: pytest.CaptureFixture) -> None:
+def test_permission_denied_on_a_file_we_may_not_read_says_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     path = tmp_path / "checkpoint.pt"
     path.write_text("x")
     monkeypatch.setattr(os, "access", lambda p, mode: False)  # root may read anything: pretend we may not
@@ -305,12 +364,17 @@ def test_bugs_and_other_os_errors_keep_their_traceback(error: BaseException) -> 
 
 
 def job_in(tmp_path: Path, num: int = 3, output_dir: Path | None = None) -> cli.SweepJob:
-    return cli.SweepJob(num=num, overrides=["decode.gamma=0", "repeats=1"], output_dir=output_dir or tmp_path / str(num),
-                        sweep_dir=tmp_path)
+    return cli.SweepJob(
+        num=num,
+        overrides=["decode.gamma=0", "repeats=1"],
+        output_dir=output_dir or tmp_path / str(num),
+        sweep_dir=tmp_path,
+    )
 
 
-def test_a_failed_job_that_cannot_write_failed_json_still_says_why(tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture) -> None:
+def test_a_failed_job_that_cannot_write_failed_json_still_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     (tmp_path / "3").write_text("a file where the job directory should be")
     job = job_in(tmp_path, output_dir=tmp_path / "3" / "sub")
 
@@ -322,8 +386,10 @@ def test_a_failed_job_that_cannot_write_failed_json_still_says_why(tmp_path: Pat
     err = capsys.readouterr().err
     assert err.startswith("error: job 3 (decode.gamma=0 repeats=1): decode.gamma must be >= 1, got 0 (could not write ")
     assert err.count("\n") == 1
-    assert str(excinfo.value) == (f"error: 1 job of the sweep failed: job 3 (decode.gamma=0 repeats=1); "
-                                  f"each one's failed.json in {tmp_path} says why")
+    assert str(excinfo.value) == (
+        f"error: 1 job of the sweep failed: job 3 (decode.gamma=0 repeats=1); "
+        f"each one's failed.json in {tmp_path} says why"
+    )
 
 
 def test_job_failed_pickles_and_names_every_failed_job(tmp_path: Path) -> None:
@@ -332,8 +398,9 @@ def test_job_failed_pickles_and_names_every_failed_job(tmp_path: Path) -> None:
         with pytest.raises(cli.JobFailed):
             cli.run_sweep_job(job_in(tmp_path, num), lambda: 1 / 0)
     error = pickle.loads(pickle.dumps(cli.JobFailed(str(tmp_path), 3, "job 3 (decode.gamma=0 repeats=1)")))
-    assert str(error).startswith("error: 2 jobs of the sweep failed: job 3 (decode.gamma=0 repeats=1), "
-                                 "job 5 (decode.gamma=0 repeats=1); ")
+    assert str(error).startswith(
+        "error: 2 jobs of the sweep failed: job 3 (decode.gamma=0 repeats=1), job 5 (decode.gamma=0 repeats=1); "
+    )
 
 
 def test_a_sweep_job_that_succeeds_returns_its_value(tmp_path: Path) -> None:
@@ -351,8 +418,13 @@ def test_summarize_lists_failed_and_killed_jobs(sweep, tmp_path: Path) -> None:
     (sweep_dir / "4" / "results.json").unlink()
     (sweep_dir / "4" / ".hydra" / "overrides.yaml").write_text("- value=4\n")
     rows = summ_mod.summarize(sweep_dir)
-    assert [(r["job"], r["status"]) for r in rows] == [("0", "ok"), ("1", "failed"), ("2", "failed"), ("3", "ok"),
-                                                       ("4", "no result")]
+    assert [(r["job"], r["status"]) for r in rows] == [
+        ("0", "ok"),
+        ("1", "failed"),
+        ("2", "failed"),
+        ("3", "ok"),
+        ("4", "no result"),
+    ]
     assert rows[1]["error"] == "value must be an integer, got 'bad'" and rows[1]["error_type"] == "ValueError"
     assert rows[4]["error"] == "no result (killed or still running)" and rows[4]["overrides"] == "value=4"
     assert json.loads((sweep_dir / "summary.json").read_text()) == rows
@@ -360,7 +432,9 @@ def test_summarize_lists_failed_and_killed_jobs(sweep, tmp_path: Path) -> None:
     assert "\n## Failed jobs\n" in md
     assert "| 1 | value=bad | value must be an integer, got 'bad' |" in md
     # the message recorded when the job failed (in the sweep this one is a copy of)
-    assert f"| 2 | value=bug | ZeroDivisionError: division by zero (traceback in {sweep[0] / '2' / 'failed.json'}) |" in md
+    assert (
+        f"| 2 | value=bug | ZeroDivisionError: division by zero (traceback in {sweep[0] / '2' / 'failed.json'}) |" in md
+    )
     assert "| 4 | value=4 | no result (killed or still running) |" in md
     assert md.count("| m | eager 1t |") == 2  # the two jobs that ran keep their rows
     assert (sweep_dir / "speedup_vs_gamma.png").stat().st_size > 0
@@ -370,18 +444,29 @@ def test_summarize_lists_failed_and_killed_jobs(sweep, tmp_path: Path) -> None:
 def test_summarize_of_an_interrupted_sweep(interrupted_sweep, tmp_path: Path) -> None:
     shutil.copytree(interrupted_sweep[0], tmp_path / "multirun")
     rows = summ_mod.summarize(tmp_path / "multirun")
-    assert rows == [{"job": "0", "overrides": "value=sleep", "status": "no result", "error_type": "",
-                     "error": "no result (killed or still running)"}]
+    assert rows == [
+        {
+            "job": "0",
+            "overrides": "value=sleep",
+            "status": "no result",
+            "error_type": "",
+            "error": "no result (killed or still running)",
+        }
+    ]
     assert not (tmp_path / "multirun" / "speedup_vs_gamma.png").exists()  # nothing to plot
 
 
-@pytest.mark.parametrize("content, fragment", [
-    ('{"methods": [{"name": "m"', "results.json is not valid JSON (cut short?): "),
-    ('{"rows": []}', 'results.json has no list of method rows under "methods"'),
-    ("", "results.json is not valid JSON (cut short?): "),
-])
-def test_summarize_a_corrupt_results_json_is_one_line(sweep, content: str, fragment: str, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ('{"methods": [{"name": "m"', "results.json is not valid JSON (cut short?): "),
+        ('{"rows": []}', 'results.json has no list of method rows under "methods"'),
+        ("", "results.json is not valid JSON (cut short?): "),
+    ],
+)
+def test_summarize_a_corrupt_results_json_is_one_line(
+    sweep, content: str, fragment: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     sweep_dir = tmp_path / "multirun"
     shutil.copytree(sweep[0], sweep_dir)
     (sweep_dir / "3" / "results.json").write_text(content)
@@ -400,8 +485,9 @@ def test_summarize_bad_directories_are_one_line(tmp_path: Path, capsys: pytest.C
         assert err.startswith("error: ") and fragment in err and err.count("\n") == 1
 
 
-def test_summarize_an_unwritable_directory_is_one_line(sweep, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                       capsys: pytest.CaptureFixture) -> None:
+def test_summarize_an_unwritable_directory_is_one_line(
+    sweep, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     def denied(path, data) -> None:
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
@@ -419,8 +505,7 @@ def test_summarize_a_job_rerun_after_its_failure_counts_its_results(sweep, tmp_p
     assert [r["status"] for r in rows if r["job"] == "1"] == ["ok"]
 
 
-def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_atomic_keeps_the_old_file_when_the_write_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "summary.md"
     cli.write_atomic(path, "old\n")
 
@@ -447,10 +532,21 @@ def test_slurm_launcher_composes(name: str) -> None:
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")  # the optional `sweep` extra
     launcher = compose_with(name, "hydra/launcher=slurm").hydra.launcher
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
-    assert (launcher.partition, launcher.timeout_min, launcher.cpus_per_task, launcher.gpus_per_node,
-            launcher.mem_gb, launcher.array_parallelism) == (None, 240, 8, None, 16, 16)
-    launcher = compose_with(name, "hydra/launcher=slurm", "hydra.launcher.partition=gpu",
-                            "hydra.launcher.timeout_min=30", "hydra.launcher.gpus_per_node=1").hydra.launcher
+    assert (
+        launcher.partition,
+        launcher.timeout_min,
+        launcher.cpus_per_task,
+        launcher.gpus_per_node,
+        launcher.mem_gb,
+        launcher.array_parallelism,
+    ) == (None, 240, 8, None, 16, 16)
+    launcher = compose_with(
+        name,
+        "hydra/launcher=slurm",
+        "hydra.launcher.partition=gpu",
+        "hydra.launcher.timeout_min=30",
+        "hydra.launcher.gpus_per_node=1",
+    ).hydra.launcher
     assert (launcher.partition, launcher.timeout_min, launcher.gpus_per_node) == ("gpu", 30, 1)
 
 
@@ -472,9 +568,12 @@ def test_slurm_launcher_writes_a_valid_sbatch_script(tmp_path: Path, monkeypatch
     (tmp_path / "bin" / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     submitted = []
-    monkeypatch.setattr(submitit.AutoExecutor, "map_array", lambda executor, fn, *args: submitted.append(executor) or [])
-    cfg = compose_with("benchmark", "hydra/launcher=slurm", "hydra.launcher.partition=cpu",
-                       f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    monkeypatch.setattr(
+        submitit.AutoExecutor, "map_array", lambda executor, fn, *args: submitted.append(executor) or []
+    )
+    cfg = compose_with(
+        "benchmark", "hydra/launcher=slurm", "hydra.launcher.partition=cpu", f"hydra.sweep.dir={tmp_path / 'sweep'}"
+    )
     launcher = instantiate(cfg.hydra.launcher)
     launcher.config = cfg
     assert launcher.launch([["decode.gamma=1"], ["decode.gamma=2"]], initial_job_idx=0) == []

@@ -14,14 +14,24 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from experiments.lib import base_trainer, precision, training
-from experiments.lib.checkpoint import load_checkpoint, load_lm
 from experiments.lib.base_trainer import train
+from experiments.lib.checkpoint import load_checkpoint, load_lm
 from experiments.lib.training import MetricsFile, lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 # A model and corpus small enough for a few seconds per run; 30 stdlib files, a 512-token BPE.
-FAST = ["base.dim=32", "base.depth=1", "data.max_files=30", "data.vocab_size=512", "logger=none",
-        "batch_size=8", "seq_len=64", "optim.warmup_steps=2", "eval_blocks=8", "log_every=1"]
+FAST = [
+    "base.dim=32",
+    "base.depth=1",
+    "data.max_files=30",
+    "data.vocab_size=512",
+    "logger=none",
+    "batch_size=8",
+    "seq_len=64",
+    "optim.warmup_steps=2",
+    "eval_blocks=8",
+    "log_every=1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +41,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def make_cfg(out_dir: Path, cache_dir: str, *overrides: str) -> DictConfig:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("train_base", overrides=[*FAST, f"out_dir={out_dir}", f"data.cache_dir={cache_dir}",
-                                                *overrides])
+        return compose("train_base", overrides=[*FAST, f"out_dir={out_dir}", f"data.cache_dir={cache_dir}", *overrides])
 
 
 def train_rows(out_dir: Path) -> list[dict]:
@@ -74,8 +83,7 @@ def test_resume_false_starts_over(tmp_path: Path, cache_dir: str) -> None:
     assert result["start_step"] == 0 and load_checkpoint(tmp_path / "checkpoint").meta["step"] == 4
 
 
-def test_crash_and_resume_equals_uninterrupted(tmp_path: Path, cache_dir: str,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crash_and_resume_equals_uninterrupted(tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     common = ["max_steps=16", "checkpoint_every=8", "eval_every=8"]
     clean = train(make_cfg(tmp_path / "clean", cache_dir, *common))
     real_step = training.TrainLoop.step
@@ -108,8 +116,9 @@ def test_wandb_logger_offline(tmp_path: Path, cache_dir: str) -> None:
     assert list((tmp_path / "wandb").glob("offline-run-*"))
 
 
-def test_precision_follows_the_machine_and_is_recorded(tmp_path: Path, cache_dir: str,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_precision_follows_the_machine_and_is_recorded(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def run(name: str, requested: str, flags: set[str]) -> tuple[str, list[float]]:
         monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
         result = train(make_cfg(tmp_path / name, cache_dir, "max_steps=3", f"precision={requested}", "device=cpu"))
@@ -138,31 +147,35 @@ def test_lr_schedule() -> None:
     assert lr_at(5, **{**sched, "warmup_steps": 0}) < 1.0
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("max_steps=0", "max_steps must be a positive integer, got 0"),
-    ("batch_size=-1", "batch_size must be a positive integer, got -1"),
-    ("eval_blocks=0", "eval_blocks must be a positive integer"),
-    ("max_minutes=0", "max_minutes must be positive or null"),
-    ("optim.lr=0", "optim.lr must be positive"),
-    ("optim.lr=fast", "optim.lr must be a number, got 'fast'"),
-    ("max_minutes=soon", "max_minutes must be positive or null, got 'soon'"),
-    ("resume=maybe", "resume must be true or false"),
-    ("threads=0", "threads must be a positive integer or null, got 0"),
-    ("optim.min_lr=1.0", "optim.min_lr must lie in"),
-    ("optim.warmup_steps=1001", "optim.warmup_steps (1001) must not exceed max_steps (1000)"),
-    ("optim.grad_clip=-1", "optim.grad_clip must be non-negative"),
-    ("optim.betas=[0.9,1.5]", "optim.betas must be two numbers in [0, 1)"),
-    ("seq_len=512", "seq_len (512) must not exceed base.max_seq_len (256)"),
-    ("seq_len=0", "seq_len must be a positive integer, got 0"),
-    ("base.dim=0", "dim must be a positive integer, got 0"),
-    ("base.heads=3", "must be divisible by heads (3)"),
-    ("device=tpu", "device must be auto, cpu or cuda"),
-    ("data=files", "data.paths"),
-    ("precision=fp16", "precision='fp16': must be one of auto, fp32, bf16"),
-    ("precision=null", "precision=None: must be one of auto, fp32, bf16"),
-])
-def test_bad_config_fails_before_work(tmp_path: Path, override: str, fragment: str,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("max_steps=0", "max_steps must be a positive integer, got 0"),
+        ("batch_size=-1", "batch_size must be a positive integer, got -1"),
+        ("eval_blocks=0", "eval_blocks must be a positive integer"),
+        ("max_minutes=0", "max_minutes must be positive or null"),
+        ("optim.lr=0", "optim.lr must be positive"),
+        ("optim.lr=fast", "optim.lr must be a number, got 'fast'"),
+        ("max_minutes=soon", "max_minutes must be positive or null, got 'soon'"),
+        ("resume=maybe", "resume must be true or false"),
+        ("threads=0", "threads must be a positive integer or null, got 0"),
+        ("optim.min_lr=1.0", "optim.min_lr must lie in"),
+        ("optim.warmup_steps=1001", "optim.warmup_steps (1001) must not exceed max_steps (1000)"),
+        ("optim.grad_clip=-1", "optim.grad_clip must be non-negative"),
+        ("optim.betas=[0.9,1.5]", "optim.betas must be two numbers in [0, 1)"),
+        ("seq_len=512", "seq_len (512) must not exceed base.max_seq_len (256)"),
+        ("seq_len=0", "seq_len must be a positive integer, got 0"),
+        ("base.dim=0", "dim must be a positive integer, got 0"),
+        ("base.heads=3", "must be divisible by heads (3)"),
+        ("device=tpu", "device must be auto, cpu or cuda"),
+        ("data=files", "data.paths"),
+        ("precision=fp16", "precision='fp16': must be one of auto, fp32, bf16"),
+        ("precision=null", "precision=None: must be one of auto, fp32, bf16"),
+    ],
+)
+def test_bad_config_fails_before_work(
+    tmp_path: Path, override: str, fragment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def no_work(**kwargs):
         raise AssertionError("prepare_data ran before the config was validated")
 
@@ -177,7 +190,10 @@ def test_bad_config_fails_before_work(tmp_path: Path, override: str, fragment: s
 def test_entry_point_user_error_is_one_line(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.train_base", "max_steps=0", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == "error: max_steps must be a positive integer, got 0"
@@ -185,9 +201,19 @@ def test_entry_point_user_error_is_one_line(tmp_path: Path) -> None:
 
 def test_entry_point_runs_and_prints_json(tmp_path: Path, cache_dir: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.train_base", *FAST, "max_steps=2", f"hydra.run.dir={tmp_path}",
-         f"data.cache_dir={cache_dir}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "experiments.train_base",
+            *FAST,
+            "max_steps=2",
+            f"hydra.run.dir={tmp_path}",
+            f"data.cache_dir={cache_dir}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.lib import base_trainer, drafter_trainer
-from experiments.lib import training
+from experiments.lib import base_trainer, drafter_trainer, training
 from experiments.lib.checkpoint import CheckpointError, load_checkpoint
 from experiments.lib.rundir import RunDirectoryInUse, RunLock
 from experiments.lib.training import MetricsFile
@@ -53,8 +52,9 @@ def crash_at(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_drafter_crash_and_resume_equals_uninterrupted(family: str, tiny_base: Path, cache_dir: str, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_drafter_crash_and_resume_equals_uninterrupted(
+    family: str, tiny_base: Path, cache_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     common = ["max_steps=6", "checkpoint_every=2", "eval_every=2", *FP32]
     clean = drafter_trainer.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "clean", *common))
     crash_at(monkeypatch, 5)
@@ -68,8 +68,13 @@ def test_drafter_crash_and_resume_equals_uninterrupted(family: str, tiny_base: P
     # the batch and the RNG of step s are functions of (seed, s): the resumed run retraces the clean one
     assert fingerprint_of(resumed) == fingerprint_of(clean)
     assert resumed["positions"] == clean["positions"]
-    metric = {"medusa": "head1_agree", "prophet": "step1_agree", "draft": "agree", "sequential": "head1_agree",
-              "early_exit": "agree"}[family]
+    metric = {
+        "medusa": "head1_agree",
+        "prophet": "step1_agree",
+        "draft": "agree",
+        "sequential": "head1_agree",
+        "early_exit": "agree",
+    }[family]
     assert resumed[metric] == clean[metric]
     steps = [r["step"] for r in MetricsFile.read(tmp_path / "crashed" / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == list(range(1, 7))  # no repeats, no gaps
@@ -94,8 +99,14 @@ def test_drafter_survives_kill_9(tiny_base: Path, cache_dir: str, tmp_path: Path
     args = ["max_steps=150", "checkpoint_every=1", "eval_every=1000", "log_every=1000", *FP32]
     cfg = drafter_cfg("medusa", tiny_base, cache_dir, tmp_path / "killed", *args)
     overrides = [f"{k}={v}" for k, v in [("drafter", "medusa"), ("base_checkpoint", tiny_base)]]
-    command = [sys.executable, "-m", "experiments.train_drafter", *overrides, *_cli_overrides(cfg, args),
-               f"hydra.run.dir={tmp_path / 'killed'}"]
+    command = [
+        sys.executable,
+        "-m",
+        "experiments.train_drafter",
+        *overrides,
+        *_cli_overrides(cfg, args),
+        f"hydra.run.dir={tmp_path / 'killed'}",
+    ]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         _wait_for_checkpoint(tmp_path / "killed", proc, step=3, timeout=240)
@@ -115,17 +126,32 @@ def _cli_overrides(cfg, extra: list[str]) -> list[str]:
     """The drafter_cfg overrides as command-line arguments (the same run, launched as a process)."""
     from tests.test_experiments import DATA, DRAFTER, SMALL
 
-    return [*DRAFTER, *SMALL["medusa"], *DATA, f"data.cache_dir={cfg.data.cache_dir}",
-            f"features.root={cfg.features.root}", *extra]
+    return [
+        *DRAFTER,
+        *SMALL["medusa"],
+        *DATA,
+        f"data.cache_dir={cfg.data.cache_dir}",
+        f"features.root={cfg.features.root}",
+        *extra,
+    ]
 
 
-def test_an_unfinished_artifact_is_resumed_not_reused(tiny_base: Path, cache_dir: str, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unfinished_artifact_is_resumed_not_reused(
+    tiny_base: Path, cache_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from experiments.lib import artifacts
     from tests.test_experiments import DRAFTER
 
-    recipe = [f"base_checkpoint={tiny_base}", "drafter=medusa", *DRAFTER, f"data.cache_dir={cache_dir}",
-              f"features.root={cache_dir}/features", "max_steps=6", "checkpoint_every=2", *FP32]
+    recipe = [
+        f"base_checkpoint={tiny_base}",
+        "drafter=medusa",
+        *DRAFTER,
+        f"data.cache_dir={cache_dir}",
+        f"features.root={cache_dir}/features",
+        "max_steps=6",
+        "checkpoint_every=2",
+        *FP32,
+    ]
     crash_at(monkeypatch, 5)
     with pytest.raises(RuntimeError, match="killed"):  # a benchmark killed while it trained its medusa
         artifacts.ensure("medusa", recipe, root=tmp_path)
@@ -139,19 +165,25 @@ def test_an_unfinished_artifact_is_resumed_not_reused(tiny_base: Path, cache_dir
 # --------------------------------------------------------------------------------- the run directory
 
 
-def test_second_training_in_the_same_directory_fails_at_once(tmp_path: Path, cache_dir: str,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_second_training_in_the_same_directory_fails_at_once(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def no_work(**kwargs):
         raise AssertionError("prepare_data ran although the run directory is in use")
 
     monkeypatch.setattr(base_trainer, "prepare_data", no_work)
     with RunLock(tmp_path):  # held as another training would hold it
-        with pytest.raises(RunDirectoryInUse, match=rf"run directory {tmp_path} is in use by another training \(pid {os.getpid()}\)"):
+        with pytest.raises(
+            RunDirectoryInUse, match=rf"run directory {tmp_path} is in use by another training \(pid {os.getpid()}\)"
+        ):
             base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
 
 
 def test_lock_is_released_when_the_holder_dies(tmp_path: Path) -> None:
-    code = f"from experiments.lib.rundir import RunLock; l = RunLock({str(tmp_path)!r}).__enter__(); import os; os.kill(os.getpid(), 9)"
+    code = (
+        f"from experiments.lib.rundir import RunLock; l = RunLock({str(tmp_path)!r}).__enter__(); "
+        "import os; os.kill(os.getpid(), 9)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT)
     assert proc.returncode == -signal.SIGKILL and (tmp_path / ".lock").exists()
     with RunLock(tmp_path):  # the kernel dropped the dead process's lock: no stale lock to clean up
@@ -160,23 +192,39 @@ def test_lock_is_released_when_the_holder_dies(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_second_process_in_the_same_directory_gets_one_line(tmp_path: Path) -> None:
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from experiments.lib.rundir import RunLock; "
-                               f"l = RunLock({str(tmp_path)!r}).__enter__(); print('locked', flush=True); time.sleep(60)"],
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from experiments.lib.rundir import RunLock; "
+            f"l = RunLock({str(tmp_path)!r}).__enter__(); print('locked', flush=True); time.sleep(60)",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        proc = subprocess.run([sys.executable, "-m", "experiments.train_base", *BASE, f"hydra.run.dir={tmp_path}"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "experiments.train_base", *BASE, f"hydra.run.dir={tmp_path}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         holder.kill()
         holder.wait()
     assert proc.returncode == 2
-    assert proc.stderr.strip() == (f"error: run directory {tmp_path} is in use by another training (pid {holder.pid}); "
-                                   "wait for it to finish or choose another out_dir / hydra.run.dir")
+    assert proc.stderr.strip() == (
+        f"error: run directory {tmp_path} is in use by another training (pid {holder.pid}); "
+        "wait for it to finish or choose another out_dir / hydra.run.dir"
+    )
 
 
-def test_checkpoint_without_meta_is_refused_before_training(tmp_path: Path, cache_dir: str,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checkpoint_without_meta_is_refused_before_training(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "model.safetensors").write_bytes(b"weights copied without their meta.json")
     monkeypatch.setattr(base_trainer, "prepare_data", lambda **kw: pytest.fail("trained before refusing"))
@@ -194,11 +242,14 @@ def test_out_dir_that_cannot_be_written_is_one_line(tmp_path: Path, cache_dir: s
 # ------------------------------------------------------------------------------------ recipe on resume
 
 
-@pytest.mark.parametrize("override, diff", [
-    ("seed=1", "seed: checkpoint 0 vs now 1"),
-    ("optim.lr=0.01", "'lr': 0.003"),
-    ("batch_size=2", "batch_size: checkpoint 4 vs now 2"),
-])
+@pytest.mark.parametrize(
+    "override, diff",
+    [
+        ("seed=1", "seed: checkpoint 0 vs now 1"),
+        ("optim.lr=0.01", "'lr': 0.003"),
+        ("batch_size=2", "batch_size: checkpoint 4 vs now 2"),
+    ],
+)
 def test_base_resume_refuses_another_recipe(override: str, diff: str, tmp_path: Path, cache_dir: str) -> None:
     base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
     with pytest.raises(CheckpointError, match="was trained with another recipe") as excinfo:
@@ -207,17 +258,21 @@ def test_base_resume_refuses_another_recipe(override: str, diff: str, tmp_path: 
     assert base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=4", override, "resume=false"))["start_step"] == 0
 
 
-@pytest.mark.parametrize("override, diff", [("seed=1", "seed: checkpoint 0 vs now 1"),
-                                            ("drafter.loss.target=argmax", "'target': 'kl'")])
-def test_drafter_resume_refuses_another_recipe(override: str, diff: str, tiny_base: Path, cache_dir: str,
-                                               tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "override, diff", [("seed=1", "seed: checkpoint 0 vs now 1"), ("drafter.loss.target=argmax", "'target': 'kl'")]
+)
+def test_drafter_resume_refuses_another_recipe(
+    override: str, diff: str, tiny_base: Path, cache_dir: str, tmp_path: Path
+) -> None:
     drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
     with pytest.raises(CheckpointError, match="was trained with another recipe") as excinfo:
         drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=4", override))
     assert diff in str(excinfo.value)
 
 
-def test_drafter_resume_refuses_a_base_checkpoint_in_its_directory(tiny_base: Path, cache_dir: str, tmp_path: Path) -> None:
+def test_drafter_resume_refuses_a_base_checkpoint_in_its_directory(
+    tiny_base: Path, cache_dir: str, tmp_path: Path
+) -> None:
     base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))  # a base's run directory, given as a drafter's
     with pytest.raises(ValueError, match=r"checkpoint is not a drafter checkpoint \(kind='base_lm'\)"):
         drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
@@ -244,8 +299,13 @@ def test_grad_accum_larger_than_the_batch_is_one_line(tmp_path: Path, cache_dir:
 
 
 def _torchrun(module: str, *overrides: str, timeout: int = 600) -> dict:
-    proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", module, *overrides],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", module, *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout  # only rank 0 prints its result
@@ -264,11 +324,13 @@ def test_torchrun_two_ranks_train_identical_replicas(tmp_path: Path, cache_dir: 
     meta = load_checkpoint(Path(result["checkpoint"])).meta
     assert result["replica_fingerprints"] == [meta["fingerprint"]] * 2  # both ranks end on the saved weights
     assert meta["world_size"] == 2 and result["train_tokens"] == 4 * 4 * 64  # the global batch, counted once
-    single = base_trainer.train(base_cfg(tmp_path / "single", cache_dir, "max_steps=4", "eval_every=2",
-                                       "checkpoint_every=2"))
+    single = base_trainer.train(
+        base_cfg(tmp_path / "single", cache_dir, "max_steps=4", "eval_every=2", "checkpoint_every=2")
+    )
     # data sharded by rank and gradients averaged: the same training as one process on the whole batch
-    assert _close(load_checkpoint(Path(result["checkpoint"])).state_dict,
-                  load_checkpoint(Path(single["checkpoint"])).state_dict)
+    assert _close(
+        load_checkpoint(Path(result["checkpoint"])).state_dict, load_checkpoint(Path(single["checkpoint"])).state_dict
+    )
 
 
 @pytest.mark.slow
@@ -276,29 +338,47 @@ def test_torchrun_two_ranks_train_identical_replicas(tmp_path: Path, cache_dir: 
 def test_torchrun_two_ranks_train_a_drafter(family: str, tiny_base: Path, cache_dir: str, tmp_path: Path) -> None:
     from tests.test_experiments import DATA, DRAFTER, SMALL
 
-    common = [f"drafter={family}", f"base_checkpoint={tiny_base}", *DRAFTER, *SMALL[family], *DATA, *FP32,
-              f"data.cache_dir={cache_dir}", f"features.root={cache_dir}/features"]
+    common = [
+        f"drafter={family}",
+        f"base_checkpoint={tiny_base}",
+        *DRAFTER,
+        *SMALL[family],
+        *DATA,
+        *FP32,
+        f"data.cache_dir={cache_dir}",
+        f"features.root={cache_dir}/features",
+    ]
     result = _torchrun("experiments.train_drafter", *common, f"hydra.run.dir={tmp_path / 'ddp'}")
     meta = load_checkpoint(Path(result["checkpoint"])).meta
     assert result["world_size"] == 2 and result["replica_fingerprints"] == [meta["fingerprint"]] * 2
     single = drafter_trainer.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "single", *FP32))
-    assert _close(load_checkpoint(Path(result["checkpoint"])).state_dict,
-                  load_checkpoint(Path(single["checkpoint"])).state_dict)
+    assert _close(
+        load_checkpoint(Path(result["checkpoint"])).state_dict, load_checkpoint(Path(single["checkpoint"])).state_dict
+    )
 
 
 # ------------------------------------------------------------------------- settings checked before work
 
 
-@pytest.mark.parametrize("family, override, message", [
-    ("medusa", "drafter.loss.target=bogus", "target='bogus': must be one of kl, argmax, true"),
-    ("medusa", "+drafter.loss.foo=1", "drafter.loss.foo: not a setting of medusa.train.loss"),
-    ("medusa", "+drafter.module.foo=1", "drafter.module.foo: not a setting of medusa.train.build"),
-    ("prophet", "drafter.loss.unroll=0", "unroll=0: must be an integer >= 1"),
-    ("medusa", "drafter.module.num_heads=0", "num_heads=0: must be an integer >= 1"),
-])
-def test_drafter_settings_fail_before_the_feature_cache(family: str, override: str, message: str, tiny_base: Path,
-                                                        cache_dir: str, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "family, override, message",
+    [
+        ("medusa", "drafter.loss.target=bogus", "target='bogus': must be one of kl, argmax, true"),
+        ("medusa", "+drafter.loss.foo=1", "drafter.loss.foo: not a setting of medusa.train.loss"),
+        ("medusa", "+drafter.module.foo=1", "drafter.module.foo: not a setting of medusa.train.build"),
+        ("prophet", "drafter.loss.unroll=0", "unroll=0: must be an integer >= 1"),
+        ("medusa", "drafter.module.num_heads=0", "num_heads=0: must be an integer >= 1"),
+    ],
+)
+def test_drafter_settings_fail_before_the_feature_cache(
+    family: str,
+    override: str,
+    message: str,
+    tiny_base: Path,
+    cache_dir: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(drafter_trainer, "open_features", lambda *a, **k: pytest.fail("the feature cache ran first"))
     with pytest.raises(ValueError) as excinfo:
         drafter_trainer.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path, override))
@@ -314,8 +394,9 @@ def test_metrics_file_drops_a_line_cut_short_by_a_kill(tmp_path: Path) -> None:
         MetricsFile.read(path)
 
 
-def test_a_nan_loss_stops_training_and_keeps_the_last_checkpoint(tmp_path: Path, cache_dir: str,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_nan_loss_stops_training_and_keeps_the_last_checkpoint(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
     before = load_checkpoint(tmp_path / "checkpoint").meta["fingerprint"]
     real_loss = base_trainer.lm_loss
@@ -333,8 +414,13 @@ def small_disk(tmp_path: Path):
     def mount(size_bytes: int) -> Path:
         where = tmp_path / f"disk{len(mounted)}"
         where.mkdir()
-        ok = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)],
-                                                  capture_output=True).returncode == 0
+        ok = (
+            os.geteuid() == 0
+            and subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(where)], capture_output=True
+            ).returncode
+            == 0
+        )
         if not ok:
             pytest.skip("mounting a small tmpfs needs root")
         mounted.append(where)
@@ -359,8 +445,9 @@ def test_a_full_disk_keeps_the_last_checkpoint(small_disk, tmp_path: Path, cache
     assert sorted(p.name for p in (disk / "run").iterdir() if p.name.startswith(".checkpoint")) == []
 
 
-def test_a_job_needing_an_artifact_another_job_is_training_waits_and_reuses_it(tmp_path: Path, cache_dir: str,
-                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_job_needing_an_artifact_another_job_is_training_waits_and_reuses_it(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Parallel sweep jobs share artifacts: the second waits for the first's lock instead of failing."""
     import threading
 
@@ -385,16 +472,18 @@ def test_a_job_needing_an_artifact_another_job_is_training_waits_and_reuses_it(t
     assert done == [out_dir / "checkpoint"]
 
 
-def test_another_recipe_is_refused_before_the_corpus_is_read(tmp_path: Path, cache_dir: str,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_another_recipe_is_refused_before_the_corpus_is_read(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))
     monkeypatch.setattr(base_trainer, "prepare_data", lambda **kw: pytest.fail("read the corpus before refusing"))
     with pytest.raises(CheckpointError, match="seed: checkpoint 0 vs now 1"):
         base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=4", "seed=1"))
 
 
-def test_drafter_recipe_is_refused_before_the_feature_cache(tiny_base: Path, cache_dir: str, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_drafter_recipe_is_refused_before_the_feature_cache(
+    tiny_base: Path, cache_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
     monkeypatch.setattr(drafter_trainer, "prepare_data", lambda **kw: pytest.fail("read the corpus before refusing"))
     with pytest.raises(CheckpointError, match="seed: checkpoint 0 vs now 1"):
@@ -402,11 +491,13 @@ def test_drafter_recipe_is_refused_before_the_feature_cache(tiny_base: Path, cac
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
-def test_a_step_samples_as_many_positions_in_micro_batches(grad_accum: int, tiny_base: Path, cache_dir: str,
-                                                           tmp_path: Path) -> None:
+def test_a_step_samples_as_many_positions_in_micro_batches(
+    grad_accum: int, tiny_base: Path, cache_dir: str, tmp_path: Path
+) -> None:
     """Medusa samples `positions` per loss call: split into micro-batches (or ranks), each samples its share."""
-    result = drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "drafter.loss.positions=16",
-                                             f"grad_accum={grad_accum}"))
+    result = drafter_trainer.train(
+        drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "drafter.loss.positions=16", f"grad_accum={grad_accum}")
+    )
     assert result["positions"] == 4 * 16  # 4 steps of 16 positions, however the batch was split
 
 

@@ -6,14 +6,13 @@ import random
 import pytest
 import torch
 
-from tests.conftest import make_lm
+from tests.test_lossless import NEW, PROMPT, TRIALS, VOCAB, chi_square, exact_joint, sharp_lm
+from verify.cache import tree_attention
 from verify.draft_model import DraftModelDrafter
-from tests.test_lossless import CASES, NEW, PROMPT, TRIALS, VOCAB, chi_square, exact_joint, sharp_lm
 from verify.drafter import Draft
 from verify.plain import plain_generate
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate
-from verify.cache import tree_attention
 from verify.target import Target
 from verify.tree import grow_tree, sort_paths, tree_from_paths, verify_parents
 
@@ -130,7 +129,11 @@ class RandomTreeStub:
         draft = self._full()
         if depth_one:
             keep = torch.tensor([0, 1, 2])
-            return Draft(tokens=draft.tokens[:, keep], q=None if draft.q is None else draft.q[:, keep], parents=draft.parents[keep])
+            return Draft(
+                tokens=draft.tokens[:, keep],
+                q=None if draft.q is None else draft.q[:, keep],
+                parents=draft.parents[keep],
+            )
         return draft
 
     def _full(self):
@@ -154,8 +157,13 @@ def run_tree(drafter, rule="auto"):
     target_lm = sharp_lm(0)
     sampling = SamplingConfig(temperature=1.0)
     out = speculative_generate(
-        Target(target_lm), drafter, [PROMPT] * TRIALS, max_new_tokens=NEW + 1,  # the first step may draft gamma deep
-        spec=SpecConfig(gamma=2, rule=rule), sampling=sampling, generator=torch.Generator().manual_seed(0),
+        Target(target_lm),
+        drafter,
+        [PROMPT] * TRIALS,
+        max_new_tokens=NEW + 1,  # the first step may draft gamma deep
+        spec=SpecConfig(gamma=2, rule=rule),
+        sampling=sampling,
+        generator=torch.Generator().manual_seed(0),
     )
     return chi_square([t[:NEW] for t in out.tokens], exact_joint(target_lm, sampling)), out.stats
 
@@ -212,8 +220,13 @@ def run_options(make_drafter, rows=200, **spec):
     """(tau, alpha) of one seeded T=1 run of `rows` copies of PROMPT on the sharp target."""
     target_lm = sharp_lm(0)
     out = speculative_generate(
-        Target(target_lm), make_drafter(target_lm), [PROMPT] * rows, max_new_tokens=8, spec=SpecConfig(gamma=2, **spec),
-        sampling=SamplingConfig(temperature=1.0), generator=torch.Generator().manual_seed(0),
+        Target(target_lm),
+        make_drafter(target_lm),
+        [PROMPT] * rows,
+        max_new_tokens=8,
+        spec=SpecConfig(gamma=2, **spec),
+        sampling=SamplingConfig(temperature=1.0),
+        generator=torch.Generator().manual_seed(0),
     )
     return out.stats.tau, out.stats.alpha
 
@@ -247,4 +260,9 @@ def test_typical_options_reach_chains_and_trees(kind):
     _, strict = run_options(make, rule="typical", typical_epsilon=0.5, typical_alpha=5.0)
     _, low_epsilon = run_options(make, rule="typical", typical_epsilon=0.01)
     _, low_alpha = run_options(make, rule="typical", typical_alpha=0.01)
-    assert strict < default - 0.2 and low_epsilon > default + 0.05 and low_alpha > default + 0.05, (strict, default, low_epsilon, low_alpha)
+    assert strict < default - 0.2 and low_epsilon > default + 0.05 and low_alpha > default + 0.05, (
+        strict,
+        default,
+        low_epsilon,
+        low_alpha,
+    )

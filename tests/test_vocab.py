@@ -12,15 +12,16 @@ import torch
 from torch import nn
 
 from experiments.lib.data import PreparedData, token_counts
-from medusa import train as medusa_train
 from medusa import drafter as medusa_drafter
+from medusa import train as medusa_train
 from medusa.drafter import MedusaDrafter
 from medusa.heads import MedusaHeads
 from prophet import drafter as prophet_drafter
 from prophet.drafter import ProphetDrafter
 from prophet.model import Prophet
 from tests.conftest import make_lm
-from tests.test_lossless import PROMPT, VOCAB, run as run_lossless, sharp_lm
+from tests.test_lossless import PROMPT, VOCAB, sharp_lm
+from tests.test_lossless import run as run_lossless
 from verify.draft_model import DraftModelDrafter
 from verify.drafter import Draft
 from verify.plain import plain_generate
@@ -46,7 +47,11 @@ def test_frequent_tokens_picks_the_most_frequent_ids_sorted():
     assert frequent_tokens(counts, 3).tolist() == [0, 2, 3]
     assert frequent_tokens(counts, 4).tolist() == [0, 2, 3, 5]
     assert frequent_tokens(torch.tensor([2, 2, 2, 1]), 2).tolist() == [0, 1]  # ties: the lower ids
-    assert frequent_tokens(counts, None) is None and frequent_tokens(counts, 6) is None and frequent_tokens(counts, 99) is None
+    assert (
+        frequent_tokens(counts, None) is None
+        and frequent_tokens(counts, 6) is None
+        and frequent_tokens(counts, 99) is None
+    )
 
 
 @pytest.mark.parametrize("n", [0, -3, 2.5, True, "4"])
@@ -58,10 +63,15 @@ def test_frequent_tokens_rejects_bad_sizes_in_one_line(n):
 
 @pytest.mark.parametrize(
     "ids, match",
-    [(torch.tensor([3, 1]), "sorted and distinct"), (torch.tensor([1, 1]), "sorted and distinct"),
-     (torch.tensor([0, 6]), r"span \[0, 6\]: must lie in \[0, 6\)"), (torch.tensor([-1, 2]), "span"),
-     (torch.tensor([], dtype=torch.long), "non-empty"), (torch.tensor([0.0, 1.0]), "non-empty 1-D tensor of token ids"),
-     ([0, 1], "non-empty 1-D tensor")],
+    [
+        (torch.tensor([3, 1]), "sorted and distinct"),
+        (torch.tensor([1, 1]), "sorted and distinct"),
+        (torch.tensor([0, 6]), r"span \[0, 6\]: must lie in \[0, 6\)"),
+        (torch.tensor([-1, 2]), "span"),
+        (torch.tensor([], dtype=torch.long), "non-empty"),
+        (torch.tensor([0.0, 1.0]), "non-empty 1-D tensor of token ids"),
+        ([0, 1], "non-empty 1-D tensor"),
+    ],
 )
 def test_check_vocab_rejects_bad_subsets_in_one_line(ids, match):
     with pytest.raises(ValueError, match=match) as err:
@@ -84,8 +94,17 @@ def test_trim_expand_and_map_back():
 
 
 def test_token_counts_count_the_training_split_only():
-    data = PreparedData(tokenizer=None, train_ids=torch.tensor([0, 3, 3, 5, 0, 3]), val_ids=torch.tensor([1, 1, 1]),
-                        train_bytes=6, val_bytes=3, eos_id=0, vocab_size=7, val_files=[], cache_key="x")
+    data = PreparedData(
+        tokenizer=None,
+        train_ids=torch.tensor([0, 3, 3, 5, 0, 3]),
+        val_ids=torch.tensor([1, 1, 1]),
+        train_bytes=6,
+        val_bytes=3,
+        eos_id=0,
+        vocab_size=7,
+        val_files=[],
+        cache_key="x",
+    )
     assert token_counts(data, 7).tolist() == [2, 0, 0, 3, 0, 1, 0]
     assert frequent_tokens(token_counts(data, 7), 2).tolist() == [0, 3]
     with pytest.raises(ValueError, match="vocab_size=5: must exceed the largest training id 5"):
@@ -110,7 +129,9 @@ def perturb(module: nn.Module, seed: int, scale: float = 0.2) -> nn.Module:
 def test_stacked_heads_equal_the_heads_forward(share, layers, bias, vocab):
     torch.manual_seed(0)
     projection = perturb(nn.Linear(32, V, bias=bias), seed=5)
-    heads = perturb(MedusaHeads(projection=projection, num_heads=3, num_layers=layers, share_base_projection=share), seed=1)
+    heads = perturb(
+        MedusaHeads(projection=projection, num_heads=3, num_layers=layers, share_base_projection=share), seed=1
+    )
     stacked = heads.stacked(vocab)
     assert stacked.block_weight.shape == (3, layers, 32, 32) and stacked.block_bias.shape == (3, layers, 32)
     n = V if vocab is None else len(vocab)
@@ -202,8 +223,15 @@ def drafter_factory(name: str, base):
 
 
 def generate(base, drafter, n=20, gamma=3, sampling=SamplingConfig()):
-    return speculative_generate(Target(base), drafter, PROMPTS, max_new_tokens=n, spec=SpecConfig(gamma=gamma),
-                                sampling=sampling, generator=torch.Generator().manual_seed(0))
+    return speculative_generate(
+        Target(base),
+        drafter,
+        PROMPTS,
+        max_new_tokens=n,
+        spec=SpecConfig(gamma=gamma),
+        sampling=sampling,
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -232,11 +260,23 @@ def test_sampled_drafts_and_q_stay_in_the_subset(name):
 
 @pytest.mark.parametrize(
     "make, match",
-    [(lambda b: MedusaDrafter(MedusaHeads.from_base(b, num_heads=2, num_layers=1), tree=[[4]], vocab=torch.arange(4)),
-      "ranks must be below the vocabulary size 4"),
-     (lambda b: ProphetDrafter(Prophet.from_base(b, dim=16, heads=2), top_k=5, vocab=torch.arange(4)), "top_k=5: must be at most the vocabulary size 4"),
-     (lambda b: DraftModelDrafter(b, vocab=torch.tensor([3, V])), rf"span \[3, {V}\]"),
-     (lambda b: MedusaHeads.from_base(b, num_heads=1, num_layers=1).stacked(torch.tensor([2, 1])), "sorted and distinct")],
+    [
+        (
+            lambda b: MedusaDrafter(
+                MedusaHeads.from_base(b, num_heads=2, num_layers=1), tree=[[4]], vocab=torch.arange(4)
+            ),
+            "ranks must be below the vocabulary size 4",
+        ),
+        (
+            lambda b: ProphetDrafter(Prophet.from_base(b, dim=16, heads=2), top_k=5, vocab=torch.arange(4)),
+            "top_k=5: must be at most the vocabulary size 4",
+        ),
+        (lambda b: DraftModelDrafter(b, vocab=torch.tensor([3, V])), rf"span \[3, {V}\]"),
+        (
+            lambda b: MedusaHeads.from_base(b, num_heads=1, num_layers=1).stacked(torch.tensor([2, 1])),
+            "sorted and distinct",
+        ),
+    ],
 )
 def test_subsets_that_cannot_work_raise_one_line_errors(make, match):
     with pytest.raises(ValueError, match=match) as err:
@@ -279,12 +319,18 @@ def test_trimmed_sampling_reproduces_the_target_distribution(name):
         drafter = DraftModelDrafter(sharp_lm(1), vocab=LOSSLESS_SUBSET)
     else:
         torch.manual_seed(0)
-        drafter = ProphetDrafter(Prophet.from_base(sharp_lm(0), dim=16, depth=1, heads=2), mode="chain", vocab=LOSSLESS_SUBSET)
+        drafter = ProphetDrafter(
+            Prophet.from_base(sharp_lm(0), dim=16, depth=1, heads=2), mode="chain", vocab=LOSSLESS_SUBSET
+        )
     (stat, critical), stats = run_lossless(drafter, SamplingConfig(temperature=1.0))
     assert 0 < stats.alpha < 1
     assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}: the output is not the target's distribution"
 
 
 def test_negative_control_q_outside_the_subset_is_detected():
-    (stat, critical), _ = run_lossless(ForgetsTheSubset(sharp_lm(1), vocab=LOSSLESS_SUBSET), SamplingConfig(temperature=1.0))
-    assert stat > critical, f"q nonzero outside the subset passed: chi2 {stat:.1f} < {critical:.1f}; the test has no power"
+    (stat, critical), _ = run_lossless(
+        ForgetsTheSubset(sharp_lm(1), vocab=LOSSLESS_SUBSET), SamplingConfig(temperature=1.0)
+    )
+    assert stat > critical, (
+        f"q nonzero outside the subset passed: chi2 {stat:.1f} < {critical:.1f}; the test has no power"
+    )

@@ -126,7 +126,9 @@ def best_chain(
     for g in range(1, max_gamma + 1):
         tokens = expected_tokens_chain(acceptance, g)
         seconds = interpolate_cost(verify_cost, g + 1) + g * step + fixed
-        rows.append({"gamma": g, "expected_tokens": tokens, "seconds_per_step": seconds, "tokens_per_s": tokens / seconds})
+        rows.append(
+            {"gamma": g, "expected_tokens": tokens, "seconds_per_step": seconds, "tokens_per_s": tokens / seconds}
+        )
     best = max(rows, key=lambda r: r["tokens_per_s"])  # max keeps the first of equal values
     return best["gamma"], rows
 
@@ -149,7 +151,9 @@ def best_tree(candidates: list[dict], *, verify_cost: dict[int, float]) -> tuple
     for i, c in enumerate(candidates):
         missing = [key for key in ("tree_nodes", "tau", "draft_seconds_per_step") if key not in c]
         if missing:
-            raise ValueError(f"candidates[{i}] lacks {', '.join(missing)}: each needs tree_nodes, tau, draft_seconds_per_step")
+            raise ValueError(
+                f"candidates[{i}] lacks {', '.join(missing)}: each needs tree_nodes, tau, draft_seconds_per_step"
+            )
         nodes = _check_gamma(c["tree_nodes"], f"candidates[{i}].tree_nodes")
         tau = c["tau"]
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau <= 0:

@@ -68,8 +68,17 @@ class StaticCache:
     the decode loop keeps.
     """
 
-    def __init__(self, *, layers: int, batch: int, heads: int, dim_head: int, capacity: int,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        *,
+        layers: int,
+        batch: int,
+        heads: int,
+        dim_head: int,
+        capacity: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         shape = (batch, heads, capacity, dim_head)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]

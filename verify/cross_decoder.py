@@ -20,8 +20,17 @@ from torch import Tensor, nn
 
 from verify.cache import StaticCache, visibility, write_kv
 from verify.engine import (
-    _LAYERS_OFF, UnsupportedModel, _attend, _bias, _check_attention, _feedforward_weights, _layer_norm_weight,
-    _require, _rotate, pre_norm_blocks, rotary_table,
+    _LAYERS_OFF,
+    UnsupportedModel,
+    _attend,
+    _bias,
+    _check_attention,
+    _feedforward_weights,
+    _layer_norm_weight,
+    _require,
+    _rotate,
+    pre_norm_blocks,
+    rotary_table,
 )
 
 
@@ -50,7 +59,9 @@ class LeanCrossDecoder:
         if "a" not in kinds or "c" not in kinds:
             raise UnsupportedModel(f"{where} needs self-attention and cross-attention layers, has {''.join(kinds)!r}")
         final = layers.final_norm
-        self.final_gain = None if type(final).__name__ == "Identity" else _layer_norm_weight(final, where + ".final_norm")
+        self.final_gain = (
+            None if type(final).__name__ == "Identity" else _layer_norm_weight(final, where + ".final_norm")
+        )
         self.inv_freq = layers.rotary_pos_emb.inv_freq.detach()
         self.dim = layers.dim
         self.dtype = self.blocks[0][1][0].dtype
@@ -63,22 +74,38 @@ class LeanCrossDecoder:
         self.heads, self.scale = attn.heads, attn.scale
         self.dim_head = attn.to_q.out_features // attn.heads
         layers = (attn.to_q, attn.to_k, attn.to_v)
-        bias = [_bias(layer) if layer.bias is not None else layer.weight.new_zeros(layer.out_features) for layer in layers]
+        bias = [
+            _bias(layer) if layer.bias is not None else layer.weight.new_zeros(layer.out_features) for layer in layers
+        ]
         has_bias = any(layer.bias is not None for layer in layers)
         if not cross:
             w = torch.cat([layer.weight for layer in layers]).detach()  # (3 h dh, d)
             return w, torch.cat(bias) if has_bias else None, attn.to_out.weight.detach(), _bias(attn.to_out)
         wkv = torch.cat([attn.to_k.weight, attn.to_v.weight]).detach()  # (2 h dh, d_context)
         bkv = torch.cat(bias[1:]) if has_bias else None
-        return attn.to_q.weight.detach(), bias[0] if has_bias else None, wkv, bkv, attn.to_out.weight.detach(), _bias(attn.to_out)
+        return (
+            attn.to_q.weight.detach(),
+            bias[0] if has_bias else None,
+            wkv,
+            bkv,
+            attn.to_out.weight.detach(),
+            _bias(attn.to_out),
+        )
 
     @property
     def num_layers(self) -> int:
         return sum(kind == "a" for kind, _ in self.blocks)
 
     def new_cache(self, batch: int, capacity: int, *, device: torch.device) -> StaticCache:
-        return StaticCache(layers=self.num_layers, batch=batch, heads=self.heads, dim_head=self.dim_head,
-                           capacity=capacity, device=device, dtype=self.dtype)
+        return StaticCache(
+            layers=self.num_layers,
+            batch=batch,
+            heads=self.heads,
+            dim_head=self.dim_head,
+            capacity=capacity,
+            device=device,
+            dtype=self.dtype,
+        )
 
     def context(self, encoded: Tensor, source_mask: Tensor) -> CrossContext:
         """Encoder output (b, S, d) and source mask (b, S) -> every cross-attention layer's keys and values."""
@@ -96,8 +123,15 @@ class LeanCrossDecoder:
             self.cos, self.sin = (t.to(self.dtype) for t in rotary_table(self.inv_freq, size, self.dim_head))
         return self.cos, self.sin
 
-    def __call__(self, x: Tensor, cache: StaticCache, context: CrossContext, *, pos: Tensor | None = None,
-                 allow: Tensor | None = None) -> Tensor:
+    def __call__(
+        self,
+        x: Tensor,
+        cache: StaticCache,
+        context: CrossContext,
+        *,
+        pos: Tensor | None = None,
+        allow: Tensor | None = None,
+    ) -> Tensor:
         """Run n new entries x (b, n, d) on top of `cache` and append them to it; returns hidden (b, n, d).
         pos and allow as in `verify.engine.LeanDecoder.__call__` (a chain by default, a tree with both)."""
         n = x.shape[1]
@@ -107,12 +141,22 @@ class LeanCrossDecoder:
         cache.advance(n)
         return hidden
 
-    def forward(self, x: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, pos: Tensor | None,
-                allow: Tensor | None, context: CrossContext) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        k_buf: list[Tensor],
+        v_buf: list[Tensor],
+        start: Tensor,
+        pos: Tensor | None,
+        allow: Tensor | None,
+        context: CrossContext,
+    ) -> Tensor:
         n, capacity = x.shape[1], k_buf[0].shape[2]
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
         pos = slots if pos is None else pos
-        cos, sin = (rearrange(t[pos], "b n r -> b 1 n r") for t in self._table(capacity))  # pos < capacity: a tree node sits at depth < n
+        cos, sin = (
+            rearrange(t[pos], "b n r -> b 1 n r") for t in self._table(capacity)
+        )  # pos < capacity: a tree node sits at depth < n
         mask = visibility(start, n, allow, capacity)  # (b, 1, n, S)
         layer = cross = 0
         for kind, w in self.blocks:
@@ -121,7 +165,9 @@ class LeanCrossDecoder:
                 qkv = rearrange(F.linear(h, w[1], w[2]), "b n (three h d) -> three b h n d", three=3, h=self.heads)
                 q, k = _rotate(qkv[:2], cos, sin)  # one rotation for queries and keys together
                 k_all, v_all = write_kv(k_buf[layer], v_buf[layer], k, qkv[2], slots)  # (b, h, S, dh)
-                x = x + F.linear(rearrange(_attend(q, k_all, v_all, mask, self.scale), "b h n d -> b n (h d)"), w[3], w[4])
+                x = x + F.linear(
+                    rearrange(_attend(q, k_all, v_all, mask, self.scale), "b h n d -> b n (h d)"), w[3], w[4]
+                )
                 layer += 1
             elif kind == "c":
                 q = rearrange(F.linear(h, w[1], w[2]), "b n (h d) -> b h n d", h=self.heads)

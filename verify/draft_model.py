@@ -25,8 +25,15 @@ from verify.vocab import check_vocab
 
 
 class DraftModelDrafter:
-    def __init__(self, model: nn.Module, *, pad_id: int = 0, compile: bool = False,
-                 vocab: Tensor | None = None, engine: str = "auto"):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        pad_id: int = 0,
+        compile: bool = False,
+        vocab: Tensor | None = None,
+        engine: str = "auto",
+    ):
         self.vocab = check_vocab(vocab, model.num_tokens)  # (N,) or None = all V
         # The draft LM's output layer keeps only the subset's rows: its logits are (b, n, N).
         # A compiled draft LM runs steps of 1 token, plus 2 at the start of a cycle (the uncached pair).
@@ -71,6 +78,8 @@ def roll_uncached(cache: Target | StaticCache, uncached: Tensor, fed: int, verdi
     return torch.cat((last_accepted, verdict.pending[:, None]), dim=1)
 
 
-def make_drafter(module: nn.Module, base: nn.Module, *, vocab: Tensor | None = None, compile: bool = False) -> DraftModelDrafter:
+def make_drafter(
+    module: nn.Module, base: nn.Module, *, vocab: Tensor | None = None, compile: bool = False
+) -> DraftModelDrafter:
     """The draft model in the one speculative loop; `vocab` its trimmed output layer (None: all tokens)."""
     return DraftModelDrafter(module, compile=compile, vocab=vocab)

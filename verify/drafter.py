@@ -21,7 +21,9 @@ from verify.target import TargetOutput
 @dataclass
 class Draft:
     tokens: Tensor  # (b, k) proposed tokens, k >= 0
-    q: Tensor | None = None  # (b, k, V) distribution each token was drawn from; None = chosen deterministically (q one-hot)
+    q: Tensor | None = (
+        None  # (b, k, V) distribution each token was drawn from; None = chosen deterministically (q one-hot)
+    )
     parents: Tensor | None = None  # (k,) or (b, k) tree parents, -1 = child of the pending token; None = a chain
 
     @property
@@ -29,7 +31,7 @@ class Draft:
         return self.tokens.shape[1]
 
     @staticmethod
-    def empty(batch: int, device: torch.device) -> "Draft":
+    def empty(batch: int, device: torch.device) -> Draft:
         return Draft(tokens=torch.zeros(batch, 0, dtype=torch.long, device=device))
 
 
@@ -40,7 +42,9 @@ class Verdict:
     accepted: Tensor  # (b,) draft tokens accepted (0..k); 0 for rows that were already finished
     tokens: Tensor  # (b, k + 1) the step's tokens: accepted drafts, then the new pending token at index `accepted`
     pending: Tensor  # (b,) the new pending token (emitted, not yet in the target's cache)
-    target: TargetOutput  # the verification forward over [old pending, draft...]: logits, hidden and layers (b, k + 1, .)
+    target: (
+        TargetOutput  # the verification forward over [old pending, draft...]: logits, hidden and layers (b, k + 1, .)
+    )
     active: Tensor  # (b,) rows that were still generating; finished rows carry placeholders in every field
     path: Tensor  # (b, D + 1) indices into that forward of [old pending, accepted nodes...], padded by repeating
     #               the last accepted node (a chain: 0, 1, .., accepted, accepted, ..)

@@ -35,40 +35,58 @@ from torch import Tensor, nn
 from verify.draft_model import roll_uncached
 from verify.drafter import Draft, Verdict
 from verify.engine import COMPILE_OPTIONS, check_layers, lean
+from verify.hf import HFBase
 from verify.sampling import SamplingConfig, draft_from_logits
 from verify.target import Target, TargetOutput, pad_prompts
-from verify.hf import HFBase
 from verify.vocab import check_vocab
 
 
 def check_lean_base(base: nn.Module) -> None:
     """Early exit runs the base's own first blocks on the lean engine, which serves x-transformers bases only."""
     if isinstance(base, HFBase):
-        raise ValueError(f"early exit needs an x-transformers base (it drafts with the base's first blocks on the lean "
-                         f"engine); got a Hugging Face {type(base.hf).__name__}")
+        raise ValueError(
+            f"early exit needs an x-transformers base (it drafts with the base's first blocks on the lean "
+            f"engine); got a Hugging Face {type(base.hf).__name__}"
+        )
 
 
 class EarlyExitDrafter:
-    def __init__(self, base: nn.Module, head: Callable[[Tensor], Tensor], *, layer: int, vocab: Tensor | None = None,
-                 share_cache: bool = True, compile: bool = False):
+    def __init__(
+        self,
+        base: nn.Module,
+        head: Callable[[Tensor], Tensor],
+        *,
+        layer: int,
+        vocab: Tensor | None = None,
+        share_cache: bool = True,
+        compile: bool = False,
+    ):
         """base: the frozen target's TransformerWrapper; head: states after block `layer` (b, n, d) -> logits
         (b, n, N) over `vocab` (all V when None)."""
         if not isinstance(share_cache, bool):
             raise ValueError(f"share_cache={share_cache!r}: must be true or false")
         check_lean_base(base)
-        self.base, self.engine = base, lean(base, compile=compile)  # the target's own fused weights (built once per base)
+        self.base, self.engine = (
+            base,
+            lean(base, compile=compile),
+        )  # the target's own fused weights (built once per base)
         self.layer = check_layers([layer], self.engine.decoder.depth, name="layer")[0]
         self.head, self.share_cache = head, share_cache
         self.vocab = check_vocab(vocab, base.num_tokens)  # (N,) or None = all V
         self.vocab_size: int = base.num_tokens
         # A compiled draft step runs on the cache's whole buffers: one program per width (1; 2 with an own cache).
-        self.step = torch.compile(self.engine.forward_blocks, dynamic=False, options=COMPILE_OPTIONS) if compile else None
+        self.step = (
+            torch.compile(self.engine.forward_blocks, dynamic=False, options=COMPILE_OPTIONS) if compile else None
+        )
         self.target: Target | None = None
 
     def attach(self, target: Target) -> None:
         """The decode loop hands over its target (before the prefill): its cache is the one drafted on."""
         if target.model is not self.base:
-            raise ValueError("the early-exit drafter was built on another model than the target: it drafts with the target's own first blocks")
+            raise ValueError(
+                "the early-exit drafter was built on another model than the target: it drafts with the target's own "
+                "first blocks"
+            )
         self.target = target
 
     @torch.inference_mode()
@@ -76,15 +94,18 @@ class EarlyExitDrafter:
         self.fed = 0  # entries the last propose appended to the drafting cache
         if self.share_cache:
             if self.target is None or self.target.cache is None:
-                raise ValueError("share_cache=True needs the target: decode with verify.speculative.speculative_generate, "
-                                 "which calls drafter.attach(target) (a wrapper must pass attach on)")
+                raise ValueError(
+                    "share_cache=True needs the target: decode with verify.speculative.speculative_generate, "
+                    "which calls drafter.attach(target) (a wrapper must pass attach on)"
+                )
             self.cache = self.target.cache  # holds every prompt token's entries; the pending token is next
             self.uncached = pending[:, None]  # (b, 1)
             return
         tokens, lengths = pad_prompts(prompts, 0, pending.device)  # (b, W), rows from index 0
         width = tokens.shape[1]
-        self.cache = self.engine.decoder.new_cache(len(prompts), self.engine.max_seq_len + 65, device=pending.device,
-                                                   layers=self.layer)  # one attention layer per block
+        self.cache = self.engine.decoder.new_cache(
+            len(prompts), self.engine.max_seq_len + 65, device=pending.device, layers=self.layer
+        )  # one attention layer per block
         self.engine.first_blocks(tokens, self.cache, blocks=self.layer)  # eager: every prompt width is a new shape
         # keep all but the last prompt token: it opens the first draft forward with the pending token
         self.cache.commit(torch.arange(width, device=pending.device) < (lengths - 1)[:, None])
@@ -116,12 +137,25 @@ class EarlyExitDrafter:
         self.fed = 0
 
 
-def make_drafter(module: nn.Module, base: nn.Module, *, mode: str = "chain", vocab: Tensor | None = None,
-            share_cache: bool = True, compile: bool = False) -> EarlyExitDrafter:
+def make_drafter(
+    module: nn.Module,
+    base: nn.Module,
+    *,
+    mode: str = "chain",
+    vocab: Tensor | None = None,
+    share_cache: bool = True,
+    compile: bool = False,
+) -> EarlyExitDrafter:
     """The early-exit drafter: the base's first `module.layer` blocks and this head (decode kwargs from
     conf/drafter/early_exit.yaml `decode:`). It drafts chains only (`mode` is there for the benchmark's
     <family>_<mode> method names)."""
     if mode != "chain":
         raise ValueError(f"mode={mode!r}: the early-exit drafter drafts chains only (mode=chain)")
-    return EarlyExitDrafter(base, module.eval().for_decoding(vocab), layer=module.layer, vocab=vocab,
-                            share_cache=share_cache, compile=compile)
+    return EarlyExitDrafter(
+        base,
+        module.eval().for_decoding(vocab),
+        layer=module.layer,
+        vocab=vocab,
+        share_cache=share_cache,
+        compile=compile,
+    )

@@ -32,18 +32,46 @@ from verify.cache import StaticCache, visibility, write_kv
 from verify.numerics import NonFiniteError
 
 _ATTN_OFF = dict(  # Attention attributes that must have these values (anything else changes the math)
-    num_mem_kv=0, qk_norm=False, head_scale=False, sparse_topk=None, to_v_gate=None, to_output_gate=None,
-    to_v_head_gate=None, data_dependent_alibi=None, rel_proj_pos_bias=None, laser=False, hybrid_module=None,
-    use_latent_q=False, use_latent_kv=False, attn_on_attn=False, orthog_projected_values=False,
+    num_mem_kv=0,
+    qk_norm=False,
+    head_scale=False,
+    sparse_topk=None,
+    to_v_gate=None,
+    to_output_gate=None,
+    to_v_head_gate=None,
+    data_dependent_alibi=None,
+    rel_proj_pos_bias=None,
+    laser=False,
+    hybrid_module=None,
+    use_latent_q=False,
+    use_latent_kv=False,
+    attn_on_attn=False,
+    orthog_projected_values=False,
 )
 _LAYERS_OFF = dict(  # AttentionLayers attributes likewise
-    pre_norm=True, sandwich_norm=False, pre_and_post_norm=False, residual_attn=False, cross_attend=False,
-    rel_pos=None, polar_pos_emb=None, num_residual_streams=1, unet_skips=False, reinject_input=False,
-    add_value_residual=False, softclamp_output=False, need_condition=False,
+    pre_norm=True,
+    sandwich_norm=False,
+    pre_and_post_norm=False,
+    residual_attn=False,
+    cross_attend=False,
+    rel_pos=None,
+    polar_pos_emb=None,
+    num_residual_streams=1,
+    unet_skips=False,
+    reinject_input=False,
+    add_value_residual=False,
+    softclamp_output=False,
+    need_condition=False,
 )
 _ATTEND_OFF = dict(
-    pre_softmax_talking_heads=None, post_softmax_talking_heads=None, pre_scale_post_talking_heads=None,
-    selective=False, add_zero_kv=False, head_attn_sink=None, softclamp_logits=False, cope=None,
+    pre_softmax_talking_heads=None,
+    post_softmax_talking_heads=None,
+    pre_scale_post_talking_heads=None,
+    selective=False,
+    add_zero_kv=False,
+    head_attn_sink=None,
+    softclamp_logits=False,
+    cope=None,
 )
 
 
@@ -90,32 +118,50 @@ def _require(obj: object, expected: dict, where: str) -> None:
 def _layer_norm_weight(norm: nn.Module, where: str) -> Tensor:
     """x-transformers' bias-free LayerNorm -> its effective gain (gamma + unit offset)."""
     if type(norm).__name__ != "LayerNorm" or not hasattr(norm, "gamma"):
-        raise UnsupportedModel(f"{where} is {type(norm).__name__}: the lean engine implements x-transformers' LayerNorm only")
+        raise UnsupportedModel(
+            f"{where} is {type(norm).__name__}: the lean engine implements x-transformers' LayerNorm only"
+        )
     return norm.gamma.detach() + float(norm.unit_offset)
 
 
 def _check_attention(attn: nn.Module, where: str) -> None:
     if type(attn).__name__ != "Attention":
-        raise UnsupportedModel(f"{where} is {type(attn).__name__}: the lean engine implements self-attention and feed-forward layers only")
+        raise UnsupportedModel(
+            f"{where} is {type(attn).__name__}: the lean engine implements self-attention and feed-forward layers only"
+        )
     _require(attn, _ATTN_OFF, where)
     _require(attn.attend, _ATTEND_OFF, where + ".attend")
     if attn.kv_heads != attn.heads or attn.rotate_num_heads != attn.heads:
-        raise UnsupportedModel(f"{where}: kv_heads={attn.kv_heads}, rotate_num_heads={attn.rotate_num_heads}; the lean engine needs both equal to heads={attn.heads}")
+        raise UnsupportedModel(
+            f"{where}: kv_heads={attn.kv_heads}, rotate_num_heads={attn.rotate_num_heads}; the lean engine needs "
+            f"both equal to heads={attn.heads}"
+        )
     for name in ("to_q", "to_k", "to_v", "to_out"):
         if type(getattr(attn, name)) is not nn.Linear:
-            raise UnsupportedModel(f"{where}.{name} is {type(getattr(attn, name)).__name__}: the lean engine needs a plain Linear")
+            raise UnsupportedModel(
+                f"{where}.{name} is {type(getattr(attn, name)).__name__}: the lean engine needs a plain Linear"
+            )
 
 
 def _feedforward_weights(ff: nn.Module, where: str) -> tuple[Tensor, ...]:
     """x-transformers FeedForward as Linear -> GELU -> Linear (no GLU, no post-activation norm)."""
     seq = getattr(ff, "ff", None)
     ok = (
-        type(ff).__name__ == "FeedForward" and isinstance(seq, nn.Sequential) and len(seq) == 3
-        and isinstance(seq[0], nn.Sequential) and len(seq[0]) == 2 and type(seq[0][0]) is nn.Linear
-        and type(seq[0][1]) is nn.GELU and seq[0][1].approximate == "none" and type(seq[2]) is nn.Linear
+        type(ff).__name__ == "FeedForward"
+        and isinstance(seq, nn.Sequential)
+        and len(seq) == 3
+        and isinstance(seq[0], nn.Sequential)
+        and len(seq[0]) == 2
+        and type(seq[0][0]) is nn.Linear
+        and type(seq[0][1]) is nn.GELU
+        and seq[0][1].approximate == "none"
+        and type(seq[2]) is nn.Linear
     )
     if not ok:
-        raise UnsupportedModel(f"{where}: the lean engine implements the Linear-GELU-Linear feed-forward only (no GLU, no other activation)")
+        raise UnsupportedModel(
+            f"{where}: the lean engine implements the Linear-GELU-Linear feed-forward only "
+            "(no GLU, no other activation)"
+        )
     up, down = seq[0][0], seq[2]
     return up.weight.detach(), _bias(up), down.weight.detach(), _bias(down)
 
@@ -151,7 +197,9 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tens
     return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(dim=-1), v)
 
 
-def pre_norm_blocks(layers: nn.Module, where: str, *, kinds: tuple[str, ...]) -> list[tuple[str, Tensor, nn.Module, str]]:
+def pre_norm_blocks(
+    layers: nn.Module, where: str, *, kinds: tuple[str, ...]
+) -> list[tuple[str, Tensor, nn.Module, str]]:
     """The structural checks every lean decoder makes of x-transformers AttentionLayers (causal, plain
     rotary positions, the default execution order, pre-norm residual blocks of `kinds` only) ->
     (kind, norm gain, module, its name) per layer."""
@@ -159,7 +207,9 @@ def pre_norm_blocks(layers: nn.Module, where: str, *, kinds: tuple[str, ...]) ->
         raise UnsupportedModel(f"{where}.causal=False: the lean engine runs causal decoders only")
     rotary = getattr(layers, "rotary_pos_emb", None)
     if rotary is None or rotary.scale is not None or rotary.interpolation_factor != 1:
-        raise UnsupportedModel(f"{where}: the lean engine needs plain rotary positions (rotary_pos_emb=True, no xpos, no interpolation)")
+        raise UnsupportedModel(
+            f"{where}: the lean engine needs plain rotary positions (rotary_pos_emb=True, no xpos, no interpolation)"
+        )
     if tuple(layers.layers_execute_order) != tuple(range(len(layers.layers))):
         raise UnsupportedModel(f"{where}: custom layer execution orders are not implemented by the lean engine")
     blocks = []
@@ -169,7 +219,9 @@ def pre_norm_blocks(layers: nn.Module, where: str, *, kinds: tuple[str, ...]) ->
             raise UnsupportedModel(f"{here}: the lean engine implements pre-norm residual blocks only")
         _require(residual, dict(residual_scale=None, scale_residual_constant=1.0), here)
         if kind not in kinds:
-            raise UnsupportedModel(f"{here}: layer type {kind!r}; the lean engine implements {', '.join(map(repr, kinds))} only")
+            raise UnsupportedModel(
+                f"{here}: layer type {kind!r}; the lean engine implements {', '.join(map(repr, kinds))} only"
+            )
         blocks.append((kind, _layer_norm_weight(norms[0], here + ".norm"), module, here))
     return blocks
 
@@ -190,7 +242,9 @@ class LeanDecoder:
             raise UnsupportedModel(f"{where} has no attention layer")
         self.depth = block_depth([kind for kind, _ in self.blocks])  # None: no layer states to give
         final = layers.final_norm
-        self.final_gain = None if type(final).__name__ == "Identity" else _layer_norm_weight(final, where + ".final_norm")
+        self.final_gain = (
+            None if type(final).__name__ == "Identity" else _layer_norm_weight(final, where + ".final_norm")
+        )
         self.inv_freq = layers.rotary_pos_emb.inv_freq.detach()
         self.dim = layers.dim
         self.step, self.compiled = self.forward, False  # or its compiled version (`lean(..., compile=True)`)
@@ -205,7 +259,9 @@ class LeanDecoder:
         w = torch.cat([layer.weight for layer in layers]).detach()  # (3 h dh, d): one matmul for q, k and v
         b = None  # a bias on any of them: zeros stand in for the others
         if any(layer.bias is not None for layer in layers):
-            b = torch.cat([_bias(layer) if layer.bias is not None else w.new_zeros(layer.out_features) for layer in layers])
+            b = torch.cat(
+                [_bias(layer) if layer.bias is not None else w.new_zeros(layer.out_features) for layer in layers]
+            )
         self.dim_head = attn.to_q.out_features // attn.heads
         return w, b, attn.to_out.weight.detach(), _bias(attn.to_out)
 
@@ -213,12 +269,20 @@ class LeanDecoder:
     def num_layers(self) -> int:
         return sum(kind == "a" for kind, _ in self.blocks)
 
-    def new_cache(self, batch: int, capacity: int, *, device: torch.device | None = None,
-                  layers: int | None = None) -> StaticCache:
+    def new_cache(
+        self, batch: int, capacity: int, *, device: torch.device | None = None, layers: int | None = None
+    ) -> StaticCache:
         """A cache for all attention layers, or for the first `layers` of them (what `blocks=` runs)."""
         device = device if device is not None else self.inv_freq.device
-        return StaticCache(layers=self.num_layers if layers is None else layers, batch=batch, heads=self.heads, dim_head=self.dim_head,
-                           capacity=capacity, device=device, dtype=self.dtype)
+        return StaticCache(
+            layers=self.num_layers if layers is None else layers,
+            batch=batch,
+            heads=self.heads,
+            dim_head=self.dim_head,
+            capacity=capacity,
+            device=device,
+            dtype=self.dtype,
+        )
 
     def _table(self, length: int) -> tuple[Tensor, Tensor]:
         if self.cos is None or self.cos.shape[0] < length:  # grown by doubling: rotary has no maximum length
@@ -226,7 +290,9 @@ class LeanDecoder:
             self.cos, self.sin = (t.to(self.dtype) for t in rotary_table(self.inv_freq, size, self.dim_head))
         return self.cos, self.sin
 
-    def __call__(self, x: Tensor, cache: StaticCache, *, pos: Tensor | None = None, allow: Tensor | None = None) -> Tensor:
+    def __call__(
+        self, x: Tensor, cache: StaticCache, *, pos: Tensor | None = None, allow: Tensor | None = None
+    ) -> Tensor:
         """Run n new entries x (b, n, d) on top of `cache` and append them to it; returns hidden (b, n, d).
 
         pos (b, n): rotary positions (default: each row's next positions, a chain). allow (b, n, r) with
@@ -239,8 +305,17 @@ class LeanDecoder:
         cache.advance(x.shape[1])
         return hidden
 
-    def forward(self, x: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, pos: Tensor | None,
-                allow: Tensor | None, layers: tuple[int, ...] = (), blocks: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(
+        self,
+        x: Tensor,
+        k_buf: list[Tensor],
+        v_buf: list[Tensor],
+        start: Tensor,
+        pos: Tensor | None,
+        allow: Tensor | None,
+        layers: tuple[int, ...] = (),
+        blocks: int | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """The tensor program of a step (what torch.compile sees): writes keys/values into the layers'
         buffers k_buf, v_buf (b, h, S, dh) at slots start (b,) + [0, n) and returns hidden (b, n, d).
 
@@ -264,7 +339,9 @@ class LeanDecoder:
                 qkv = rearrange(F.linear(h, w[1], w[2]), "b n (three h d) -> three b h n d", three=3, h=self.heads)
                 q, k = _rotate(qkv[:2], cos, sin)  # one rotation for queries and keys together
                 k_all, v_all = write_kv(k_buf[layer], v_buf[layer], k, qkv[2], slots)  # (b, h, S, dh)
-                x = x + F.linear(rearrange(_attend(q, k_all, v_all, mask, self.scale), "b h n d -> b n (h d)"), w[3], w[4])
+                x = x + F.linear(
+                    rearrange(_attend(q, k_all, v_all, mask, self.scale), "b h n d -> b n (h d)"), w[3], w[4]
+                )
                 layer += 1
             else:
                 x = x + F.linear(F.gelu(F.linear(h, w[1], w[2])), w[3], w[4])
@@ -285,11 +362,17 @@ def check_wrapper(wrapper: nn.Module) -> None:
         raise UnsupportedModel("the model uses memory tokens or l2norm_embed: the lean engine implements neither")
     for name in ("post_emb_norm", "project_emb"):
         if type(getattr(wrapper, name, nn.Identity())).__name__ != "Identity":
-            raise UnsupportedModel(f"the model's {name} is {type(getattr(wrapper, name)).__name__}: the lean engine implements none")
+            raise UnsupportedModel(
+                f"the model's {name} is {type(getattr(wrapper, name)).__name__}: the lean engine implements none"
+            )
     if type(getattr(wrapper, "pos_emb", None)).__name__ != "always":
-        raise UnsupportedModel("the model has an absolute position embedding: the lean engine implements rotary positions only")
+        raise UnsupportedModel(
+            "the model has an absolute position embedding: the lean engine implements rotary positions only"
+        )
     if not isinstance(getattr(wrapper, "to_logits", None), nn.Linear):
-        raise UnsupportedModel("the model's to_logits is not a Linear layer: the lean engine needs one output projection")
+        raise UnsupportedModel(
+            "the model's to_logits is not a Linear layer: the lean engine needs one output projection"
+        )
 
 
 class LeanLM:
@@ -305,12 +388,22 @@ class LeanLM:
         self.vocab = vocab
         head = wrapper.to_logits
         self.head_weight = head.weight.detach() if vocab is None else head.weight.detach()[vocab]  # (N, d)
-        self.head_bias = None if head.bias is None else (head.bias.detach() if vocab is None else head.bias.detach()[vocab])
+        self.head_bias = (
+            None if head.bias is None else (head.bias.detach() if vocab is None else head.bias.detach()[vocab])
+        )
         self.vocab_size, self.max_seq_len = wrapper.num_tokens, wrapper.max_seq_len
         self.step, self.compiled = self.forward, False  # or its compiled version (`lean(..., compile=True)`)
 
-    def __call__(self, tokens: Tensor, cache: StaticCache, *, pos: Tensor | None = None, allow: Tensor | None = None,
-                 eager: bool = False, layers: tuple[int, ...] = ()) -> tuple[Tensor, ...]:
+    def __call__(
+        self,
+        tokens: Tensor,
+        cache: StaticCache,
+        *,
+        pos: Tensor | None = None,
+        allow: Tensor | None = None,
+        eager: bool = False,
+        layers: tuple[int, ...] = (),
+    ) -> tuple[Tensor, ...]:
         """tokens (b, n) on top of `cache` (see `LeanDecoder.__call__`) -> logits (b, n, V), hidden (b, n, d),
         and with `layers` (block indices, see `check_layers`) a third output: states (b, n, len(layers), d).
 
@@ -320,7 +413,9 @@ class LeanLM:
         start = cache.reserve(tokens.shape[1])
         self.decoder._table(cache.capacity)  # grown here, never inside a compiled step
         compiled = self.compiled and not eager
-        out = (self.step if compiled else self.forward)(tokens, *cache.buffers(tokens.shape[1], full=compiled), start, pos, allow, layers)
+        out = (self.step if compiled else self.forward)(
+            tokens, *cache.buffers(tokens.shape[1], full=compiled), start, pos, allow, layers
+        )
         cache.advance(tokens.shape[1])
         return out
 
@@ -336,12 +431,22 @@ class LeanLM:
         cache.advance(tokens.shape[1])
         return state
 
-    def forward_blocks(self, tokens: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, blocks: int) -> Tensor:
+    def forward_blocks(
+        self, tokens: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, blocks: int
+    ) -> Tensor:
         """The tensor program of `first_blocks` (a chain of new tokens at each row's next positions)."""
         return self.decoder.forward(F.embedding(tokens, self.embedding), k_buf, v_buf, start, None, None, blocks=blocks)
 
-    def forward(self, tokens: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, pos: Tensor | None,
-                allow: Tensor | None, layers: tuple[int, ...] = ()) -> tuple[Tensor, ...]:
+    def forward(
+        self,
+        tokens: Tensor,
+        k_buf: list[Tensor],
+        v_buf: list[Tensor],
+        start: Tensor,
+        pos: Tensor | None,
+        allow: Tensor | None,
+        layers: tuple[int, ...] = (),
+    ) -> tuple[Tensor, ...]:
         out = self.decoder.forward(F.embedding(tokens, self.embedding), k_buf, v_buf, start, pos, allow, layers)
         hidden, states = out if layers else (out, None)
         logits = F.linear(hidden, self.head_weight, self.head_bias)
@@ -355,7 +460,7 @@ class LeanLM:
 COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 RECOMPILE_LIMIT = 256
 
-_BUILT: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_BUILT: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def _weights_version(params: tuple[Tensor, ...]) -> int:
@@ -392,7 +497,9 @@ def lean(module: nn.Module, build=None, *, compile: bool = False, vocab: Tensor 
         # One program per input width and thread count, and all targets share one code object: past
         # torch's default of 8 it would silently run eager while reported as compiled. Fail instead.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT
+        )
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         engine.step, engine.compiled = torch.compile(engine.forward, dynamic=False, options=COMPILE_OPTIONS), True
     built[key] = (params, _weights_version(params), engine)
@@ -420,4 +527,7 @@ def check_against_reference(module: nn.Module, engine, *, tolerance: float = 1e-
         raise NonFiniteError("the model's own forward gives NaN/inf on 6 random inputs: its weights hold NaN/inf")
     err = float((ref.float() - ours.float()).abs().max())
     if not err <= tolerance * max(1.0, float(ref.float().abs().max())):
-        raise UnsupportedModel(f"the lean engine differs from the model's own forward by {err:.2e}: the model uses an option it does not implement")
+        raise UnsupportedModel(
+            f"the lean engine differs from the model's own forward by {err:.2e}: "
+            "the model uses an option it does not implement"
+        )

@@ -58,8 +58,10 @@ class HFBase(nn.Module):
             raise ValueError(f"{type(model).__name__} is an encoder-decoder: HFBase takes a causal LM")
         for name in _LOGIT_TRANSFORMS:
             if getattr(config, name, None) not in (None, 1, 1.0):
-                raise ValueError(f"{type(model).__name__} has {name}={getattr(config, name)!r}: the adapter supports "
-                                 "causal LMs whose logits are the output layer applied to the final hidden state")
+                raise ValueError(
+                    f"{type(model).__name__} has {name}={getattr(config, name)!r}: the adapter supports "
+                    "causal LMs whose logits are the output layer applied to the final hidden state"
+                )
         if not isinstance(model.get_output_embeddings(), nn.Linear):
             raise ValueError(f"{type(model).__name__} has no nn.Linear output layer (get_output_embeddings)")
         self.hf = model
@@ -79,7 +81,9 @@ class HFBase(nn.Module):
         """tokens (b, n) -> logits (b, n, V)."""
         return self.hf(input_ids=tokens, use_cache=False).logits
 
-    def backbone(self, tokens: Tensor, *, layers: tuple[int, ...] = (), **kwargs) -> tuple[Tensor, Tensor | None, object]:
+    def backbone(
+        self, tokens: Tensor, *, layers: tuple[int, ...] = (), **kwargs
+    ) -> tuple[Tensor, Tensor | None, object]:
         """Run the model without its output layer: final hidden states (b, n, d) after the final norm, the
         states after `layers` (b, n, S, d) or None, and the model output (its `past_key_values`)."""
         out = self.hf.base_model(input_ids=tokens, output_hidden_states=bool(layers), **kwargs)
@@ -97,8 +101,9 @@ class HFBase(nn.Module):
         return hidden.float(), logits.float(), None if states is None else states.float()
 
 
-def load_hf_base(directory: str | Path, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> HFBase:
+def load_hf_base(
+    directory: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> HFBase:
     """A causal LM saved by `save_pretrained` in a local directory (config.json + *.safetensors).
     Never downloads: `local_files_only`; never unpickles: safetensors only."""
     path = Path(directory)
@@ -120,8 +125,16 @@ class HFTarget:
     Eager only (`compile=True` is refused): the cache grows by concatenation, so shapes change every step.
     """
 
-    def __init__(self, base: HFBase, *, pad_id: int = 0, compile: bool = False, vocab: Tensor | None = None,
-                 max_draft: int = 64, widths: tuple[int, ...] = (1,)):
+    def __init__(
+        self,
+        base: HFBase,
+        *,
+        pad_id: int = 0,
+        compile: bool = False,
+        vocab: Tensor | None = None,
+        max_draft: int = 64,
+        widths: tuple[int, ...] = (1,),
+    ):
         # max_draft and widths size the lean engine's static cache and compiled widths; a DynamicCache needs neither.
         if not isinstance(base, HFBase):
             raise ValueError(f"HFTarget takes an HFBase, got {type(base).__name__}")
@@ -169,7 +182,9 @@ class HFTarget:
         out = self._forward(tokens, causal & self.valid[:, None, :], positions)
         self.lengths, self.added = lengths, 0
         self._crop()
-        return TargetOutput(*(None if x is None else right_to_left(x, lengths) for x in (out.logits, out.hidden, out.layers)))
+        return TargetOutput(
+            *(None if x is None else right_to_left(x, lengths) for x in (out.logits, out.hidden, out.layers))
+        )
 
     @torch.inference_mode()
     def extend(self, tokens: Tensor, *, parents: Tensor | None = None) -> TargetOutput:
@@ -194,8 +209,10 @@ class HFTarget:
         prefix, a tree's accepted path): their positions were given at extend time as length + depth."""
         b, k = keep.shape
         if b != self.valid.shape[0] or k > self.added:
-            raise ValueError(f"commit: keep has shape {(b, k)}; the target holds {self.valid.shape[0]} rows and "
-                             f"{self.added} slots appended since the last commit")
+            raise ValueError(
+                f"commit: keep has shape {(b, k)}; the target holds {self.valid.shape[0]} rows and "
+                f"{self.added} slots appended since the last commit"
+            )
         keep = keep.to(self.device)
         self.valid = torch.cat((self.valid[:, : self.valid.shape[1] - k], keep), dim=1)
         self.lengths = self.lengths - k + keep.sum(1)
@@ -204,8 +221,14 @@ class HFTarget:
 
     def _forward(self, tokens: Tensor, allow: Tensor, positions: Tensor) -> TargetOutput:
         """tokens (b, n), allow (b, n, slots + n), positions (b, n) -> outputs, appending n slots to the cache."""
-        hidden, states, _ = self.model.backbone(tokens, layers=self.layers, attention_mask=allow[:, None],
-                                                position_ids=positions, past_key_values=self.cache, use_cache=True)
+        hidden, states, _ = self.model.backbone(
+            tokens,
+            layers=self.layers,
+            attention_mask=allow[:, None],
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         return TargetOutput(logits=F.linear(hidden, self.weight, self.bias), hidden=hidden, layers=states)
 
     def _crop(self) -> None:
@@ -216,4 +239,3 @@ class HFTarget:
         if drop > 0:
             self.cache.crop(-drop)
             self.valid = self.valid[:, :keep]
-

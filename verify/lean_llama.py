@@ -36,7 +36,10 @@ def _check_config(config) -> None:
     ]
     for name, value, ok in checks:
         if not ok:
-            raise UnsupportedModel(f"{name}={value!r}: the lean Llama engine does not implement it (use the transformers adapter, verify.hf.HFTarget)")
+            raise UnsupportedModel(
+                f"{name}={value!r}: the lean Llama engine does not implement it (use the transformers adapter, "
+                "verify.hf.HFTarget)"
+            )
 
 
 def half_rotary_table(inv_freq: Tensor, length: int) -> tuple[Tensor, Tensor]:
@@ -73,15 +76,19 @@ class LlamaDecoder(LeanDecoder):
             w = torch.cat([p.weight for p in projections]).detach()
             b = None if attn.q_proj.bias is None else torch.cat([p.bias for p in projections]).detach()
             out_bias = None if attn.o_proj.bias is None else attn.o_proj.bias.detach()
-            self.blocks.append(("a", (layer.input_layernorm.weight.detach(), w, b, attn.o_proj.weight.detach(), out_bias)))
+            self.blocks.append(
+                ("a", (layer.input_layernorm.weight.detach(), w, b, attn.o_proj.weight.detach(), out_bias))
+            )
             gate_up = torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)).detach()  # (2 hidden, d): one matmul
-            self.blocks.append(("f", (layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.weight.detach())))
+            self.blocks.append(
+                ("f", (layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.weight.detach()))
+            )
         self.depth = block_depth([kind for kind, _ in self.blocks])
         self.final_gain = model.norm.weight.detach()
         self.eps = config.rms_norm_eps
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.dim_head = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.scale = self.dim_head ** -0.5
+        self.scale = self.dim_head**-0.5
         self.inv_freq = model.rotary_emb.inv_freq.detach()
         self.dim = config.hidden_size
         self.step, self.compiled = self.forward, False
@@ -89,12 +96,20 @@ class LlamaDecoder(LeanDecoder):
         self.cos = self.sin = None
         self._table(1)
 
-    def new_cache(self, batch: int, capacity: int, *, device: torch.device | None = None,
-                  layers: int | None = None) -> StaticCache:
+    def new_cache(
+        self, batch: int, capacity: int, *, device: torch.device | None = None, layers: int | None = None
+    ) -> StaticCache:
         """Keys and values are cached for the kv heads only."""
         device = device if device is not None else self.inv_freq.device
-        return StaticCache(layers=self.num_layers if layers is None else layers, batch=batch, heads=self.kv_heads,
-                           dim_head=self.dim_head, capacity=capacity, device=device, dtype=self.dtype)
+        return StaticCache(
+            layers=self.num_layers if layers is None else layers,
+            batch=batch,
+            heads=self.kv_heads,
+            dim_head=self.dim_head,
+            capacity=capacity,
+            device=device,
+            dtype=self.dtype,
+        )
 
     def _table(self, length: int) -> tuple[Tensor, Tensor]:
         if self.cos is None or self.cos.shape[0] < length:  # grown by doubling, outside any compiled step
@@ -102,8 +117,17 @@ class LlamaDecoder(LeanDecoder):
             self.cos, self.sin = (t.to(self.dtype) for t in half_rotary_table(self.inv_freq, size))
         return self.cos, self.sin
 
-    def forward(self, x: Tensor, k_buf: list[Tensor], v_buf: list[Tensor], start: Tensor, pos: Tensor | None,
-                allow: Tensor | None, layers: tuple[int, ...] = (), blocks: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(
+        self,
+        x: Tensor,
+        k_buf: list[Tensor],
+        v_buf: list[Tensor],
+        start: Tensor,
+        pos: Tensor | None,
+        allow: Tensor | None,
+        layers: tuple[int, ...] = (),
+        blocks: int | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """As `LeanDecoder.forward`: writes keys/values at slots start (b,) + [0, n), returns hidden (b, n, d)."""
         n, capacity = x.shape[1], k_buf[0].shape[2]
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
@@ -119,7 +143,9 @@ class LlamaDecoder(LeanDecoder):
                 q, k, v = F.linear(h, w[1], w[2]).split((q_width, kv_width, kv_width), dim=-1)
                 q = _rotate_halves(rearrange(q, "b n (h d) -> b h n d", h=self.heads), cos, sin)
                 k = _rotate_halves(rearrange(k, "b n (h d) -> b h n d", h=self.kv_heads), cos, sin)
-                k_all, v_all = write_kv(k_buf[layer], v_buf[layer], k, rearrange(v, "b n (h d) -> b h n d", h=self.kv_heads), slots)
+                k_all, v_all = write_kv(
+                    k_buf[layer], v_buf[layer], k, rearrange(v, "b n (h d) -> b h n d", h=self.kv_heads), slots
+                )
                 attended = _attend_grouped(q, k_all, v_all, mask, self.scale)
                 x = x + F.linear(rearrange(attended, "b h n d -> b n (h d)"), w[3], w[4])
                 layer += 1
@@ -142,12 +168,16 @@ class LeanLlama(LeanLM):
     def __init__(self, base: nn.Module, vocab: Tensor | None = None):
         model = base.hf
         if type(model).__name__ != "LlamaForCausalLM":
-            raise UnsupportedModel(f"{type(model).__name__}: the lean engine runs LlamaForCausalLM (others go through verify.hf.HFTarget)")
+            raise UnsupportedModel(
+                f"{type(model).__name__}: the lean engine runs LlamaForCausalLM (others go through verify.hf.HFTarget)"
+            )
         self.decoder = LlamaDecoder(model.model)
         self.embedding = model.model.embed_tokens.weight.detach()
         self.vocab = vocab
         head = model.lm_head
         self.head_weight = head.weight.detach() if vocab is None else head.weight.detach()[vocab]
-        self.head_bias = None if head.bias is None else (head.bias.detach() if vocab is None else head.bias.detach()[vocab])
+        self.head_bias = (
+            None if head.bias is None else (head.bias.detach() if vocab is None else head.bias.detach()[vocab])
+        )
         self.vocab_size, self.max_seq_len = base.num_tokens, base.max_seq_len
         self.step, self.compiled = self.forward, False

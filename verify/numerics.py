@@ -50,8 +50,10 @@ def nonfinite_error(what: str, step: int, row: int, peak: float) -> NonFiniteErr
     given the bad position's row maximum (NaN, or +-inf)."""
     kind = "NaN" if peak != peak else "inf"
     whose = "the model's" if what == TARGET_LOGITS else "the drafter's"
-    return NonFiniteError(f"non-finite {what} at decode step {step} (0 = the prefill), row {row} ({kind}): "
-                          f"{whose} weights or inputs hold NaN/inf")
+    return NonFiniteError(
+        f"non-finite {what} at decode step {step} (0 = the prefill), row {row} ({kind}): "
+        f"{whose} weights or inputs hold NaN/inf"
+    )
 
 
 def check_usable(what: str, step: int, x: Tensor, used: Tensor) -> None:

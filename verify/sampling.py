@@ -15,7 +15,6 @@ from torch import Tensor
 from verify.numerics import is_finite_number
 from verify.vocab import expand_probs, full_ids
 
-
 MIN_TEMPERATURE = 1e-6  # every temperature below it samples the argmax anyway: a logit gap of 1e-4 is e^-100
 
 
@@ -32,9 +31,13 @@ class SamplingConfig:
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature={self.temperature!r}: must be a number >= 0, finite (0 = greedy)")
         if 0 < self.temperature < MIN_TEMPERATURE:  # logits / T would overflow to inf and p turn NaN, silently
-            raise ValueError(f"temperature={self.temperature!r}: must be a number >= 0, and 0 or at least "
-                             f"{MIN_TEMPERATURE} (logits / T overflows below it; 0 = greedy is its limit)")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(
+                f"temperature={self.temperature!r}: must be a number >= 0, and 0 or at least "
+                f"{MIN_TEMPERATURE} (logits / T overflows below it; 0 = greedy is its limit)"
+            )
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
+        ):
             raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 1, or None for no top-k")
         if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p!r}: must be a number in (0, 1] (1 = no nucleus filter)")
@@ -89,8 +92,9 @@ def sample_token(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator
     return sample_from_probs(probs_from_logits(logits, cfg), generator)
 
 
-def draft_from_logits(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None, *,
-                      vocab: Tensor | None, vocab_size: int) -> tuple[Tensor, Tensor | None]:
+def draft_from_logits(
+    logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None, *, vocab: Tensor | None, vocab_size: int
+) -> tuple[Tensor, Tensor | None]:
     """A drafter's logits (..., N) over the sorted ids `vocab` (N,) (None: all V) -> draft tokens (...) as
     full-vocabulary ids, and q (..., V), the distribution each was drawn from.
 

@@ -38,7 +38,9 @@ def split_model(model: nn.Module | tuple[nn.Module, nn.Module]) -> tuple[nn.Modu
     encoder, decoder = getattr(model, "encoder", None), getattr(model, "decoder", None)
     decoder = getattr(decoder, "net", decoder)  # XTransformer wraps its decoder in an AutoregressiveWrapper
     if encoder is None or decoder is None:
-        raise UnsupportedModel(f"{type(model).__name__} is not an encoder-decoder: pass an XTransformer or (encoder, decoder)")
+        raise UnsupportedModel(
+            f"{type(model).__name__} is not an encoder-decoder: pass an XTransformer or (encoder, decoder)"
+        )
     return encoder, decoder
 
 
@@ -48,8 +50,9 @@ class Seq2SeqTarget:
     `max_draft` is the widest extend the cache makes room for beyond max_seq_len (a wider one grows it).
     """
 
-    def __init__(self, model: nn.Module | tuple[nn.Module, nn.Module], *, bos_id: int, pad_id: int = 0,
-                 max_draft: int = 64):
+    def __init__(
+        self, model: nn.Module | tuple[nn.Module, nn.Module], *, bos_id: int, pad_id: int = 0, max_draft: int = 64
+    ):
         self.encoder, decoder = split_model(model)
         for module in (self.encoder, decoder):
             module.eval()
@@ -57,8 +60,10 @@ class Seq2SeqTarget:
                 p.requires_grad_(False)
         check_wrapper(decoder)
         if self.encoder.num_tokens != decoder.num_tokens:
-            raise UnsupportedModel(f"encoder vocabulary {self.encoder.num_tokens} != decoder vocabulary {decoder.num_tokens}: "
-                                   "source and output must share one tokenizer (prompt lookup copies source tokens)")
+            raise UnsupportedModel(
+                f"encoder vocabulary {self.encoder.num_tokens} != decoder vocabulary {decoder.num_tokens}: "
+                "source and output must share one tokenizer (prompt lookup copies source tokens)"
+            )
         self.decoder = LeanCrossDecoder(decoder.attn_layers, where="decoder.attn_layers")
         self.embedding = decoder.token_emb.emb.weight.detach()  # (V, d)
         head = decoder.to_logits
@@ -81,7 +86,9 @@ class Seq2SeqTarget:
     def use_layers(self, layers: tuple[int, ...]) -> None:
         """Only () is served: no drafter that reads a decoder's inner layers exists for encoder-decoders."""
         if tuple(layers) != ():
-            raise ValueError(f"layers={list(layers)!r}: an encoder-decoder target gives no layer states (only () is allowed)")
+            raise ValueError(
+                f"layers={list(layers)!r}: an encoder-decoder target gives no layer states (only () is allowed)"
+            )
 
     @property
     def row_lengths(self) -> Tensor:
@@ -99,10 +106,14 @@ class Seq2SeqTarget:
             if bad:
                 raise ValueError(f"source {i} has token id {bad[0]}: ids must be in [0, {self.vocab_size})")
             if len(source) > self.max_source_len:
-                raise ValueError(f"source {i} has {len(source)} tokens: the encoder takes at most {self.max_source_len}")
+                raise ValueError(
+                    f"source {i} has {len(source)} tokens: the encoder takes at most {self.max_source_len}"
+                )
         if 1 + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"max_new_tokens={max_new_tokens}: the decoder takes at most max_seq_len - 1 = "
-                             f"{self.max_seq_len - 1} new tokens after its start token")
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens}: the decoder takes at most max_seq_len - 1 = "
+                f"{self.max_seq_len - 1} new tokens after its start token"
+            )
 
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]]) -> TargetOutput:
@@ -157,7 +168,9 @@ class Seq2SeqDraftDrafter(DraftModelDrafter):
 
 
 @torch.inference_mode()
-def check_against_reference(encoder: nn.Module, decoder: nn.Module, target: Seq2SeqTarget, *, tolerance: float = 1e-3) -> None:
+def check_against_reference(
+    encoder: nn.Module, decoder: nn.Module, target: Seq2SeqTarget, *, tolerance: float = 1e-3
+) -> None:
     """Run 2 ragged sources and 5 decoder positions through both: a difference means an option the
     structural checks missed."""
     was_training = (encoder.training, decoder.training)
@@ -175,7 +188,12 @@ def check_against_reference(encoder: nn.Module, decoder: nn.Module, target: Seq2
     finally:
         encoder.train(was_training[0]), decoder.train(was_training[1])
     if not bool(torch.isfinite(ref).all()):  # else the difference below is NaN and blames the lean decoder
-        raise NonFiniteError("the encoder-decoder's own forward gives NaN/inf on 2 random sources: its weights hold NaN/inf")
+        raise NonFiniteError(
+            "the encoder-decoder's own forward gives NaN/inf on 2 random sources: its weights hold NaN/inf"
+        )
     err = float((ref.float() - ours.float()).abs().max())
     if not err <= tolerance * max(1.0, float(ref.float().abs().max())):
-        raise UnsupportedModel(f"the lean encoder-decoder differs from the x-transformers forward by {err:.2e}: the model uses an option it does not implement")
+        raise UnsupportedModel(
+            f"the lean encoder-decoder differs from the x-transformers forward by {err:.2e}: the model uses an "
+            "option it does not implement"
+        )

@@ -59,7 +59,9 @@ def _verify_chain(target: Target, pending: Tensor, draft: Draft, rule: str, spec
         accepted, nxt = greedy_accept(verified.logits, draft.tokens)
     elif rule == "typical":
         p = probs_from_logits(verified.logits, sampling)  # (b, k + 1, V)
-        accepted, nxt = typical_accept(p, draft.tokens, epsilon=spec.typical_epsilon, alpha=spec.typical_alpha, generator=generator)
+        accepted, nxt = typical_accept(
+            p, draft.tokens, epsilon=spec.typical_epsilon, alpha=spec.typical_alpha, generator=generator
+        )
     else:
         p = probs_from_logits(verified.logits, sampling)
         accepted, nxt = speculative_accept(p, draft.q, draft.tokens, delta=spec.delta, generator=generator)
@@ -77,7 +79,9 @@ def _verify_tree(target: Target, pending: Tensor, draft: Draft, rule: str, spec:
         return (verified, *tree_greedy_accept(verified.logits, tokens, parents))
     p = probs_from_logits(verified.logits, sampling)
     if rule == "typical":
-        accepted, path, nxt = tree_typical_accept(p, tokens, parents, epsilon=spec.typical_epsilon, alpha=spec.typical_alpha, generator=generator)
+        accepted, path, nxt = tree_typical_accept(
+            p, tokens, parents, epsilon=spec.typical_epsilon, alpha=spec.typical_alpha, generator=generator
+        )
     else:  # speculative sampling (lossless at delta 0): the walk of tree_sampling_accept
         q = None if draft.q is None else torch.cat((torch.zeros_like(draft.q[:, :1]), draft.q), dim=1)
         accepted, path, nxt = tree_sampling_accept(p, tokens, parents, q, generator, delta=spec.delta)
@@ -137,7 +141,10 @@ def speculative_generate(
         pending = sample_token(prefill.logits[:, -1], sampling, generator)  # (b,)
         # What the last step used, as (what, values (b, n, V), used (b, n)); `fine` says all of it was
         # finite, and is read with the host read that opens every iteration (no extra sync).
-        decode_step, checks = 0, [(TARGET_LOGITS, prefill.logits[:, -1:], torch.ones(b, 1, dtype=torch.bool, device=device))]
+        decode_step, checks = (
+            0,
+            [(TARGET_LOGITS, prefill.logits[:, -1:], torch.ones(b, 1, dtype=torch.bool, device=device))],
+        )
         fine = usable(*checks[0][1:])
         out[:, 0] = pending
         stats.tokens += 1
@@ -168,7 +175,9 @@ def speculative_generate(
                 raise RuntimeError(f"{type(drafter).__name__} drafted {depth} tokens deep; the budget was {k}")
             accepted = torch.where(active, accepted, torch.zeros_like(accepted))
             # step (b, D + 1): the accepted draft tokens along the path, then the target's own token
-            step = torch.cat((draft.tokens.gather(1, (path[:, 1:] - 1).clamp(min=0)), torch.zeros_like(nxt)[:, None]), dim=1)
+            step = torch.cat(
+                (draft.tokens.gather(1, (path[:, 1:] - 1).clamp(min=0)), torch.zeros_like(nxt)[:, None]), dim=1
+            )
             step[rows, accepted] = nxt
             _emit(out, stats, step, accepted + 1, active, done, eos_id)
             _record(stats, active, accepted, depth)

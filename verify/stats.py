@@ -40,12 +40,12 @@ class DecodeStats:
     device: torch.device = torch.device("cpu")
 
     @classmethod
-    def zeros(cls, batch: int, device: torch.device) -> "DecodeStats":
+    def zeros(cls, batch: int, device: torch.device) -> DecodeStats:
         z = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
         return cls(tokens=z(), forwards=z(), proposed=z(), accepted=z(), device=device)
 
     @classmethod
-    def merge(cls, parts: Sequence["DecodeStats"]) -> "DecodeStats":
+    def merge(cls, parts: Sequence[DecodeStats]) -> DecodeStats:
         """Several decode calls as one: their rows side by side (b = the parts' rows together), the
         by-position counts (padded to the longest) and the timings summed. A call's own figure, such as
         verify_steps, is not the merged one's: sum it over the parts."""
@@ -53,12 +53,20 @@ class DecodeStats:
             raise ValueError("merge needs at least one DecodeStats")
         k = max(p.proposed_by_position.shape[0] for p in parts)
         return cls(
-            tokens=torch.cat([p.tokens for p in parts]), forwards=torch.cat([p.forwards for p in parts]),
-            proposed=torch.cat([p.proposed for p in parts]), accepted=torch.cat([p.accepted for p in parts]),
-            proposed_by_position=sum((_pad(p.proposed_by_position, k) for p in parts), torch.zeros(k, dtype=torch.long)),
-            accepted_by_position=sum((_pad(p.accepted_by_position, k) for p in parts), torch.zeros(k, dtype=torch.long)),
-            time_draft=sum(p.time_draft for p in parts), time_target=sum(p.time_target for p in parts),
-            time_total=sum(p.time_total for p in parts), device=parts[0].device,
+            tokens=torch.cat([p.tokens for p in parts]),
+            forwards=torch.cat([p.forwards for p in parts]),
+            proposed=torch.cat([p.proposed for p in parts]),
+            accepted=torch.cat([p.accepted for p in parts]),
+            proposed_by_position=sum(
+                (_pad(p.proposed_by_position, k) for p in parts), torch.zeros(k, dtype=torch.long)
+            ),
+            accepted_by_position=sum(
+                (_pad(p.accepted_by_position, k) for p in parts), torch.zeros(k, dtype=torch.long)
+            ),
+            time_draft=sum(p.time_draft for p in parts),
+            time_target=sum(p.time_target for p in parts),
+            time_total=sum(p.time_total for p in parts),
+            device=parts[0].device,
         )
 
     @contextmanager

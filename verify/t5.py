@@ -83,12 +83,20 @@ class T5Target:
     def extend(self, tokens: Tensor, *, parents: Tensor | None = None) -> TargetOutput:
         """Run a chain of k new tokens (1, k) on top of the cache and append them to it."""
         if parents is not None:
-            raise ValueError("parents given: the T5 target verifies chains only (its position bias comes from cache slots)")
+            raise ValueError(
+                "parents given: the T5 target verifies chains only (its position bias comes from cache slots)"
+            )
         return self._run(tokens)
 
     def _run(self, tokens: Tensor) -> TargetOutput:
-        out = self.model(encoder_outputs=self.encoded, decoder_input_ids=tokens, past_key_values=self.cache,
-                         use_cache=True, output_hidden_states=True, return_dict=True)
+        out = self.model(
+            encoder_outputs=self.encoded,
+            decoder_input_ids=tokens,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=True,
+            return_dict=True,
+        )
         self.cache, self.length = out.past_key_values, self.length + tokens.shape[1]
         return TargetOutput(logits=out.logits.float(), hidden=out.decoder_hidden_states[-1])
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from einops import repeat
 import torch.nn.functional as F
+from einops import repeat
 from torch import Tensor, nn
 
 from verify.cache import StaticCache, tree_attention
@@ -34,7 +34,9 @@ from verify.engine import check_layers, lean
 class TargetOutput:
     logits: Tensor  # (b, n, V) next-token logits at each new position
     hidden: Tensor  # (b, n, d) final hidden states (after the final norm) at each new position
-    layers: Tensor | None = None  # (b, n, S, d) residual states after the blocks `Target.use_layers` chose; None: none chosen
+    layers: Tensor | None = (
+        None  # (b, n, S, d) residual states after the blocks `Target.use_layers` chose; None: none chosen
+    )
 
 
 def left_to_right(x: Tensor, lengths: Tensor) -> Tensor:
@@ -78,7 +80,7 @@ def check_prompts(prompts: list[list[int]], *, vocab_size: int, max_seq_len: int
 ENGINES = ("auto", "lean", "hf")
 
 
-def make_target(model: nn.Module, *, engine: str = "auto", **kwargs) -> "Target":
+def make_target(model: nn.Module, *, engine: str = "auto", **kwargs) -> Target:
     """The target for a base. engine="lean": the lean engine (x-transformers LMs, and transformers' Llama
     through verify.lean_llama); "hf": verify.hf's adapter on transformers' own forward and cache (any
     causal LM wrapped as an HFBase); "auto": lean where it runs the model, else the adapter.
@@ -108,8 +110,16 @@ class Target:
     `use_layers` makes every output also carry the residual states after chosen blocks (`layers`).
     """
 
-    def __init__(self, model: nn.Module, *, pad_id: int = 0, max_draft: int = 64, compile: bool = False,
-                 widths: tuple[int, ...] = (1,), vocab: Tensor | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        pad_id: int = 0,
+        max_draft: int = 64,
+        compile: bool = False,
+        widths: tuple[int, ...] = (1,),
+        vocab: Tensor | None = None,
+    ):
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
@@ -145,7 +155,9 @@ class Target:
     def prefill(self, prompts: list[list[int]]) -> TargetOutput:
         """Run the prompts; returns outputs for every prompt position, left-padded (row b ends at index W - 1)."""
         tokens, lengths = pad_prompts(prompts, self.pad_id, self.device)
-        self.cache = self.engine.decoder.new_cache(len(prompts), self.max_seq_len + self.max_draft + 1, device=self.device)
+        self.cache = self.engine.decoder.new_cache(
+            len(prompts), self.max_seq_len + self.max_draft + 1, device=self.device
+        )
         logits, hidden, *states = self.engine(tokens, self.cache, eager=True, layers=self.layers)
         self.cache.commit(torch.arange(tokens.shape[1], device=self.device) < lengths[:, None])  # drop the padding
         layers = right_to_left(states[0], lengths) if states else None  # left-padded like hidden

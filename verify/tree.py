@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from verify.sampling import sample_from_probs
 from verify.cache import tree_attention
+from verify.sampling import sample_from_probs
 
 Path = tuple[int, ...]
 
@@ -87,8 +87,13 @@ def children_table(parents: Tensor) -> Tensor:
 
 
 def tree_sampling_accept(
-    p: Tensor, tokens: Tensor, parents: Tensor, q: Tensor | None = None, generator: torch.Generator | None = None,
-    *, delta: float = 0.0,
+    p: Tensor,
+    tokens: Tensor,
+    parents: Tensor,
+    q: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    delta: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Multi-candidate acceptance on a tree (SpecInfer, EAGLE-2), with MLX-style leniency `delta` as in
     `verify.acceptance.speculative_accept`; greedy when p is one-hot and delta = 0.
@@ -157,7 +162,12 @@ def tree_greedy_accept(logits: Tensor, tokens: Tensor, parents: Tensor) -> tuple
 
 
 def tree_typical_accept(
-    p: Tensor, tokens: Tensor, parents: Tensor, *, epsilon: float = 0.09, alpha: float = 0.3,
+    p: Tensor,
+    tokens: Tensor,
+    parents: Tensor,
+    *,
+    epsilon: float = 0.09,
+    alpha: float = 0.3,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Medusa's typical acceptance on a tree. NOT lossless.

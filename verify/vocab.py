@@ -20,7 +20,9 @@ def frequent_tokens(counts: Tensor, n: int | None) -> Tensor | None:
     if n is None:
         return None
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n={n!r}: the trimmed vocabulary size must be an integer >= 1, or None for the full vocabulary")
+        raise ValueError(
+            f"n={n!r}: the trimmed vocabulary size must be an integer >= 1, or None for the full vocabulary"
+        )
     if counts.ndim != 1:
         raise ValueError(f"counts of shape {tuple(counts.shape)}: need one count per token, shape (V,)")
     if n >= counts.numel():

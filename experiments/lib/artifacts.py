@@ -28,8 +28,14 @@ from experiments.lib.rundir import RunDirectoryInUse, RunLock
 
 log = logging.getLogger(__name__)
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # experiments/lib/ -> the repository root
-ENTRY = {"base": "train_base", "draft": "train_drafter", "medusa": "train_drafter", "prophet": "train_drafter",
-         "sequential": "train_drafter", "early_exit": "train_drafter"}
+ENTRY = {
+    "base": "train_base",
+    "draft": "train_drafter",
+    "medusa": "train_drafter",
+    "prophet": "train_drafter",
+    "sequential": "train_drafter",
+    "early_exit": "train_drafter",
+}
 TRAINERS = {"train_base": base_trainer, "train_drafter": drafter_trainer}  # config name -> its validate_config, train
 
 
@@ -48,8 +54,18 @@ def recipe_key(cfg) -> str:
     A drafter's base enters by the fingerprint of its weights, not only its path: a base retrained at
     the same path gets new drafters."""
     recipe = OmegaConf.to_container(cfg, resolve=False)
-    for key in ("out_dir", "logger", "hydra", "threads", "device", "resume", "checkpoint_every", "log_every",
-                "eval_every", "grad_accum"):  # where and how often it reports, not what it trains
+    for key in (
+        "out_dir",
+        "logger",
+        "hydra",
+        "threads",
+        "device",
+        "resume",
+        "checkpoint_every",
+        "log_every",
+        "eval_every",
+        "grad_accum",
+    ):  # where and how often it reports, not what it trains
         recipe.pop(key, None)
     if "base_checkpoint" in recipe:
         meta = Path(str(recipe["base_checkpoint"])) / "meta.json"

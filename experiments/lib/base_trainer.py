@@ -28,7 +28,14 @@ from experiments.lib.lm import check_lm_sizes, count_parameters
 from experiments.lib.precision import check_precision, resolve_precision
 from experiments.lib.settings import check_loop_config, check_recipe, data_recipe, is_int, require
 from experiments.lib.training import (
-    batch_for_step, launch, LoopSettings, LoopState, make_logger, make_optimizer, TrainLoop, validation_blocks,
+    LoopSettings,
+    LoopState,
+    TrainLoop,
+    batch_for_step,
+    launch,
+    make_logger,
+    make_optimizer,
+    validation_blocks,
 )
 
 log = logging.getLogger(__name__)
@@ -55,16 +62,23 @@ def validate_config(cfg: DictConfig) -> None:
     for key in ("batch_size", "seq_len"):
         require(is_int(cfg[key]) and cfg[key] > 0, f"{key} must be a positive integer, got {cfg[key]!r}")
     check_loop_config(cfg)
-    require(cfg.seq_len <= cfg.base.max_seq_len,
-            f"seq_len ({cfg.seq_len}) must not exceed base.max_seq_len ({cfg.base.max_seq_len})")
+    require(
+        cfg.seq_len <= cfg.base.max_seq_len,
+        f"seq_len ({cfg.seq_len}) must not exceed base.max_seq_len ({cfg.base.max_seq_len})",
+    )
     check_precision(cfg.precision)
 
 
 def recipe(cfg: DictConfig) -> dict[str, Any]:
     """What decides the trained weights besides the model config (checked on resume): not the budgets
     (max_steps, max_minutes extend a run), not where the data cache lives, not the number of processes."""
-    return {"seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "data": data_recipe(cfg.data),
-            "optim": OmegaConf.to_container(cfg.optim, resolve=True)}
+    return {
+        "seed": cfg.seed,
+        "batch_size": cfg.batch_size,
+        "seq_len": cfg.seq_len,
+        "data": data_recipe(cfg.data),
+        "optim": OmegaConf.to_container(cfg.optim, resolve=True),
+    }
 
 
 # ------------------------------------------------------------------------------------ optimisation parts
@@ -101,13 +115,16 @@ def bits_per_byte(val_loss: float, *, tokens: int, data: PreparedData) -> float:
 # ------------------------------------------------------------------------------------------- training
 
 
-def resume(ckpt_dir: Path, cfg: DictConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-           data: PreparedData) -> LoopState:
+def resume(
+    ckpt_dir: Path, cfg: DictConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: PreparedData
+) -> LoopState:
     """Load weights, optimizer and loop state from `ckpt_dir`, after checking it is this run's."""
     ckpt = load_checkpoint(ckpt_dir, expected_config=model_config(cfg))
-    require(ckpt.meta["tokenizer"] == data.tokenizer.to_str(),
-            f"checkpoint {ckpt_dir} was trained with another tokenizer (data config changed?); "
-            "use another out_dir or resume=false")
+    require(
+        ckpt.meta["tokenizer"] == data.tokenizer.to_str(),
+        f"checkpoint {ckpt_dir} was trained with another tokenizer (data config changed?); "
+        "use another out_dir or resume=false",
+    )
     check_recipe(ckpt_dir, ckpt.meta.get("recipe"), recipe(cfg))
     require(ckpt.optimizer_state is not None, f"checkpoint {ckpt_dir} has no optimizer state to resume from")
     model.load_state_dict(ckpt.state_dict, strict=True)
@@ -116,23 +133,56 @@ def resume(ckpt_dir: Path, cfg: DictConfig, *, model: torch.nn.Module, optimizer
     return LoopState.from_meta(ckpt.meta, "tokens")
 
 
-def saver(cfg: DictConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: PreparedData,
-          out_dir: Path, precision: dict[str, str], ctx: Dist):
+def saver(
+    cfg: DictConfig,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: PreparedData,
+    out_dir: Path,
+    precision: dict[str, str],
+    ctx: Dist,
+):
     """The loop's save_fn: the checkpoint with its optimizer, loop state, recipe and provenance."""
+
     def save(state: LoopState, metrics: dict[str, Any], *, finished: bool, elapsed_s: float) -> Path:
         extra = {
-            "kind": "base_lm", "tokens_seen": state.units, "elapsed_s": elapsed_s, "metrics": metrics,
-            "precision": precision, "recipe": recipe(cfg), "finished": finished, "world_size": ctx.world,
-            "data": {"config": OmegaConf.to_container(cfg.data, resolve=True), "cache_key": data.cache_key,
-                     "train_tokens": data.train_ids.numel(), "val_tokens": data.val_ids.numel(),
-                     "train_bytes": data.train_bytes, "val_bytes": data.val_bytes, "eos_id": data.eos_id,
-                     "vocab_size": data.vocab_size},
-            "train": {"seed": cfg.seed, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
-                      "max_steps": cfg.max_steps, "optim": OmegaConf.to_container(cfg.optim, resolve=True)},
+            "kind": "base_lm",
+            "tokens_seen": state.units,
+            "elapsed_s": elapsed_s,
+            "metrics": metrics,
+            "precision": precision,
+            "recipe": recipe(cfg),
+            "finished": finished,
+            "world_size": ctx.world,
+            "data": {
+                "config": OmegaConf.to_container(cfg.data, resolve=True),
+                "cache_key": data.cache_key,
+                "train_tokens": data.train_ids.numel(),
+                "val_tokens": data.val_ids.numel(),
+                "train_bytes": data.train_bytes,
+                "val_bytes": data.val_bytes,
+                "eos_id": data.eos_id,
+                "vocab_size": data.vocab_size,
+            },
+            "train": {
+                "seed": cfg.seed,
+                "batch_size": cfg.batch_size,
+                "seq_len": cfg.seq_len,
+                "max_steps": cfg.max_steps,
+                "optim": OmegaConf.to_container(cfg.optim, resolve=True),
+            },
         }
-        return save_checkpoint(out_dir / "checkpoint", model=model, model_config=model_config(cfg),
-                               tokenizer_json=data.tokenizer.to_str(), step=state.step, extra=extra,
-                               optimizer=optimizer)
+        return save_checkpoint(
+            out_dir / "checkpoint",
+            model=model,
+            model_config=model_config(cfg),
+            tokenizer_json=data.tokenizer.to_str(),
+            step=state.step,
+            extra=extra,
+            optimizer=optimizer,
+        )
+
     return save
 
 
@@ -154,10 +204,13 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     with main_first(ctx):  # rank 0 tokenizes and caches the corpus; the others read its cache
         data = prepare_data(**OmegaConf.to_container(cfg.data, resolve=True))
     num_tokens = model_config(cfg)["num_tokens"]
-    require(data.vocab_size <= num_tokens, f"the tokenizer has {data.vocab_size} tokens but base.num_tokens is {num_tokens}")
+    require(
+        data.vocab_size <= num_tokens, f"the tokenizer has {data.vocab_size} tokens but base.num_tokens is {num_tokens}"
+    )
     model = instantiate(cfg.base).to(device)
-    optimizer = make_optimizer(model, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
-                               weight_decay=cfg.optim.weight_decay)
+    optimizer = make_optimizer(
+        model, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay
+    )
     state = LoopState()
     if cfg.resume and checkpoint_exists(out_dir / "checkpoint"):
         state = resume(out_dir / "checkpoint", cfg, model=model, optimizer=optimizer, data=data)
@@ -168,27 +221,54 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
         return {"val_loss": val_loss, "val_bpb": bits_per_byte(val_loss, tokens=blocks[:, 1:].numel(), data=data)}
 
     def batch(step: int) -> torch.Tensor:  # (B / world, T+1): this rank's rows of the step's batch
-        return shard(batch_for_step(data.train_ids, step=step, seed=cfg.seed, batch_size=cfg.batch_size,
-                                    seq_len=cfg.seq_len, device=device), ctx)
+        return shard(
+            batch_for_step(
+                data.train_ids, step=step, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=cfg.seq_len, device=device
+            ),
+            ctx,
+        )
 
     logger = make_logger(cfg, out_dir, ctx)
-    loop = TrainLoop(model=model, loss_fn=lambda m, b: (lm_loss(m, b), {}), batch_fn=batch,
-                     count_fn=lambda b, _: b[:, 1:].numel(), validate_fn=validate,
-                     save_fn=saver(cfg, model=model, optimizer=optimizer, data=data, out_dir=out_dir,
-                                   precision=precision, ctx=ctx),
-                     optimizer=optimizer, settings=LoopSettings.from_config(cfg), precision=precision["used"],
-                     device=device, ctx=ctx, out_dir=out_dir, logger=logger, state=state, unit="tokens")
+    loop = TrainLoop(
+        model=model,
+        loss_fn=lambda m, b: (lm_loss(m, b), {}),
+        batch_fn=batch,
+        count_fn=lambda b, _: b[:, 1:].numel(),
+        validate_fn=validate,
+        save_fn=saver(cfg, model=model, optimizer=optimizer, data=data, out_dir=out_dir, precision=precision, ctx=ctx),
+        optimizer=optimizer,
+        settings=LoopSettings.from_config(cfg),
+        precision=precision["used"],
+        device=device,
+        ctx=ctx,
+        out_dir=out_dir,
+        logger=logger,
+        state=state,
+        unit="tokens",
+    )
     try:
         result = loop.run()
     finally:
         logger.finish()
     last_val = result["last_val"]
     return {
-        "step": loop.state.step, "start_step": result["start_step"], "stopped_by": result["stopped_by"],
-        "train_loss": last_val["train_loss"], "val_loss": last_val.get("val_loss"), "val_bpb": last_val.get("val_bpb"),
-        "train_tokens": loop.state.units, "val_tokens": int(blocks[:, 1:].numel()),
-        "train_corpus_tokens": int(data.train_ids.numel()), "val_corpus_tokens": int(data.val_ids.numel()),
-        "tokens_per_s": loop.units_per_s(), "elapsed_s": loop.elapsed(), "precision": precision,
-        "parameters": count_parameters(model), "checkpoint": str(out_dir / "checkpoint"), "out_dir": str(out_dir),
-        "world_size": ctx.world, "rank": ctx.rank, "replica_fingerprints": result["replica_fingerprints"],
+        "step": loop.state.step,
+        "start_step": result["start_step"],
+        "stopped_by": result["stopped_by"],
+        "train_loss": last_val["train_loss"],
+        "val_loss": last_val.get("val_loss"),
+        "val_bpb": last_val.get("val_bpb"),
+        "train_tokens": loop.state.units,
+        "val_tokens": int(blocks[:, 1:].numel()),
+        "train_corpus_tokens": int(data.train_ids.numel()),
+        "val_corpus_tokens": int(data.val_ids.numel()),
+        "tokens_per_s": loop.units_per_s(),
+        "elapsed_s": loop.elapsed(),
+        "precision": precision,
+        "parameters": count_parameters(model),
+        "checkpoint": str(out_dir / "checkpoint"),
+        "out_dir": str(out_dir),
+        "world_size": ctx.world,
+        "rank": ctx.rank,
+        "replica_fingerprints": result["replica_fingerprints"],
     }

@@ -19,10 +19,11 @@ import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from hashlib import sha256
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -44,7 +45,9 @@ MEASURE_DEFAULTS: dict[str, Any] = dict(ks=KS, prompt_len=64, repeats=5, warmup=
 def cpu_model() -> str:
     """The CPU's model name: lscpu, else /proc/cpuinfo, else what platform knows."""
     try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, env={**os.environ, "LC_ALL": "C"}).stdout
+        out = subprocess.run(
+            ["lscpu"], capture_output=True, text=True, timeout=10, env={**os.environ, "LC_ALL": "C"}
+        ).stdout
         for line in out.splitlines():
             if line.strip().startswith("Model name:"):
                 return line.split(":", 1)[1].strip()
@@ -108,7 +111,10 @@ def measure_verify_cost(
     room = target.max_seq_len - prompt_len
     fits = sorted({int(k) for k in ks if 1 <= int(k) <= room})
     if not fits:
-        raise ValueError(f"ks={tuple(ks)}: none fits beside prompt_len={prompt_len} (need 1 <= k <= max_seq_len - prompt_len = {room})")
+        raise ValueError(
+            f"ks={tuple(ks)}: none fits beside prompt_len={prompt_len} "
+            f"(need 1 <= k <= max_seq_len - prompt_len = {room})"
+        )
     skipped = sorted(set(int(k) for k in ks) - set(fits))
     if skipped:
         log.info("verify cost: skipping k=%s (more than max_seq_len - prompt_len = %d)", skipped, room)
@@ -160,8 +166,14 @@ def cached_verify_cost(
     if unknown:
         raise ValueError(f"cached_verify_cost got {unknown}: measuring settings are {', '.join(MEASURE_DEFAULTS)}")
     settings["ks"] = [int(k) for k in settings["ks"]]
-    key = {"machine": machine_key(target.device), "target_compiled": target.compiled, "target_widths": list(target.widths),
-           "max_seq_len": target.max_seq_len, "settings": settings, "parts": key_parts}
+    key = {
+        "machine": machine_key(target.device),
+        "target_compiled": target.compiled,
+        "target_widths": list(target.widths),
+        "max_seq_len": target.max_seq_len,
+        "settings": settings,
+        "parts": key_parts,
+    }
     path = _cache_path(cache_dir, key)
     costs = _read_costs(path, key)
     if costs is not None:
@@ -169,7 +181,9 @@ def cached_verify_cost(
         return costs
     costs = measure_verify_cost(target, **{**settings, "ks": tuple(settings["ks"])})
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps({"key": key, "costs": {str(k): s for k, s in costs.items()}}, indent=1, sort_keys=True))
+    write_atomic(
+        path, json.dumps({"key": key, "costs": {str(k): s for k, s in costs.items()}}, indent=1, sort_keys=True)
+    )
     log.info("verify cost: measured and wrote %s", path)
     return costs
 
@@ -245,11 +259,19 @@ def pilot(
         row_steps += int(stats.forwards.sum()) - len(batch)
         tokens += int(stats.tokens.sum())
         proposed += int(stats.proposed.sum())
-        draft, begin, total, target_s = draft + stats.time_draft, begin + drafter.seconds, total + stats.time_total, target_s + stats.time_target
+        draft, begin, total, target_s = (
+            draft + stats.time_draft,
+            begin + drafter.seconds,
+            total + stats.time_total,
+            target_s + stats.time_target,
+        )
         proposed_by_position = _add(proposed_by_position, stats.proposed_by_position)
         accepted_by_position = _add(accepted_by_position, stats.accepted_by_position)
     if steps == 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: no verification step ran; a pilot needs at least 2 new tokens (and no EOS first)")
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens}: no verification step ran; "
+            "a pilot needs at least 2 new tokens (and no EOS first)"
+        )
     measured = proposed_by_position > 0
     return {
         "tau": (tokens - len(prompts)) / row_steps,
@@ -258,7 +280,9 @@ def pilot(
         "draft_seconds_per_step": max(draft - begin, 0.0) / steps,
         "overhead_seconds_per_step": max(total - draft - target_s, 0.0) / steps,
         "begin_seconds_per_batch": begin / len(batches),
-        "steps": steps, "tokens": tokens, "seconds": total,
+        "steps": steps,
+        "tokens": tokens,
+        "seconds": total,
     }
 
 
@@ -297,14 +321,28 @@ def choose_chain_budget(
     if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or max_gamma < 1:
         raise ValueError(f"max_gamma={max_gamma!r}: must be an integer >= 1")
     pilot_spec = replace(spec, gamma=max_gamma, max_gamma=max_gamma, adaptive_gamma=False)
-    result = pilot(target, drafter_factory, prompts, spec=pilot_spec, sampling=sampling, eos_id=eos_id,
-                   max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size)
+    result = pilot(
+        target,
+        drafter_factory,
+        prompts,
+        spec=pilot_spec,
+        sampling=sampling,
+        eos_id=eos_id,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        batch_size=batch_size,
+    )
     if not result["acceptance"]:
         raise ValueError("the pilot drafted no tokens: raise max_new_tokens so that steps with drafts run")
     depth = min(max_gamma, len(result["acceptance"]))
     per_token = result["draft_seconds_per_step"] / max(result["draft_tokens_per_step"], 1e-9)
-    gamma, table = best_chain(result["acceptance"], verify_cost=verify_cost, draft_step_cost=per_token,
-                              draft_fixed_cost=result["overhead_seconds_per_step"], max_gamma=depth)
+    gamma, table = best_chain(
+        result["acceptance"],
+        verify_cost=verify_cost,
+        draft_step_cost=per_token,
+        draft_fixed_cost=result["overhead_seconds_per_step"],
+        max_gamma=depth,
+    )
     return {"gamma": gamma, "table": table, "pilot": result}
 
 
@@ -339,10 +377,26 @@ def choose_tree_budget(
                 raise ValueError(f"candidates[{i}].{key}={value!r}: must be an integer >= 1")
         depth = candidate["depth"]
         pilot_spec = replace(spec, gamma=depth, max_gamma=max(depth, spec.max_gamma), adaptive_gamma=False)
-        result = pilot(target, make_drafter(dict(candidate)), prompts, spec=pilot_spec, sampling=sampling, eos_id=eos_id,
-                       max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size)
-        rows.append({**candidate, "tau": result["tau"], "draft_seconds_per_step": result["draft_seconds_per_step"],
-                     "overhead_seconds_per_step": result["overhead_seconds_per_step"], "acceptance": result["acceptance"]})
+        result = pilot(
+            target,
+            make_drafter(dict(candidate)),
+            prompts,
+            spec=pilot_spec,
+            sampling=sampling,
+            eos_id=eos_id,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            batch_size=batch_size,
+        )
+        rows.append(
+            {
+                **candidate,
+                "tau": result["tau"],
+                "draft_seconds_per_step": result["draft_seconds_per_step"],
+                "overhead_seconds_per_step": result["overhead_seconds_per_step"],
+                "acceptance": result["acceptance"],
+            }
+        )
     index, table = best_tree(rows, verify_cost=verify_cost)
     return {"drafter_kwargs": dict(candidates[index]), "gamma": candidates[index]["depth"], "table": table}
 

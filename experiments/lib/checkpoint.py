@@ -40,8 +40,17 @@ from experiments.lib.data import load_tokenizer
 from experiments.lib.lm import build_lm
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "fingerprint", "save_checkpoint", "load_checkpoint", "load_lm", "load_model",
-    "checkpoint_exists", "read_meta", "check_lm_meta", "is_hf_directory",
+    "Checkpoint",
+    "CheckpointError",
+    "fingerprint",
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_lm",
+    "load_model",
+    "checkpoint_exists",
+    "read_meta",
+    "check_lm_meta",
+    "is_hf_directory",
 ]
 
 MODEL_FILE = "model.safetensors"
@@ -112,7 +121,10 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], rest_json: str) -> di
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
             cwd=Path(__file__).resolve().parent,
         )
     except (OSError, subprocess.SubprocessError):
@@ -189,7 +201,11 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[s
 
 
 def _write_contents(
-    tmp: Path, *, state_dict: dict[str, torch.Tensor], meta: dict[str, Any], optimizer: torch.optim.Optimizer | None,
+    tmp: Path,
+    *,
+    state_dict: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None,
 ) -> None:
     tmp.mkdir(parents=True)
     _save_tensors(state_dict, tmp / MODEL_FILE)
@@ -287,8 +303,11 @@ def _read_meta(path: Path) -> dict[str, Any]:
 
 def _check_config(directory: Path, found: dict[str, Any], expected: dict[str, Any]) -> None:
     keys = sorted(set(found) | set(expected))
-    diffs = [f"{k}: checkpoint {found.get(k, '<absent>')!r} vs expected {expected.get(k, '<absent>')!r}"
-             for k in keys if found.get(k, "<absent>") != expected.get(k, "<absent>")]
+    diffs = [
+        f"{k}: checkpoint {found.get(k, '<absent>')!r} vs expected {expected.get(k, '<absent>')!r}"
+        for k in keys
+        if found.get(k, "<absent>") != expected.get(k, "<absent>")
+    ]
     if diffs:
         raise CheckpointError(f"checkpoint {directory} has a different model config: " + "; ".join(diffs))
 
@@ -306,8 +325,10 @@ def _not_a_checkpoint(directory: Path) -> CheckpointError:
     if (directory / "checkpoint" / META_FILE).is_file():
         return CheckpointError(f"{directory} is a run directory, not a checkpoint: give {directory / 'checkpoint'}")
     if (directory / "config.json").is_file():
-        return CheckpointError(f"{directory} is a Hugging Face model directory, not a checkpoint of this project "
-                               f"(no {META_FILE}): only a base LM can be one")
+        return CheckpointError(
+            f"{directory} is a Hugging Face model directory, not a checkpoint of this project "
+            f"(no {META_FILE}): only a base LM can be one"
+        )
     if not (directory / MODEL_FILE).is_file():
         return CheckpointError(f"{directory} is not a checkpoint directory (no {META_FILE}, no {MODEL_FILE})")
     return CheckpointError(f"checkpoint {directory} is incomplete: {META_FILE} is missing")
@@ -361,11 +382,14 @@ def check_lm_meta(directory: str | Path, meta: dict[str, Any], role: str = "base
     device without bounds checks, read garbage) and an EOS id outside the vocabulary."""
     kind = meta.get("kind")
     if kind == "drafter":
-        raise CheckpointError(f"{directory} is a drafter checkpoint (kind=drafter); {role} takes a base LM checkpoint "
-                              "(experiments.train_base)")
+        raise CheckpointError(
+            f"{directory} is a drafter checkpoint (kind=drafter); {role} takes a base LM checkpoint "
+            "(experiments.train_base)"
+        )
     if meta.get("tokenizer") is None:
-        raise CheckpointError(f"checkpoint {directory} has no tokenizer: {role} takes a base LM checkpoint "
-                              "(experiments.train_base)")
+        raise CheckpointError(
+            f"checkpoint {directory} has no tokenizer: {role} takes a base LM checkpoint (experiments.train_base)"
+        )
     try:
         tokenizer = Tokenizer.from_str(meta["tokenizer"])
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
@@ -379,8 +403,10 @@ def check_lm_meta(directory: str | Path, meta: dict[str, Any], role: str = "base
 def _check_vocabulary(name: str, tokenizer: Tokenizer, num_tokens: int, eos_id: Any) -> None:
     size = tokenizer.get_vocab_size()
     if size > num_tokens:
-        raise CheckpointError(f"{name}: its tokenizer has {size} tokens, more than the model's {num_tokens} "
-                              "(num_tokens): the tokenizer does not belong to these weights")
+        raise CheckpointError(
+            f"{name}: its tokenizer has {size} tokens, more than the model's {num_tokens} "
+            "(num_tokens): the tokenizer does not belong to these weights"
+        )
     if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int) or not 0 <= eos_id < size):
         raise CheckpointError(f"{name}: its EOS id {eos_id!r} is not a token of its {size}-token tokenizer")
 
@@ -398,14 +424,17 @@ def load_lm(
     return model, tokenizer, meta
 
 
-def load_model(directory: str | Path, build, *, device: str | torch.device = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
+def load_model(
+    directory: str | Path, build, *, device: str | torch.device = "cpu"
+) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Rebuild a model from its checkpoint with `build(**meta["model_config"])`: (model in eval mode, meta)."""
     ckpt = load_checkpoint(directory)
     try:
         model = build(**ckpt.meta["model_config"])
     except TypeError as e:  # a config of another kind of model: keys the builder does not take
-        raise CheckpointError(f"checkpoint {directory} (kind={ckpt.meta.get('kind')!r}) holds no model this loader "
-                              f"builds: {one_line(e)}") from None
+        raise CheckpointError(
+            f"checkpoint {directory} (kind={ckpt.meta.get('kind')!r}) holds no model this loader builds: {one_line(e)}"
+        ) from None
     try:
         model.load_state_dict(ckpt.state_dict, strict=True)
     except RuntimeError as e:
@@ -428,6 +457,10 @@ def _load_hf(directory: Path, device: str | torch.device) -> tuple[torch.nn.Modu
     except (ValueError, OSError) as e:
         raise CheckpointError(f"Hugging Face model {directory}: {one_line(e)}") from None
     _check_vocabulary(f"Hugging Face model {directory}", tokenizer, base.num_tokens, eos_id)
-    meta = {"fingerprint": fingerprint(base.state_dict()), "model_config": {"arch": "hf", "path": str(directory.resolve())},
-            "tokenizer": tokenizer.to_str(), "data": {"config": None, "eos_id": eos_id, "tokenizer_path": str(directory.resolve())}}
+    meta = {
+        "fingerprint": fingerprint(base.state_dict()),
+        "model_config": {"arch": "hf", "path": str(directory.resolve())},
+        "tokenizer": tokenizer.to_str(),
+        "data": {"config": None, "eos_id": eos_id, "tokenizer_path": str(directory.resolve())},
+    }
     return base, tokenizer, meta

@@ -33,16 +33,25 @@ import os
 import secrets
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 
-__all__ = ["USER_ERRORS", "FAILED_FILE", "JobFailed", "exit_on_user_error", "one_line", "user_message",
-           "read_failures", "write_atomic"]
+__all__ = [
+    "USER_ERRORS",
+    "FAILED_FILE",
+    "JobFailed",
+    "exit_on_user_error",
+    "one_line",
+    "user_message",
+    "read_failures",
+    "write_atomic",
+]
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 EXIT_USER_ERROR = 2
@@ -128,8 +137,12 @@ def sweep_job() -> SweepJob | None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode != RunMode.MULTIRUN:
         return None
-    return SweepJob(num=int(hydra_cfg.job.num), overrides=[str(o) for o in hydra_cfg.overrides.task],
-                    output_dir=Path(hydra_cfg.runtime.output_dir), sweep_dir=Path(hydra_cfg.sweep.dir))
+    return SweepJob(
+        num=int(hydra_cfg.job.num),
+        overrides=[str(o) for o in hydra_cfg.overrides.task],
+        output_dir=Path(hydra_cfg.runtime.output_dir),
+        sweep_dir=Path(hydra_cfg.sweep.dir),
+    )
 
 
 def read_failures(sweep_dir: str | Path) -> dict[int, str]:
@@ -162,8 +175,10 @@ class JobFailed(CompactHydraException):
         labels.setdefault(job, label)  # its failed.json may not have been written (a full disk)
         names = ", ".join(labels[n] for n in sorted(labels))
         jobs = "job" if len(labels) == 1 else "jobs"
-        return (f"error: {len(labels)} {jobs} of the sweep failed: {names}; "
-                f"each one's {FAILED_FILE} in {sweep_dir} says why")
+        return (
+            f"error: {len(labels)} {jobs} of the sweep failed: {names}; "
+            f"each one's {FAILED_FILE} in {sweep_dir} says why"
+        )
 
 
 def record_failure(job: SweepJob, error: Exception) -> str:

@@ -27,9 +27,10 @@ import os
 import shutil
 import sysconfig
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO
 
 import datasets
 import numpy as np
@@ -144,7 +145,9 @@ class Corpus:
 
     def documents(self) -> Iterator[tuple[str, str]]:
         """(doc id, text) of every non-empty document, in the corpus's fixed order."""
-        rows = self._hub_rows() if self.source == "hub" else ((name, _read_text(Path(path))) for name, path in self.files)
+        rows = (
+            self._hub_rows() if self.source == "hub" else ((name, _read_text(Path(path))) for name, path in self.files)
+        )
         for doc_id, text in rows:
             if text:  # an empty document would only add a lone EOS (a few stdlib __init__.py files are empty)
                 yield doc_id, text
@@ -163,16 +166,28 @@ class Corpus:
         i = 0
         for batch in ds.iter(batch_size=HUB_BATCH):
             if self.text_field not in batch:
-                raise ValueError(f"text_field={self.text_field!r} is not a column of {self.hub_name!r}; columns: {sorted(batch)}")
+                raise ValueError(
+                    f"text_field={self.text_field!r} is not a column of {self.hub_name!r}; columns: {sorted(batch)}"
+                )
             for text in batch[self.text_field]:
                 if text is not None and not isinstance(text, str):
-                    raise ValueError(f"{self.hub_name!r} row {i}: text_field={self.text_field!r} holds {type(text).__name__}, not text")
+                    raise ValueError(
+                        f"{self.hub_name!r} row {i}: text_field={self.text_field!r} "
+                        f"holds {type(text).__name__}, not text"
+                    )
                 yield f"hub:{i}", text or ""
                 i += 1
 
 
-def open_corpus(source: str, paths: list[str] | None, hub_name: str | None, hub_split: str, text_field: str,
-                max_files: int | None, streaming: bool = False) -> Corpus:
+def open_corpus(
+    source: str,
+    paths: list[str] | None,
+    hub_name: str | None,
+    hub_split: str,
+    text_field: str,
+    max_files: int | None,
+    streaming: bool = False,
+) -> Corpus:
     """The corpus, its file list resolved now (a bad path fails here, before anything is read)."""
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
@@ -185,8 +200,14 @@ def open_corpus(source: str, paths: list[str] | None, hub_name: str | None, hub_
         # tree, not on where it sits on disk.
         root = Path(os.path.commonpath([f.parent for f in files]))
         return Corpus(source, files=tuple(_named_files(files, root, max_files)), max_files=max_files)
-    return Corpus(source, hub_name=hub_name or "", hub_split=hub_split, text_field=text_field, max_files=max_files,
-                  streaming=streaming)
+    return Corpus(
+        source,
+        hub_name=hub_name or "",
+        hub_split=hub_split,
+        text_field=text_field,
+        max_files=max_files,
+        streaming=streaming,
+    )
 
 
 @dataclass
@@ -216,11 +237,18 @@ def scan_corpus(corpus: Corpus, head: dict | None) -> CorpusScan:
     return CorpusScan(doc_ids, sizes, None if h is None else h.hexdigest()[:16])
 
 
-def key_head(described: str, val_fraction: float, vocab_size: int, max_files: int | None,
-             tokenizer_max_bytes: int | None) -> dict:
+def key_head(
+    described: str, val_fraction: float, vocab_size: int, max_files: int | None, tokenizer_max_bytes: int | None
+) -> dict:
     """Everything but the documents that decides a cache entry."""
-    head = {"format": FORMAT_VERSION, "source": described, "rule": SPLIT_RULE, "val_fraction": val_fraction,
-            "vocab_size": vocab_size, "max_files": max_files}
+    head = {
+        "format": FORMAT_VERSION,
+        "source": described,
+        "rule": SPLIT_RULE,
+        "val_fraction": val_fraction,
+        "vocab_size": vocab_size,
+        "max_files": max_files,
+    }
     if tokenizer_max_bytes is not None:  # absent when unset, so entries built before the option keep their keys
         head["tokenizer_max_bytes"] = tokenizer_max_bytes
     return head
@@ -276,7 +304,9 @@ def load_tokenizer(path: str) -> tuple[Tokenizer, int]:
     a token named <|endoftext|>, </s> or <eos>: documents are joined with it, as the model was trained."""
     file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
     if not file.is_file():
-        raise ValueError(f"tokenizer={path!r}: no such tokenizer.json (give the file or the model directory holding it)")
+        raise ValueError(
+            f"tokenizer={path!r}: no such tokenizer.json (give the file or the model directory holding it)"
+        )
     tokenizer = _configure(Tokenizer.from_file(str(file)))
     names = [EOS, "</s>", "<eos>"]
     config = file.parent / "tokenizer_config.json"
@@ -344,7 +374,9 @@ def _positions(corpus: Corpus, doc_ids: list[str]) -> Iterator[tuple[int, str]]:
     for j, (doc_id, text) in enumerate(corpus.documents()):
         if j >= len(doc_ids) or doc_id != doc_ids[j]:
             was = doc_ids[j] if j < len(doc_ids) else None
-            raise ValueError(f"the corpus changed while it was read (document {j} is {doc_id!r}, was {was!r}); run again")
+            raise ValueError(
+                f"the corpus changed while it was read (document {j} is {doc_id!r}, was {was!r}); run again"
+            )
         n += 1
         yield j, text
     if n != len(doc_ids):
@@ -383,8 +415,9 @@ class _IdsWriter:
         return self.count
 
 
-def _write_ids(tmp: Path, corpus: Corpus, doc_ids: list[str], val_positions: set[int], tokenizer: Tokenizer,
-               eos_id: int) -> tuple[int, int]:
+def _write_ids(
+    tmp: Path, corpus: Corpus, doc_ids: list[str], val_positions: set[int], tokenizer: Tokenizer, eos_id: int
+) -> tuple[int, int]:
     """Tokenize every document chunk by chunk into tmp/train.npy and tmp/val.npy -> (train, val) token counts."""
     dtype = ids_dtype(tokenizer.get_vocab_size())
     with open(tmp / "train.npy", "wb") as train_file, open(tmp / "val.npy", "wb") as val_file:
@@ -404,8 +437,16 @@ def _temporary_sibling(entry: Path) -> Path:
     return tmp
 
 
-def _build_entry(entry: Path, corpus: Corpus, scan: CorpusScan, val_fraction: float, vocab_size: int, key: str,
-                 tokenizer_path: str | None, tokenizer_max_bytes: int | None) -> None:
+def _build_entry(
+    entry: Path,
+    corpus: Corpus,
+    scan: CorpusScan,
+    val_fraction: float,
+    vocab_size: int,
+    key: str,
+    tokenizer_path: str | None,
+    tokenizer_max_bytes: int | None,
+) -> None:
     """Split, train the tokenizer, tokenize: three passes over the corpus, written into a temporary
     sibling that is renamed into place last, so readers see a whole entry or none."""
     names = scan.doc_ids
@@ -421,11 +462,19 @@ def _build_entry(entry: Path, corpus: Corpus, scan: CorpusScan, val_fraction: fl
         tokenizer.save(str(tmp / "tokenizer.json"))
         train_tokens, val_tokens = _write_ids(tmp, corpus, names, set(val_idx), tokenizer, eos_id)
         meta = {
-            "format": FORMAT_VERSION, "cache_key": key, "split_rule": SPLIT_RULE, "val_fraction": val_fraction,
-            "requested_vocab_size": vocab_size, "vocab_size": tokenizer.get_vocab_size(), "eos_id": eos_id,
-            "train_bytes": sum(scan.sizes[j] for j in train_idx), "val_bytes": sum(scan.sizes[j] for j in val_idx),
-            "train_tokens": train_tokens, "val_tokens": val_tokens,
-            "train_files": [names[j] for j in train_idx], "val_files": [names[j] for j in val_idx],
+            "format": FORMAT_VERSION,
+            "cache_key": key,
+            "split_rule": SPLIT_RULE,
+            "val_fraction": val_fraction,
+            "requested_vocab_size": vocab_size,
+            "vocab_size": tokenizer.get_vocab_size(),
+            "eos_id": eos_id,
+            "train_bytes": sum(scan.sizes[j] for j in train_idx),
+            "val_bytes": sum(scan.sizes[j] for j in val_idx),
+            "train_tokens": train_tokens,
+            "val_tokens": val_tokens,
+            "train_files": [names[j] for j in train_idx],
+            "val_files": [names[j] for j in val_idx],
         }
         if tokenizer_max_bytes is not None:
             meta["tokenizer_files"] = len(sample)  # training documents the tokenizer learned from
@@ -451,7 +500,9 @@ def _load_ids(entry: Path, name: str, count: int) -> torch.Tensor:
     try:
         with open(path, "rb") as f:
             version = np.lib.format.read_magic(f)
-            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
             shape, fortran_order, dtype = read_header(f)
             start = f.tell()
     except (OSError, ValueError) as e:
@@ -477,18 +528,31 @@ def _load_entry(entry: Path) -> PreparedData:
     except Exception as e:  # tokenizers raises its own Exception type
         raise _damaged(entry, f"tokenizer.json unreadable: {type(e).__name__}") from None
     return PreparedData(
-        tokenizer=tokenizer, train_ids=_load_ids(entry, "train.npy", counts[0]),
+        tokenizer=tokenizer,
+        train_ids=_load_ids(entry, "train.npy", counts[0]),
         val_ids=_load_ids(entry, "val.npy", counts[1]),
-        train_bytes=meta["train_bytes"], val_bytes=meta["val_bytes"], eos_id=meta["eos_id"],
-        vocab_size=meta["vocab_size"], val_files=meta["val_files"], cache_key=meta["cache_key"],
+        train_bytes=meta["train_bytes"],
+        val_bytes=meta["val_bytes"],
+        eos_id=meta["eos_id"],
+        vocab_size=meta["vocab_size"],
+        val_files=meta["val_files"],
+        cache_key=meta["cache_key"],
     )
 
 
 # ---------------------------------------------------------------- entry point
 
 
-def _check_args(source: str, paths: list[str] | None, hub_name: str | None, val_fraction: float,
-                vocab_size: int, max_files: int | None, streaming: bool, tokenizer_max_bytes: int | None) -> None:
+def _check_args(
+    source: str,
+    paths: list[str] | None,
+    hub_name: str | None,
+    val_fraction: float,
+    vocab_size: int,
+    max_files: int | None,
+    streaming: bool,
+    tokenizer_max_bytes: int | None,
+) -> None:
     if source not in SOURCES:
         raise ValueError(f"source={source!r} is unknown; use one of {', '.join(SOURCES)}")
     if source == "files" and not paths:
@@ -505,9 +569,12 @@ def _check_args(source: str, paths: list[str] | None, hub_name: str | None, val_
         raise ValueError(f"streaming={streaming!r} must be true or false")
     if streaming and source != "hub":
         raise ValueError(f"streaming=true is for source='hub'; source={source!r} is always read one file at a time")
-    if tokenizer_max_bytes is not None and (isinstance(tokenizer_max_bytes, bool) or not isinstance(tokenizer_max_bytes, int)
-                                            or tokenizer_max_bytes < 1):
-        raise ValueError(f"tokenizer_max_bytes={tokenizer_max_bytes!r} must be a positive integer or None (all the training text)")
+    if tokenizer_max_bytes is not None and (
+        isinstance(tokenizer_max_bytes, bool) or not isinstance(tokenizer_max_bytes, int) or tokenizer_max_bytes < 1
+    ):
+        raise ValueError(
+            f"tokenizer_max_bytes={tokenizer_max_bytes!r} must be a positive integer or None (all the training text)"
+        )
 
 
 def prepare_data(
@@ -607,5 +674,7 @@ def token_counts(data: PreparedData, vocab_size: int) -> torch.Tensor:
         counts[: found.numel()] += found
     if counts.numel() > vocab_size:
         largest = int(counts.nonzero().max())
-        raise ValueError(f"vocab_size={vocab_size}: must exceed the largest training id {largest} (use the tokenizer's size)")
+        raise ValueError(
+            f"vocab_size={vocab_size}: must exceed the largest training id {largest} (use the tokenizer's size)"
+        )
     return counts

@@ -24,7 +24,11 @@ from experiments.lib.artifacts import ENTRY, check_artifact
 from experiments.lib.checkpoint import CheckpointError, check_lm_meta, is_hf_directory, read_meta
 from experiments.lib.families import FAMILIES, TREE_FAMILIES
 from experiments.lib.methods import (
-    DRAFTER_KINDS, artifact_overrides, check_methods, checkpoint_kinds, checkpoint_recipe,
+    DRAFTER_KINDS,
+    artifact_overrides,
+    check_methods,
+    checkpoint_kinds,
+    checkpoint_recipe,
 )
 from experiments.lib.prompts import load_prompts
 from experiments.lib.rundir import check_writable
@@ -36,16 +40,24 @@ from verify.speculative import SpecConfig
 
 # budget=auto's tree candidates (budget_search.<family>_trees): a head tree's size and depth; a grown tree
 # (prophet's, expanded from its own top-k at each level) also takes the children per node.
-BUDGET_TREE_KEYS = {name: {"tree_nodes", "depth"} | (set() if FAMILIES[name].head_tree else {"top_k"})
-                    for name in TREE_FAMILIES}
+BUDGET_TREE_KEYS = {
+    name: {"tree_nodes", "depth"} | (set() if FAMILIES[name].head_tree else {"top_k"}) for name in TREE_FAMILIES
+}
 
 
 class ExactnessError(RuntimeError):
     """A lossless method did not reproduce plain greedy decoding."""
 
 
-def check_exact(method: str, plain: list[int] | list[list[int]], speculative: list[int] | list[list[int]], *,
-                rule: str, delta: float, greedy: bool) -> tuple[bool | None, bool]:
+def check_exact(
+    method: str,
+    plain: list[int] | list[list[int]],
+    speculative: list[int] | list[list[int]],
+    *,
+    rule: str,
+    delta: float,
+    greedy: bool,
+) -> tuple[bool | None, bool]:
     """(exact, lossless) of a method's new tokens (one row, or every row) against plain decoding's on the same
     prompts and seeds: exact is None when sampling (two samples may differ by chance); a lossless rule that is
     not exact at temperature 0 raises ExactnessError: the loop or the drafter is wrong, and no figure of it
@@ -85,8 +97,15 @@ def spec_from(d: DictConfig) -> SpecConfig:
     """The speculative loop's settings from a decode config (conf/decode): the one place they are built.
     max_gamma only caps adaptive gamma; without adaptation a gamma above it is no contradiction."""
     max_gamma = d.max_gamma if d.adaptive_gamma else max(d.max_gamma, d.gamma)
-    return SpecConfig(gamma=d.gamma, rule=d.rule, delta=float(d.delta), typical_epsilon=float(d.typical_epsilon),
-                      typical_alpha=float(d.typical_alpha), adaptive_gamma=d.adaptive_gamma, max_gamma=max_gamma)
+    return SpecConfig(
+        gamma=d.gamma,
+        rule=d.rule,
+        delta=float(d.delta),
+        typical_epsilon=float(d.typical_epsilon),
+        typical_alpha=float(d.typical_alpha),
+        adaptive_gamma=d.adaptive_gamma,
+        max_gamma=max_gamma,
+    )
 
 
 def sampling_for(d: DictConfig, temperature: float) -> tuple[SamplingConfig, str]:
@@ -97,8 +116,10 @@ def sampling_for(d: DictConfig, temperature: float) -> tuple[SamplingConfig, str
 
 def check_decode(d: DictConfig) -> tuple[list[float], SpecConfig]:
     """Every key of a decode config, named in its error: (temperatures, spec)."""
-    temperatures = [check_temperature(f"decode.temperatures[{i}]", t)
-                    for i, t in enumerate(as_list(d.temperatures, "decode.temperatures", "a number >= 0"))]
+    temperatures = [
+        check_temperature(f"decode.temperatures[{i}]", t)
+        for i, t in enumerate(as_list(d.temperatures, "decode.temperatures", "a number >= 0"))
+    ]
     if len(set(temperatures)) < len(temperatures):
         raise ValueError(f"decode.temperatures={temperatures}: give each temperature once")
     check_int("decode.top_k", d.top_k, allow_null=True)
@@ -106,15 +127,24 @@ def check_decode(d: DictConfig) -> tuple[list[float], SpecConfig]:
     for key in ("max_new_tokens", "batch_size", "gamma", "max_gamma"):
         check_int(f"decode.{key}", d[key])
     if check_bool("decode.adaptive_gamma", d.adaptive_gamma) and d.max_gamma < d.gamma:
-        raise ValueError(f"decode.max_gamma={d.max_gamma}: must be >= decode.gamma={d.gamma} "
-                         "(with adaptive_gamma it caps how far gamma grows)")
+        raise ValueError(
+            f"decode.max_gamma={d.max_gamma}: must be >= decode.gamma={d.gamma} "
+            "(with adaptive_gamma it caps how far gamma grows)"
+        )
     if not isinstance(d.rule, str) or d.rule not in RULES:
         raise ValueError(f"decode.rule={d.rule!r}: must be one of {', '.join(RULES)}")
-    check_number("decode.delta", d.delta, "a number in [0, 1] (0 = lossless speculative sampling)", lambda x: 0 <= x <= 1)
-    check_number("decode.typical_epsilon", d.typical_epsilon, "a number in (0, 1] (typical acceptance's probability cap)",
-                 lambda x: 0 < x <= 1)
-    check_number("decode.typical_alpha", d.typical_alpha, "a number > 0 (typical acceptance's entropy scale)",
-                 lambda x: x > 0)
+    check_number(
+        "decode.delta", d.delta, "a number in [0, 1] (0 = lossless speculative sampling)", lambda x: 0 <= x <= 1
+    )
+    check_number(
+        "decode.typical_epsilon",
+        d.typical_epsilon,
+        "a number in (0, 1] (typical acceptance's probability cap)",
+        lambda x: 0 < x <= 1,
+    )
+    check_number(
+        "decode.typical_alpha", d.typical_alpha, "a number > 0 (typical acceptance's entropy scale)", lambda x: x > 0
+    )
     for t in temperatures:
         sampling_for(d, t)  # the rule at each temperature: greedy acceptance needs T = 0
     return temperatures, spec_from(d)
@@ -146,8 +176,10 @@ def check_prompts(node: DictConfig) -> None:
     if Path(path).is_dir():
         raise ValueError(f"prompts.file={path!r} is a directory: give a .jsonl file or a text file")
     if path.endswith(".json"):  # read as plain text, JSON syntax and all: refuse rather than prompt with it
-        raise ValueError(f"prompts.file={path!r}: name a JSON-lines file .jsonl (one {{\"prompt\": ...}} a line), "
-                         "or give plain text (.txt)")
+        raise ValueError(
+            f'prompts.file={path!r}: name a JSON-lines file .jsonl (one {{"prompt": ...}} a line), '
+            "or give plain text (.txt)"
+        )
     try:
         load_prompts(path, _ANY_TEXT)
     except UnicodeDecodeError as e:
@@ -167,10 +199,16 @@ def check_family_decode(cfg: DictConfig) -> None:
                 check_bool(name, value)
             elif key == "tree" and value is not None:
                 paths = value if isinstance(value, ListConfig) else None
-                if not paths or not all(isinstance(p, ListConfig) and len(p) > 0 and all(
-                        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p) for p in paths):
-                    raise ValueError(f"{name}={value!r}: must be null (the default tree) or a non-empty list of "
-                                     "rank paths, e.g. [[0], [1], [0, 0]]")
+                if not paths or not all(
+                    isinstance(p, ListConfig)
+                    and len(p) > 0
+                    and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in p)
+                    for p in paths
+                ):
+                    raise ValueError(
+                        f"{name}={value!r}: must be null (the default tree) or a non-empty list of "
+                        "rank paths, e.g. [[0], [1], [0, 0]]"
+                    )
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
@@ -199,9 +237,11 @@ def check_typed_settings(kind: str, directory: str, meta: dict, cfg: DictConfig,
             wanted, found = node.get(name), (recipe[part] or {}).get(name, "<absent>")
             if wanted != found:
                 trained = "records none" if found == "<absent>" else f"was trained with {json.dumps(found)}"
-                raise ValueError(f"{kind}.{part}.{name}={json.dumps(wanted)} was set on the command line, but "
-                                 f"checkpoints.{kind}={directory} {trained}: drop the override to run that checkpoint, "
-                                 f"or set checkpoints.{kind}=null to train one with it")
+                raise ValueError(
+                    f"{kind}.{part}.{name}={json.dumps(wanted)} was set on the command line, but "
+                    f"checkpoints.{kind}={directory} {trained}: drop the override to run that checkpoint, "
+                    f"or set checkpoints.{kind}=null to train one with it"
+                )
 
 
 def check_checkpoints(cfg: DictConfig, kinds: list[str]) -> None:
@@ -214,7 +254,9 @@ def check_checkpoints(cfg: DictConfig, kinds: list[str]) -> None:
     for kind in kinds:
         path = cfg.checkpoints[kind]
         if path is not None and not isinstance(path, str):
-            raise ValueError(f"checkpoints.{kind}={path!r}: must be a checkpoint directory or null (from the artifact cache)")
+            raise ValueError(
+                f"checkpoints.{kind}={path!r}: must be a checkpoint directory or null (from the artifact cache)"
+            )
         if path is None:
             recipe = cfg.artifacts[kind]
             if not isinstance(recipe, ListConfig) or not all(isinstance(o, str) for o in recipe):
@@ -239,17 +281,22 @@ def check_checkpoints(cfg: DictConfig, kinds: list[str]) -> None:
         if kind == "draft" and package is None:  # an independent LM on the base's tokenizer
             tokenizer = check_lm_meta(path, meta, "checkpoints.draft")
             if base is not None and tokenizer.to_str() != base[1].to_str():
-                raise ValueError(f"checkpoints.draft={path} uses another tokenizer than the base: train it on the "
-                                 "base's data config")
+                raise ValueError(
+                    f"checkpoints.draft={path} uses another tokenizer than the base: train it on the base's data config"
+                )
         elif package is None:
-            raise CheckpointError(f"checkpoints.{kind}={path} is a base LM checkpoint (kind={meta.get('kind')!r}), not a "
-                                  f"drafter: train one on it with python -m experiments.train_drafter drafter={kind} "
-                                  f"base_checkpoint={path}")
+            raise CheckpointError(
+                f"checkpoints.{kind}={path} is a base LM checkpoint (kind={meta.get('kind')!r}), not a "
+                f"drafter: train one on it with python -m experiments.train_drafter drafter={kind} "
+                f"base_checkpoint={path}"
+            )
         elif package != kind:
             raise CheckpointError(f"checkpoints.{kind}={path} is a {package} drafter checkpoint, not a {kind} one")
         if package is not None and base is not None and meta.get("base_fingerprint") != base[0]["fingerprint"]:
-            raise CheckpointError(f"checkpoints.{kind}={path} was trained on base {meta.get('base_fingerprint')}, not on "
-                                  f"base_checkpoint={cfg.checkpoints.base} ({base[0]['fingerprint']}): train it on this base")
+            raise CheckpointError(
+                f"checkpoints.{kind}={path} was trained on base {meta.get('base_fingerprint')}, not on "
+                f"base_checkpoint={cfg.checkpoints.base} ({base[0]['fingerprint']}): train it on this base"
+            )
         check_typed_settings(kind, path, meta, cfg, typed)
 
 
@@ -258,7 +305,9 @@ def check_checkpoints(cfg: DictConfig, kinds: list[str]) -> None:
 
 def check_settings(cfg: DictConfig) -> list[tuple[int | None, bool]]:
     """(threads, compiled) pairs to time side by side; one-line errors before any work."""
-    threads = [check_int("threads", t, allow_null=True) for t in as_list(cfg.threads, "threads", "null or an integer >= 1")]
+    threads = [
+        check_int("threads", t, allow_null=True) for t in as_list(cfg.threads, "threads", "null or an integer >= 1")
+    ]
     modes = [check_bool("compile", c) for c in as_list(cfg.compile, "compile", "true or false")]
     return [(t, c) for t in threads for c in modes]
 
@@ -273,10 +322,15 @@ def check_budget(cfg: DictConfig) -> None:
     for family, allowed in BUDGET_TREE_KEYS.items():
         candidates = search[f"{family}_trees"]
         if not isinstance(candidates, ListConfig) or len(candidates) == 0:
-            raise ValueError(f"budget_search.{family}_trees={candidates!r}: must be a non-empty list of {{tree_nodes, depth}}")
+            raise ValueError(
+                f"budget_search.{family}_trees={candidates!r}: must be a non-empty list of {{tree_nodes, depth}}"
+            )
         for c in candidates:
             if not isinstance(c, DictConfig) or set(c) - allowed or not {"tree_nodes", "depth"} <= set(c):
-                raise ValueError(f"budget_search.{family}_trees entry {c!r}: needs tree_nodes and depth (allowed keys: {sorted(allowed)})")
+                raise ValueError(
+                    f"budget_search.{family}_trees entry {c!r}: needs tree_nodes and depth (allowed keys: "
+                    f"{sorted(allowed)})"
+                )
             for key, value in c.items():
                 check_int(f"budget_search.{family}_trees {key}", value)
 

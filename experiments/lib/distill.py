@@ -44,7 +44,12 @@ def subset_index(vocab: Tensor | None, vocab_size: int, device: torch.device) ->
 
 
 def distill_loss(
-    logits: Tensor, *, top_ids: Tensor, top_logp: Tensor, true_ids: Tensor | None = None, target: str = "kl",
+    logits: Tensor,
+    *,
+    top_ids: Tensor,
+    top_logp: Tensor,
+    true_ids: Tensor | None = None,
+    target: str = "kl",
     index: Tensor | None = None,
 ) -> Tensor:
     """Mean loss of student logits (N, V') against the teacher top-k (N, k) (or true ids (N,)).

@@ -19,15 +19,28 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, is_dataclass, replace
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["Dist", "init_distributed", "close_distributed", "shard", "take_rows", "batch_rows", "main_first", "broadcast_float",
-           "broadcast_text", "all_mean", "gather_text", "wrap"]
+__all__ = [
+    "Dist",
+    "init_distributed",
+    "close_distributed",
+    "shard",
+    "take_rows",
+    "batch_rows",
+    "main_first",
+    "broadcast_float",
+    "broadcast_text",
+    "all_mean",
+    "gather_text",
+    "wrap",
+]
 
 
 @dataclass(frozen=True)
@@ -77,8 +90,14 @@ def take_rows(batch: Any, rows: slice) -> Any:
     if torch.is_tensor(batch):
         return batch[rows]
     if is_dataclass(batch):
-        return replace(batch, **{f.name: take_rows(getattr(batch, f.name), rows) for f in fields(batch)
-                                 if getattr(batch, f.name) is not None})
+        return replace(
+            batch,
+            **{
+                f.name: take_rows(getattr(batch, f.name), rows)
+                for f in fields(batch)
+                if getattr(batch, f.name) is not None
+            },
+        )
     raise TypeError(f"cannot take rows of a batch of type {type(batch).__name__}")
 
 

@@ -23,16 +23,24 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from experiments.lib.families import Family, call_with_settings, family as find_family
 from experiments.lib.checkpoint import checkpoint_exists, load_checkpoint, load_lm, read_meta, save_checkpoint
 from experiments.lib.data import prepare_data, token_counts
 from experiments.lib.distributed import Dist, main_first, shard
+from experiments.lib.families import Family, call_with_settings
+from experiments.lib.families import family as find_family
 from experiments.lib.features import FeatureBatch, check_features_config, feature_spec, open_features, teacher_batch
 from experiments.lib.lm import count_parameters
 from experiments.lib.precision import check_precision, resolve_precision
 from experiments.lib.settings import check_loop_config, check_positive_int, check_recipe, data_recipe, require
 from experiments.lib.training import (
-    batch_for_step, launch, LoopSettings, LoopState, make_logger, make_optimizer, TrainLoop, validation_blocks,
+    LoopSettings,
+    LoopState,
+    TrainLoop,
+    batch_for_step,
+    launch,
+    make_logger,
+    make_optimizer,
+    validation_blocks,
 )
 from verify.vocab import frequent_tokens
 
@@ -46,7 +54,9 @@ def validate_config(cfg: DictConfig) -> None:
     for key in ("batch_size", "vocab"):
         check_positive_int(key, cfg[key], allow_null=True)
     check_positive_int("batch_size", cfg.drafter.batch_size)
-    if cfg.seq_len is not None and (not isinstance(cfg.seq_len, int) or isinstance(cfg.seq_len, bool) or cfg.seq_len < 2):
+    if cfg.seq_len is not None and (
+        not isinstance(cfg.seq_len, int) or isinstance(cfg.seq_len, bool) or cfg.seq_len < 2
+    ):
         raise ValueError(f"seq_len must be an integer >= 2 or null (the base's context), got {cfg.seq_len!r}")
     check_loop_config(cfg)
     check_features_config(OmegaConf.to_container(cfg.features, resolve=True))
@@ -61,15 +71,33 @@ def recipe(cfg: DictConfig, *, base_meta: dict, seq_len: int, batch_size: int) -
     features = container(cfg.features)
     for key in ("dir", "root"):
         features.pop(key, None)
-    return {"base_fingerprint": base_meta["fingerprint"], "drafter": container(cfg.drafter), "seed": cfg.seed,
-            "seq_len": seq_len, "batch_size": batch_size, "vocab": cfg.vocab, "data": data_recipe(cfg.data),
-            "features": features,
-            "optim": container(cfg.optim)}
+    return {
+        "base_fingerprint": base_meta["fingerprint"],
+        "drafter": container(cfg.drafter),
+        "seed": cfg.seed,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "vocab": cfg.vocab,
+        "data": data_recipe(cfg.data),
+        "features": features,
+        "optim": container(cfg.optim),
+    }
 
 
 @torch.no_grad()
-def probe_loss(family: Family, module: nn.Module, base: nn.Module, ids: Tensor, *, seq_len: int,
-               layers: tuple[int, ...], top_k: int, vocab: Tensor | None, loss_kwargs: dict, device: torch.device) -> None:
+def probe_loss(
+    family: Family,
+    module: nn.Module,
+    base: nn.Module,
+    ids: Tensor,
+    *,
+    seq_len: int,
+    layers: tuple[int, ...],
+    top_k: int,
+    vocab: Tensor | None,
+    loss_kwargs: dict,
+    device: torch.device,
+) -> None:
     """The loss on one window, so a bad drafter.loss setting fails now, not after the feature cache is written."""
     window = ids[: seq_len + 1].long()[None].to(device)  # (1, T + 1)
     probe = teacher_batch(base, window, layers=layers, top_k=top_k)
@@ -100,8 +128,9 @@ def layers_needed(cfg: DictConfig) -> tuple[int, ...]:
 
 
 @torch.no_grad()
-def validate(family: Family, module: nn.Module, base: nn.Module, batches: list[FeatureBatch], *,
-             vocab: Tensor | None) -> dict[str, float]:
+def validate(
+    family: Family, module: nn.Module, base: nn.Module, batches: list[FeatureBatch], *, vocab: Tensor | None
+) -> dict[str, float]:
     """Drafter metrics over the fixed validation batches, averaged with weights by batch size."""
     module.eval()
     totals: dict[str, float] = {}
@@ -113,21 +142,44 @@ def validate(family: Family, module: nn.Module, base: nn.Module, batches: list[F
     return {key: value / rows for key, value in totals.items()}
 
 
-def save(out_dir: Path, cfg: DictConfig, module: nn.Module, base_meta: dict, *, step: int, extra: dict,
-         optimizer: torch.optim.Optimizer | None = None) -> Path:
+def save(
+    out_dir: Path,
+    cfg: DictConfig,
+    module: nn.Module,
+    base_meta: dict,
+    *,
+    step: int,
+    extra: dict,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Path:
     config = {"package": cfg.drafter.package, "module": OmegaConf.to_container(cfg.drafter.module, resolve=True)}
-    extra = {"kind": "drafter", "base_fingerprint": base_meta["fingerprint"], "base_checkpoint": str(cfg.base_checkpoint),
-             "drafter": OmegaConf.to_container(cfg.drafter, resolve=True), **extra}
-    return save_checkpoint(out_dir / "checkpoint", model=module, model_config=config, tokenizer_json=None,
-                           step=step, extra=extra, optimizer=optimizer)
+    extra = {
+        "kind": "drafter",
+        "base_fingerprint": base_meta["fingerprint"],
+        "base_checkpoint": str(cfg.base_checkpoint),
+        "drafter": OmegaConf.to_container(cfg.drafter, resolve=True),
+        **extra,
+    }
+    return save_checkpoint(
+        out_dir / "checkpoint",
+        model=module,
+        model_config=config,
+        tokenizer_json=None,
+        step=step,
+        extra=extra,
+        optimizer=optimizer,
+    )
 
 
-def resume(ckpt_dir: Path, cfg: DictConfig, *, module: nn.Module, optimizer: torch.optim.Optimizer,
-           expected_recipe: dict) -> LoopState:
+def resume(
+    ckpt_dir: Path, cfg: DictConfig, *, module: nn.Module, optimizer: torch.optim.Optimizer, expected_recipe: dict
+) -> LoopState:
     """Load the drafter, its optimizer and the loop state from `ckpt_dir`, after checking it is this run's."""
     config = {"package": cfg.drafter.package, "module": OmegaConf.to_container(cfg.drafter.module, resolve=True)}
     ckpt = load_checkpoint(ckpt_dir, expected_config=config)
-    require(ckpt.meta.get("kind") == "drafter", f"{ckpt_dir} is not a drafter checkpoint (kind={ckpt.meta.get('kind')!r})")
+    require(
+        ckpt.meta.get("kind") == "drafter", f"{ckpt_dir} is not a drafter checkpoint (kind={ckpt.meta.get('kind')!r})"
+    )
     check_recipe(ckpt_dir, ckpt.meta.get("recipe"), expected_recipe)
     require(ckpt.optimizer_state is not None, f"checkpoint {ckpt_dir} has no optimizer state to resume from")
     module.load_state_dict(ckpt.state_dict, strict=True)
@@ -139,15 +191,33 @@ def resume(ckpt_dir: Path, cfg: DictConfig, *, module: nn.Module, optimizer: tor
 class Batches:
     """Training batches: from the feature cache, or (features.use=false) from the base on every step."""
 
-    def __init__(self, cfg: DictConfig, base: nn.Module, base_meta: dict, data, *, seq_len: int, batch_size: int,
-                 device: torch.device, ctx: Dist) -> None:
-        self.cfg, self.base, self.data, self.seq_len, self.batch_size, self.device = cfg, base, data, seq_len, batch_size, device
+    def __init__(
+        self,
+        cfg: DictConfig,
+        base: nn.Module,
+        base_meta: dict,
+        data,
+        *,
+        seq_len: int,
+        batch_size: int,
+        device: torch.device,
+        ctx: Dist,
+    ) -> None:
+        self.cfg, self.base, self.data, self.seq_len, self.batch_size, self.device = (
+            cfg,
+            base,
+            data,
+            seq_len,
+            batch_size,
+            device,
+        )
         self.ctx = ctx
         self.layers, f = layers_needed(cfg), cfg.features
         self.cache, self.spec = None, None
         if f.use:
-            self.spec = feature_spec(OmegaConf.to_container(f), base_meta=base_meta, data=data, seq_len=seq_len,
-                                     layers=self.layers)
+            self.spec = feature_spec(
+                OmegaConf.to_container(f), base_meta=base_meta, data=data, seq_len=seq_len, layers=self.layers
+            )
             started = time.perf_counter()
             with main_first(ctx):  # rank 0 writes the cache; the others open it after
                 self.cache = open_features(base, data.train_ids, self.spec, directory=f.dir, root=f.root)
@@ -158,15 +228,26 @@ class Batches:
         if self.cache is not None:
             batch = self.cache.sample(step=step, seed=self.cfg.seed, batch_size=self.batch_size)
             return shard(batch, self.ctx).to(self.device)
-        tokens = batch_for_step(self.data.train_ids, step=step, seed=self.cfg.seed, batch_size=self.batch_size,
-                                seq_len=self.seq_len, device=self.device)  # (B, T + 1)
+        tokens = batch_for_step(
+            self.data.train_ids,
+            step=step,
+            seed=self.cfg.seed,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            device=self.device,
+        )  # (B, T + 1)
         return teacher_batch(self.base, shard(tokens, self.ctx), layers=self.layers, top_k=self.cfg.features.top_k)
 
     def describe(self) -> dict[str, Any]:
         if self.cache is None:
             return {"features": "computed by the base every step"}
-        return {"features": str(self.cache.directory), "feature_key": self.spec.key(), "feature_windows": self.spec.windows,
-                "feature_source": self.spec.source, "feature_seconds": round(self.cache_seconds, 1)}
+        return {
+            "features": str(self.cache.directory),
+            "feature_key": self.spec.key(),
+            "feature_windows": self.spec.windows,
+            "feature_source": self.spec.source,
+            "feature_seconds": round(self.cache_seconds, 1),
+        }
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -191,59 +272,113 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     ckpt_dir = out_dir / "checkpoint"
     if cfg.resume and checkpoint_exists(ckpt_dir):  # another recipe is refused now, before data and feature cache
         found = read_meta(ckpt_dir)
-        require(found.get("kind") == "drafter", f"{ckpt_dir} is not a drafter checkpoint (kind={found.get('kind')!r}): "
-                                                "use another out_dir or resume=false")
+        require(
+            found.get("kind") == "drafter",
+            f"{ckpt_dir} is not a drafter checkpoint (kind={found.get('kind')!r}): use another out_dir or resume=false",
+        )
         check_recipe(ckpt_dir, found.get("recipe"), expected_recipe)
-    module = call_with_settings(family.build, "drafter.module", base, **OmegaConf.to_container(cfg.drafter.module, resolve=True)).to(device)
+    module = call_with_settings(
+        family.build, "drafter.module", base, **OmegaConf.to_container(cfg.drafter.module, resolve=True)
+    ).to(device)
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     if (base_meta.get("data") or {}).get("tokenizer_path"):  # a Hugging Face directory brings its own tokenizer
         data_cfg["tokenizer"] = base_meta["data"]["tokenizer_path"]
     with main_first(ctx):  # rank 0 tokenizes and caches the corpus; the others read its cache
         data = prepare_data(**data_cfg)
     if data.tokenizer.to_str() != tokenizer.to_str():
-        raise ValueError(f"data config gives another tokenizer than base {cfg.base_checkpoint}'s: use the base's data config")
+        raise ValueError(
+            f"data config gives another tokenizer than base {cfg.base_checkpoint}'s: use the base's data config"
+        )
     vocab = frequent_tokens(token_counts(data, base.num_tokens), cfg.vocab)
     vocab = None if vocab is None else vocab.to(device)
-    log.info("precision %s (%s); training vocabulary %s", precision["used"], precision["reason"],
-             "full" if vocab is None else f"the {vocab.numel()} most frequent training tokens")
+    log.info(
+        "precision %s (%s); training vocabulary %s",
+        precision["used"],
+        precision["reason"],
+        "full" if vocab is None else f"the {vocab.numel()} most frequent training tokens",
+    )
     loss_kwargs = OmegaConf.to_container(cfg.drafter.loss, resolve=True)
-    probe_loss(family, module, base, data.val_ids, seq_len=seq_len, layers=layers_needed(cfg), top_k=cfg.features.top_k,
-               vocab=vocab, loss_kwargs=loss_kwargs, device=device)  # before the feature cache takes minutes
+    probe_loss(
+        family,
+        module,
+        base,
+        data.val_ids,
+        seq_len=seq_len,
+        layers=layers_needed(cfg),
+        top_k=cfg.features.top_k,
+        vocab=vocab,
+        loss_kwargs=loss_kwargs,
+        device=device,
+    )  # before the feature cache takes minutes
     batches = Batches(cfg, base, base_meta, data, seq_len=seq_len, batch_size=batch_size, device=device, ctx=ctx)
     val_batches = []
     if ctx.main:  # only rank 0 validates; computed once: the base is frozen
         blocks = validation_blocks(data.val_ids, seq_len=seq_len, eval_blocks=cfg.eval_blocks)
-        val_batches = [teacher_batch(base, chunk.to(device), layers=batches.layers, top_k=cfg.features.top_k)
-                       for chunk in blocks.split(16)]
-    optimizer = make_optimizer(module, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
-                               weight_decay=cfg.optim.weight_decay)
+        val_batches = [
+            teacher_batch(base, chunk.to(device), layers=batches.layers, top_k=cfg.features.top_k)
+            for chunk in blocks.split(16)
+        ]
+    optimizer = make_optimizer(
+        module, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay
+    )
     state = LoopState()
     if cfg.resume and checkpoint_exists(out_dir / "checkpoint"):
         state = resume(out_dir / "checkpoint", cfg, module=module, optimizer=optimizer, expected_recipe=expected_recipe)
 
     def save_fn(state: LoopState, metrics: dict, *, finished: bool, elapsed_s: float) -> Path:
-        extra = {"metrics": metrics, "precision": precision, "train_vocab": None if vocab is None else vocab.numel(),
-                 **batches.describe(), "positions_seen": state.units, "elapsed_s": elapsed_s,
-                 "positions_per_s": loop.units_per_s(), "recipe": expected_recipe, "finished": finished,
-                 "world_size": ctx.world}
+        extra = {
+            "metrics": metrics,
+            "precision": precision,
+            "train_vocab": None if vocab is None else vocab.numel(),
+            **batches.describe(),
+            "positions_seen": state.units,
+            "elapsed_s": elapsed_s,
+            "positions_per_s": loop.units_per_s(),
+            "recipe": expected_recipe,
+            "finished": finished,
+            "world_size": ctx.world,
+        }
         return save(out_dir, cfg, module, base_meta, step=state.step, extra=extra, optimizer=optimizer)
 
     logger = make_logger(cfg, out_dir, ctx)
     loop = TrainLoop(
-        model=module, loss_fn=lambda m, b: family.loss(m, base, b, vocab=vocab, **share(loss_kwargs, b, batch_size)),
+        model=module,
+        loss_fn=lambda m, b: family.loss(m, base, b, vocab=vocab, **share(loss_kwargs, b, batch_size)),
         batch_fn=batches,
         count_fn=lambda b, metrics: int(metrics.get("positions", b.hidden.shape[0] * b.hidden.shape[1])),
-        validate_fn=lambda: validate(family, module, base, val_batches, vocab=vocab), save_fn=save_fn,
-        optimizer=optimizer, settings=LoopSettings.from_config(cfg), precision=precision["used"], device=device,
-        ctx=ctx, out_dir=out_dir, logger=logger, state=state, unit="positions",
-        after_backward=lambda: check_base_frozen(base), find_unused=True)
+        validate_fn=lambda: validate(family, module, base, val_batches, vocab=vocab),
+        save_fn=save_fn,
+        optimizer=optimizer,
+        settings=LoopSettings.from_config(cfg),
+        precision=precision["used"],
+        device=device,
+        ctx=ctx,
+        out_dir=out_dir,
+        logger=logger,
+        state=state,
+        unit="positions",
+        after_backward=lambda: check_base_frozen(base),
+        find_unused=True,
+    )
     try:
         result = loop.run()
     finally:
         logger.finish()
     val = {k: v for k, v in result["last_val"].items() if k not in ("kind", "step", "positions", "elapsed_s")}
-    return {"step": loop.state.step, "start_step": result["start_step"], "stopped_by": result["stopped_by"],
-            "elapsed_s": loop.elapsed(), "parameters": count_parameters(module), "checkpoint": str(out_dir / "checkpoint"),
-            "out_dir": str(out_dir), "precision": precision["used"], "positions": loop.state.units,
-            "positions_per_s": loop.units_per_s(), **batches.describe(), "world_size": ctx.world, "rank": ctx.rank,
-            "replica_fingerprints": result["replica_fingerprints"], **val}
+    return {
+        "step": loop.state.step,
+        "start_step": result["start_step"],
+        "stopped_by": result["stopped_by"],
+        "elapsed_s": loop.elapsed(),
+        "parameters": count_parameters(module),
+        "checkpoint": str(out_dir / "checkpoint"),
+        "out_dir": str(out_dir),
+        "precision": precision["used"],
+        "positions": loop.state.units,
+        "positions_per_s": loop.units_per_s(),
+        **batches.describe(),
+        "world_size": ctx.world,
+        "rank": ctx.rank,
+        "replica_fingerprints": result["replica_fingerprints"],
+        **val,
+    }

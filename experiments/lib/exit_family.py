@@ -37,7 +37,9 @@ class ExitHead(nn.Module):
     def __init__(self, *, layer: int, norm_gain: Tensor, projection: nn.Linear, num_layers: int = 1):
         super().__init__()
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
-            raise ValueError(f"num_layers={num_layers!r}: must be an integer >= 0 (0: the norm and the output layer only)")
+            raise ValueError(
+                f"num_layers={num_layers!r}: must be an integer >= 0 (0: the norm and the output layer only)"
+            )
         self.layer, self.vocab_size = layer, projection.out_features
         dim, w = projection.in_features, projection.weight
         self.norm = nn.LayerNorm(dim, bias=False, device=w.device, dtype=w.dtype)  # eps 1e-5, as x-transformers'
@@ -58,7 +60,8 @@ class ExitHead(nn.Module):
 
 
 def build(base: nn.Module, *, layer: int, num_layers: int = 1) -> ExitHead:
-    """A fresh exit head on block `layer` of `base` (1 .. depth - 1: the last block's state is the base's own output)."""
+    """A fresh exit head on block `layer` of `base` (1 .. depth - 1: the last block's state is the base's
+    own output)."""
     check_lean_base(base)
     layer = check_layers([layer], base_depth(base), name="drafter.module.layer")[0]
     final = lean(base).decoder.final_gain  # x-transformers' LayerNorm gain (gamma + unit offset), or None
@@ -71,25 +74,36 @@ def _state(module: ExitHead, batch: FeatureBatch) -> Tensor:
     batch.check()
     if batch.layers is None or batch.layers.shape[2] != 1:
         got = None if batch.layers is None else tuple(batch.layers.shape)
-        raise ValueError(f"an exit head on layer {module.layer} needs the batch's states of that one layer (B, T, 1, d); got {got}")
+        raise ValueError(
+            f"an exit head on layer {module.layer} needs the batch's states of that one layer (B, T, 1, d); got {got}"
+        )
     return batch.layers[:, :, 0]
 
 
-def loss(module: ExitHead, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None,
-         target: str = "kl") -> tuple[Tensor, dict[str, float]]:
+def loss(
+    module: ExitHead, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None, target: str = "kl"
+) -> tuple[Tensor, dict[str, float]]:
     """Cross-entropy of the head's next-token distribution at every position to the base's (`kl`), its
     top-1 (`argmax`) or the corpus token (`true`); metrics `loss` and `agree`."""
     check_target(target)
     logits = module(_state(module, batch), vocab)  # (B, T, N)
     index = subset_index(vocab, module.vocab_size, logits.device)
-    total = distill_loss(logits.flatten(0, 1), top_ids=batch.top_ids.flatten(0, 1), top_logp=batch.top_logp.flatten(0, 1),
-                         true_ids=batch.tokens[:, 1:].flatten(), target=target, index=index)
+    total = distill_loss(
+        logits.flatten(0, 1),
+        top_ids=batch.top_ids.flatten(0, 1),
+        top_logp=batch.top_logp.flatten(0, 1),
+        true_ids=batch.tokens[:, 1:].flatten(),
+        target=target,
+        index=index,
+    )
     values = torch.stack([total.detach(), agreement(logits.detach(), batch.top_ids, vocab)]).tolist()  # one host sync
     return total, {"loss": values[0], "agree": values[1]}
 
 
 @torch.no_grad()
-def evaluate(module: ExitHead, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None) -> dict[str, float]:
+def evaluate(
+    module: ExitHead, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None
+) -> dict[str, float]:
     """`agree`: how often the head's top-1 is the base's own top-1 after the same prefix (what accepts a
     greedy draft token); `top1`: how often it is the corpus token."""
     top = student_top1(module(_state(module, batch), vocab), vocab)  # (B, T) full-vocabulary ids

@@ -15,16 +15,20 @@ family here. Adding a family is one entry below plus that config file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 
 from experiments.lib import draft_family, exit_family
 from experiments.lib.checkpoint import CheckpointError, load_checkpoint
-from medusa import drafter as medusa_drafter, sequential_drafter, sequential_train, train as medusa_train
-from prophet import drafter as prophet_drafter, train as prophet_train
+from medusa import drafter as medusa_drafter
+from medusa import sequential_drafter, sequential_train
+from medusa import train as medusa_train
+from prophet import drafter as prophet_drafter
+from prophet import train as prophet_train
 from verify import draft_model, early_exit
 
 
@@ -41,14 +45,33 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "draft": Family(draft_family.build, draft_family.loss, draft_family.evaluate, draft_model.make_drafter),
-    "medusa": Family(medusa_train.build, medusa_train.loss, medusa_train.evaluate, medusa_drafter.make_drafter,
-                     modes=("chain", "tree"), head_tree=True),
-    "prophet": Family(prophet_train.build, prophet_train.loss, prophet_train.evaluate, prophet_drafter.make_drafter,
-                      modes=("chain", "tree"), compiles=True),
-    "sequential": Family(sequential_train.build, sequential_train.loss, sequential_train.evaluate,
-                         sequential_drafter.make_drafter, modes=("chain", "tree"), head_tree=True),
-    "early_exit": Family(exit_family.build, exit_family.loss, exit_family.evaluate, early_exit.make_drafter,
-                         compiles=True),
+    "medusa": Family(
+        medusa_train.build,
+        medusa_train.loss,
+        medusa_train.evaluate,
+        medusa_drafter.make_drafter,
+        modes=("chain", "tree"),
+        head_tree=True,
+    ),
+    "prophet": Family(
+        prophet_train.build,
+        prophet_train.loss,
+        prophet_train.evaluate,
+        prophet_drafter.make_drafter,
+        modes=("chain", "tree"),
+        compiles=True,
+    ),
+    "sequential": Family(
+        sequential_train.build,
+        sequential_train.loss,
+        sequential_train.evaluate,
+        sequential_drafter.make_drafter,
+        modes=("chain", "tree"),
+        head_tree=True,
+    ),
+    "early_exit": Family(
+        exit_family.build, exit_family.loss, exit_family.evaluate, early_exit.make_drafter, compiles=True
+    ),
 }
 TREE_FAMILIES = tuple(name for name, f in FAMILIES.items() if "tree" in f.modes)
 

@@ -103,15 +103,26 @@ class FeatureBatch:
     def check(self) -> tuple[int, int]:
         """(B, T) after checking that every field describes the same windows; a one-line ValueError otherwise."""
         b, t = self.hidden.shape[:2]
-        shapes = {"tokens": self.tokens.shape, "hidden": self.hidden.shape, "top_ids": self.top_ids.shape,
-                  "top_logp": self.top_logp.shape, **({} if self.layers is None else {"layers": self.layers.shape})}
-        ok = self.tokens.shape == (b, t + 1) and self.top_ids.shape[:2] == (b, t) and self.top_logp.shape == self.top_ids.shape
+        shapes = {
+            "tokens": self.tokens.shape,
+            "hidden": self.hidden.shape,
+            "top_ids": self.top_ids.shape,
+            "top_logp": self.top_logp.shape,
+            **({} if self.layers is None else {"layers": self.layers.shape}),
+        }
+        ok = (
+            self.tokens.shape == (b, t + 1)
+            and self.top_ids.shape[:2] == (b, t)
+            and self.top_logp.shape == self.top_ids.shape
+        )
         if not ok or (self.layers is not None and self.layers.shape[:2] != (b, t)):
-            raise ValueError(f"a feature batch needs tokens (B, T + 1) and hidden, top_ids, top_logp[, layers] "
-                             f"of (B, T, ...); got {', '.join(f'{k} {tuple(v)}' for k, v in shapes.items())}")
+            raise ValueError(
+                f"a feature batch needs tokens (B, T + 1) and hidden, top_ids, top_logp[, layers] "
+                f"of (B, T, ...); got {', '.join(f'{k} {tuple(v)}' for k, v in shapes.items())}"
+            )
         return b, t
 
-    def to(self, device: torch.device) -> "FeatureBatch":
+    def to(self, device: torch.device) -> FeatureBatch:
         move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
         return FeatureBatch(*(move(x) for x in (self.tokens, self.hidden, self.top_ids, self.top_logp, self.layers)))
 
@@ -121,8 +132,13 @@ def teacher_batch(base: nn.Module, tokens: Tensor, *, layers: tuple[int, ...] = 
     """Run the frozen base (fp32, no autocast: the teacher is the base that decodes) on tokens (B, T + 1)."""
     hidden, logits, states = base_features(base, tokens[:, :-1], tuple(layers))
     top = logits.float().log_softmax(dim=-1).topk(min(top_k, logits.shape[-1]), dim=-1)
-    return FeatureBatch(tokens=tokens.long(), hidden=hidden.float(), top_ids=top.indices, top_logp=top.values,
-                        layers=None if states is None else states.float())
+    return FeatureBatch(
+        tokens=tokens.long(),
+        hidden=hidden.float(),
+        top_ids=top.indices,
+        top_logp=top.values,
+        layers=None if states is None else states.float(),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -134,7 +150,9 @@ def corpus_windows(ids: Tensor, *, seq_len: int, windows: int | None, seed: int)
     if available < 1:
         raise ValueError(f"the training split has {ids.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}")
     if windows is not None and windows > available:
-        raise ValueError(f"features.windows={windows}: the training split holds only {available} windows of {seq_len} tokens")
+        raise ValueError(
+            f"features.windows={windows}: the training split holds only {available} windows of {seq_len} tokens"
+        )
     order = torch.randperm(available, generator=torch.Generator().manual_seed(seed))[: windows or available]
     return ids[order[:, None] * seq_len + torch.arange(seq_len + 1)].long()
 
@@ -144,14 +162,26 @@ def continue_windows(base: nn.Module, windows: Tensor, *, prompt_len: int, tempe
     new = windows.shape[1] - prompt_len
     prompts = windows[:, :prompt_len].tolist()
     generator = torch.Generator(device=windows.device).manual_seed(seed)
-    out = plain_generate(make_target(base), prompts, max_new_tokens=new, sampling=SamplingConfig(temperature=temperature),
-                         generator=generator).tokens  # no EOS stop: every row runs to full length
+    out = plain_generate(
+        make_target(base),
+        prompts,
+        max_new_tokens=new,
+        sampling=SamplingConfig(temperature=temperature),
+        generator=generator,
+    ).tokens  # no EOS stop: every row runs to full length
     return torch.cat((windows[:, :prompt_len], torch.tensor(out, dtype=torch.long, device=windows.device)), dim=1)
 
 
 def _progress(console: Console) -> Progress:
-    return Progress(TextColumn("[bold]features"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=console, disable=not console.is_terminal)
+    return Progress(
+        TextColumn("[bold]features"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not console.is_terminal,
+    )
 
 
 def _shard_path(directory: Path, i: int) -> Path:
@@ -169,16 +199,28 @@ def _check_meta(directory: Path, spec: FeatureSpec) -> dict | None:
         meta = json.loads(path.read_text())
         found = FeatureSpec(**{**meta["spec"], "layers": tuple(meta["spec"]["layers"])})
     except (ValueError, KeyError, TypeError) as e:
-        raise StaleFeatures(f"{path} is not a feature cache's meta.json ({type(e).__name__}): delete {directory} or choose another directory") from None
+        raise StaleFeatures(
+            f"{path} is not a feature cache's meta.json ({type(e).__name__}): delete {directory} or choose another "
+            "directory"
+        ) from None
     wanted = asdict(spec) | {"layers": found.layers if set(spec.layers) <= set(found.layers) else spec.layers}
     diff = ", ".join(f"{k}: cached {v!r}, wanted {wanted[k]!r}" for k, v in asdict(found).items() if v != wanted[k])
     if diff:
-        raise StaleFeatures(f"feature cache {directory} was written for another setting ({diff}): delete it or choose another directory")
+        raise StaleFeatures(
+            f"feature cache {directory} was written for another setting ({diff}): delete it or choose another directory"
+        )
     return meta
 
 
-def write_features(directory: str | Path, base: nn.Module, train_ids: Tensor, spec: FeatureSpec, *,
-                   shard_windows: int = 256, batch_size: int = 16) -> Path:
+def write_features(
+    directory: str | Path,
+    base: nn.Module,
+    train_ids: Tensor,
+    spec: FeatureSpec,
+    *,
+    shard_windows: int = 256,
+    batch_size: int = 16,
+) -> Path:
     """Compute and store the cache for `spec` (resumes an interrupted one); returns the directory."""
     directory = Path(directory)
     meta = _check_meta(directory, spec)
@@ -190,11 +232,25 @@ def write_features(directory: str | Path, base: nn.Module, train_ids: Tensor, sp
     dim = base.to_logits.in_features
     size = spec.windows * spec.bytes_per_window(dim)
     shards = -(-spec.windows // shard_windows)
-    log.info("feature cache %s: %d windows x %d positions (%s), %d shards, about %.2f GB", directory, spec.windows,
-             spec.seq_len, spec.source, shards, size / 1e9)
+    log.info(
+        "feature cache %s: %d windows x %d positions (%s), %d shards, about %.2f GB",
+        directory,
+        spec.windows,
+        spec.seq_len,
+        spec.source,
+        shards,
+        size / 1e9,
+    )
     directory.mkdir(parents=True, exist_ok=True)
-    meta = {"spec": asdict(spec), "format": FORMAT_VERSION, "dim": dim, "shard_windows": shard_windows,
-            "shards": shards, "bytes": size, "complete": False}
+    meta = {
+        "spec": asdict(spec),
+        "format": FORMAT_VERSION,
+        "dim": dim,
+        "shard_windows": shard_windows,
+        "shards": shards,
+        "bytes": size,
+        "complete": False,
+    }
     _write_meta(directory, meta)
     device = next(base.parameters()).device
     windows = corpus_windows(train_ids, seq_len=spec.seq_len, windows=spec.windows, seed=spec.seed)
@@ -220,8 +276,13 @@ def _write_shard(directory: Path, i: int, base: nn.Module, rows: Tensor, spec: F
     parts: dict[str, list[Tensor]] = {"tokens": [], "hidden": [], "top_ids": [], "top_logp": [], "layers": []}
     for j, chunk in enumerate(rows.split(batch_size)):
         if spec.source != "corpus":  # every chunk has its own seed, so a resumed shard samples the same text
-            chunk = continue_windows(base, chunk, prompt_len=spec.prompt_len, seed=spec.seed * 1_000_003 + i * 4099 + j,
-                                     temperature=0.0 if spec.source == "greedy" else 1.0)
+            chunk = continue_windows(
+                base,
+                chunk,
+                prompt_len=spec.prompt_len,
+                seed=spec.seed * 1_000_003 + i * 4099 + j,
+                temperature=0.0 if spec.source == "greedy" else 1.0,
+            )
         batch = teacher_batch(base, chunk, layers=spec.layers, top_k=spec.top_k)
         store = DTYPES[spec.dtype]
         parts["tokens"].append(batch.tokens.int().cpu())
@@ -246,7 +307,9 @@ class FeatureCache:
         directory = Path(directory)
         meta = _check_meta(directory, spec)
         if meta is None or not meta.get("complete"):
-            raise ValueError(f"feature cache {directory} is missing or incomplete: write it first (experiments.cache_features)")
+            raise ValueError(
+                f"feature cache {directory} is missing or incomplete: write it first (experiments.cache_features)"
+            )
         cached_layers = list(meta["spec"]["layers"])
         keep = [cached_layers.index(layer) for layer in spec.layers]  # the asked layers, in the asked order
         parts: dict[str, list[Tensor]] = {}
@@ -259,8 +322,10 @@ class FeatureCache:
         self.data = {name: torch.cat(chunks) for name, chunks in parts.items()}
         self.directory, self.spec, self.dim = directory, spec, meta["dim"]
         if self.data["tokens"].shape != (spec.windows, spec.seq_len + 1):
-            raise StaleFeatures(f"feature cache {directory} holds tokens {tuple(self.data['tokens'].shape)}, "
-                                f"not ({spec.windows}, {spec.seq_len + 1}): delete it and write it again")
+            raise StaleFeatures(
+                f"feature cache {directory} holds tokens {tuple(self.data['tokens'].shape)}, "
+                f"not ({spec.windows}, {spec.seq_len + 1}): delete it and write it again"
+            )
 
     @property
     def windows(self) -> int:
@@ -270,8 +335,13 @@ class FeatureCache:
         """Windows `rows` (B,) as float32 / long tensors on the CPU."""
         d = self.data
         layers = d["layers"][rows].float() if "layers" in d else None
-        return FeatureBatch(tokens=d["tokens"][rows].long(), hidden=d["hidden"][rows].float(),
-                            top_ids=d["top_ids"][rows].long(), top_logp=d["top_logp"][rows], layers=layers)
+        return FeatureBatch(
+            tokens=d["tokens"][rows].long(),
+            hidden=d["hidden"][rows].float(),
+            top_ids=d["top_ids"][rows].long(),
+            top_logp=d["top_logp"][rows],
+            layers=layers,
+        )
 
     def sample(self, *, step: int, seed: int, batch_size: int) -> FeatureBatch:
         """B random windows, a pure function of (seed, step) like the base's batches: resuming needs no state."""
@@ -279,8 +349,14 @@ class FeatureCache:
         return self.batch(torch.randint(0, self.windows, (batch_size,), generator=generator))
 
 
-def open_features(base: nn.Module, train_ids: Tensor, spec: FeatureSpec, *, directory: str | Path | None = None,
-                  root: str | Path = ".cache/features") -> FeatureCache:
+def open_features(
+    base: nn.Module,
+    train_ids: Tensor,
+    spec: FeatureSpec,
+    *,
+    directory: str | Path | None = None,
+    root: str | Path = ".cache/features",
+) -> FeatureCache:
     """The cache for `spec`, written first when missing or incomplete (in `directory`, or root/<spec key>).
 
     An explicit `directory` may hold more layers than `spec` asks for: one cache serves every drafter."""
@@ -296,14 +372,32 @@ def check_features_config(features: dict) -> None:
     windows = features["windows"]
     if windows is not None and (isinstance(windows, bool) or not isinstance(windows, int) or windows < 1):
         raise ValueError(f"features.windows={windows!r}: must be a positive integer or null (every window)")
-    FeatureSpec(base_fingerprint="", data_key="", seq_len=2, windows=1, source=features["source"],
-                prompt_len=features["prompt_len"], top_k=features["top_k"], dtype=features["dtype"], seed=features["seed"])
+    FeatureSpec(
+        base_fingerprint="",
+        data_key="",
+        seq_len=2,
+        windows=1,
+        source=features["source"],
+        prompt_len=features["prompt_len"],
+        top_k=features["top_k"],
+        dtype=features["dtype"],
+        seed=features["seed"],
+    )
 
 
 def feature_spec(features: dict, *, base_meta: dict, data, seq_len: int, layers: tuple[int, ...] = ()) -> FeatureSpec:
     """The spec of conf/features for this base, data and window length; windows=null means every
     non-overlapping window of the training split."""
     windows = features["windows"] if features["windows"] is not None else (data.train_ids.numel() - 1) // seq_len
-    return FeatureSpec(base_fingerprint=base_meta["fingerprint"], data_key=data.cache_key, seq_len=seq_len,
-                       windows=windows, source=features["source"], prompt_len=features["prompt_len"], layers=tuple(layers),
-                       top_k=features["top_k"], dtype=features["dtype"], seed=features["seed"])
+    return FeatureSpec(
+        base_fingerprint=base_meta["fingerprint"],
+        data_key=data.cache_key,
+        seq_len=seq_len,
+        windows=windows,
+        source=features["source"],
+        prompt_len=features["prompt_len"],
+        layers=tuple(layers),
+        top_k=features["top_k"],
+        dtype=features["dtype"],
+        seed=features["seed"],
+    )

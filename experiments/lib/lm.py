@@ -85,13 +85,28 @@ def build_lm(
     """A decoder-only LM: token ids (B, N) -> logits (B, N, num_tokens). `kv_heads` (grouped-query
     attention) only for arch="llama"."""
     check_lm_sizes(
-        arch=arch, num_tokens=num_tokens, dim=dim, depth=depth, heads=heads, max_seq_len=max_seq_len,
-        ff_mult=ff_mult, attn_dim_head=attn_dim_head, kv_heads=kv_heads,
+        arch=arch,
+        num_tokens=num_tokens,
+        dim=dim,
+        depth=depth,
+        heads=heads,
+        max_seq_len=max_seq_len,
+        ff_mult=ff_mult,
+        attn_dim_head=attn_dim_head,
+        kv_heads=kv_heads,
     )
     dim_head = attn_dim_head if attn_dim_head is not None else dim // heads
     if arch == "llama":
-        return _llama(num_tokens=num_tokens, dim=dim, depth=depth, heads=heads, kv_heads=kv_heads or heads,
-                      max_seq_len=max_seq_len, hidden=ff_mult * dim, dim_head=dim_head)
+        return _llama(
+            num_tokens=num_tokens,
+            dim=dim,
+            depth=depth,
+            heads=heads,
+            kv_heads=kv_heads or heads,
+            max_seq_len=max_seq_len,
+            hidden=ff_mult * dim,
+            dim_head=dim_head,
+        )
     decoder = Decoder(
         dim=dim,
         depth=depth,
@@ -110,17 +125,28 @@ def build_lm(
     )
 
 
-def _llama(*, num_tokens: int, dim: int, depth: int, heads: int, kv_heads: int, max_seq_len: int, hidden: int,
-           dim_head: int) -> torch.nn.Module:
+def _llama(
+    *, num_tokens: int, dim: int, depth: int, heads: int, kv_heads: int, max_seq_len: int, hidden: int, dim_head: int
+) -> torch.nn.Module:
     """transformers' LlamaForCausalLM (RMSNorm, SwiGLU, rotary, untied output layer), random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from verify.hf import HFBase
 
-    config = LlamaConfig(vocab_size=num_tokens, hidden_size=dim, intermediate_size=hidden, num_hidden_layers=depth,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim_head,
-                         max_position_embeddings=max_seq_len, tie_word_embeddings=False,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config = LlamaConfig(
+        vocab_size=num_tokens,
+        hidden_size=dim,
+        intermediate_size=hidden,
+        num_hidden_layers=depth,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=dim_head,
+        max_position_embeddings=max_seq_len,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     return HFBase(LlamaForCausalLM(config))
 
 

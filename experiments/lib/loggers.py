@@ -25,13 +25,15 @@ class NullLogger:
 class WandbLogger:
     """logger=wandb: offline by default, files under <out_dir>/wandb (upload later with `wandb sync`)."""
 
-    def __init__(self, *, project: str, mode: str = "offline", name: str | None = None,
-                 dir: str, run_config: dict | None = None) -> None:
+    def __init__(
+        self, *, project: str, mode: str = "offline", name: str | None = None, dir: str, run_config: dict | None = None
+    ) -> None:
         import wandb  # imported here: slow to import, and not needed with logger=none
 
         Path(dir).mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=project, mode=mode, name=name, dir=dir, config=run_config,
-                              settings=wandb.Settings(silent=True))
+        self.run = wandb.init(
+            project=project, mode=mode, name=name, dir=dir, config=run_config, settings=wandb.Settings(silent=True)
+        )
 
     def log(self, metrics: dict[str, float], *, step: int) -> None:
         self.run.log(metrics, step=step)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -23,7 +23,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from experiments.lib.artifacts import ensure
 from experiments.lib.checkpoint import load_lm, read_meta
 from experiments.lib.data import base_data_config, prepare_data, token_counts
-from experiments.lib.families import FAMILIES, TREE_FAMILIES, call_with_settings, family as find_family, load_drafter
+from experiments.lib.families import FAMILIES, TREE_FAMILIES, call_with_settings, load_drafter
+from experiments.lib.families import family as find_family
 from experiments.lib.prompts import heldout_prompts, load_prompts
 from medusa.trees import accuracies_from_metrics
 from verify.draft_model import DraftModelDrafter
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 DRAFTER_KINDS = tuple(FAMILIES)
 # <family>_<mode> -> (family, mode), for every family but the draft model's, whose one method is draft_model.
 FAMILY_METHODS: dict[str, tuple[str, str]] = {
-    f"{name}_{mode}": (name, mode) for name, f in FAMILIES.items() if name != "draft" for mode in f.modes}
+    f"{name}_{mode}": (name, mode) for name, f in FAMILIES.items() if name != "draft" for mode in f.modes
+}
 METHODS = ("draft_model", "prompt_lookup", *FAMILY_METHODS)  # the order of results tables
 
 
@@ -129,8 +131,9 @@ def check_untrained_drafters(cfg: DictConfig, base: torch.nn.Module) -> None:
             call_with_settings(find_family(kind).build, f"{kind}.module", base, **module)
 
 
-def make_methods(cfg: DictConfig, base: torch.nn.Module, base_meta: dict, base_ckpt: str,
-                 tokenizer) -> tuple[dict[str, Callable[..., Any]], dict[str, dict]]:
+def make_methods(
+    cfg: DictConfig, base: torch.nn.Module, base_meta: dict, base_ckpt: str, tokenizer
+) -> tuple[dict[str, Callable[..., Any]], dict[str, dict]]:
     """Method name -> a factory of a fresh drafter (state is per batch, so one per generate call), and
     per checkpoint kind what was loaded (checkpoint path, fingerprint, step, module and loss as trained).
 
@@ -163,14 +166,20 @@ def make_methods(cfg: DictConfig, base: torch.nn.Module, base_meta: dict, base_c
                 decode["tree"] = None
             compiles = FAMILIES[family].compiles  # heads have no decoder to compile
             methods[name] = lambda m=module, p=package, d=decode, c=compiles, compile=False, **over: p.make_drafter(
-                m, base, **{**d, **over}, vocab=vocab, **({"compile": compile} if c else {}))
+                m, base, **{**d, **over}, vocab=vocab, **({"compile": compile} if c else {})
+            )
     return methods, loaded
 
 
 def loaded_record(directory: str, meta: dict) -> dict[str, Any]:
     """What results.json records of a loaded checkpoint: where, which (fingerprint, step) and its recipe."""
-    return {"checkpoint": str(directory), "kind": meta.get("kind"), "fingerprint": meta["fingerprint"],
-            "step": meta.get("step"), **checkpoint_recipe(meta)}
+    return {
+        "checkpoint": str(directory),
+        "kind": meta.get("kind"),
+        "fingerprint": meta["fingerprint"],
+        "step": meta.get("step"),
+        **checkpoint_recipe(meta),
+    }
 
 
 def recorded_config(cfg: DictConfig, loaded: dict[str, dict]) -> dict[str, Any]:
@@ -195,20 +204,27 @@ def check_train_vocab(meta: dict, vocab: torch.Tensor | None, name: str) -> None
     (a distilled draft model's are at their initialisation) would draft, losslessly but badly."""
     trained_on, drafting = meta.get("train_vocab"), None if vocab is None else vocab.numel()
     if trained_on != drafting:
-        log.warning("%s was trained on %s but drafts from %s: set vocab=%s", name,
-                    f"{trained_on} tokens" if trained_on else "the full vocabulary",
-                    f"{drafting} tokens" if drafting else "the full vocabulary", trained_on or "null")
+        log.warning(
+            "%s was trained on %s but drafts from %s: set vocab=%s",
+            name,
+            f"{trained_on} tokens" if trained_on else "the full vocabulary",
+            f"{drafting} tokens" if drafting else "the full vocabulary",
+            trained_on or "null",
+        )
 
 
-def load_draft_model(directory: str, base: torch.nn.Module, base_meta: dict, tokenizer,
-                     vocab: torch.Tensor | None) -> tuple[torch.nn.Module, dict]:
+def load_draft_model(
+    directory: str, base: torch.nn.Module, base_meta: dict, tokenizer, vocab: torch.Tensor | None
+) -> tuple[torch.nn.Module, dict]:
     """The draft LM and its checkpoint's meta: one distilled from this base (a `draft` drafter checkpoint)
     or an independent LM trained on the corpus (a base checkpoint with the base's tokenizer)."""
     if read_meta(directory).get("kind") == "drafter":
         module, _, meta = load_drafter(directory, base, base_meta)
         check_train_vocab(meta, vocab, "the draft model")
         return module, meta
-    draft_lm, draft_tokenizer, meta = load_lm(directory, device=str(next(base.parameters()).device), role="checkpoints.draft")
+    draft_lm, draft_tokenizer, meta = load_lm(
+        directory, device=str(next(base.parameters()).device), role="checkpoints.draft"
+    )
     if draft_tokenizer.to_str() != tokenizer.to_str():
         raise ValueError("the draft model uses another tokenizer than the base: train it on the base's data config")
     return draft_lm, meta

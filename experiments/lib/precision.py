@@ -12,8 +12,9 @@ fp32; with either it is faster (~1.4-1.7x on the tiny base, AVX512_BF16, measure
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 
@@ -74,7 +75,7 @@ def resolve_precision(requested: str, device: torch.device) -> dict[str, str]:
     return {"requested": requested, "used": "bf16" if native else "fp32", "reason": why}
 
 
-def autocast(used: str, device: torch.device) -> ContextManager[Any]:
+def autocast(used: str, device: torch.device) -> AbstractContextManager[Any]:
     """The forward/backward context for a resolved precision: bf16 autocast (weights and optimizer state
     stay fp32) or nothing."""
     if used == "bf16":

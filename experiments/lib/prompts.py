@@ -30,8 +30,11 @@ def document_regions(ids: torch.Tensor, eos_id: int) -> list[tuple[int, int]]:
     Scanned in chunks: the stream may be a memory map larger than memory, and `ids == eos_id` over all of
     it at once would allocate a mask of N bytes."""
     chunk = 1 << 24
-    eos = [i for start in range(0, ids.numel(), chunk)
-           for i in ((ids[start:start + chunk] == eos_id).nonzero().flatten() + start).tolist()]
+    eos = [
+        i
+        for start in range(0, ids.numel(), chunk)
+        for i in ((ids[start : start + chunk] == eos_id).nonzero().flatten() + start).tolist()
+    ]
     bounds = [-1] + eos + [ids.numel()]
     return [(a + 1, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a + 1]
 

@@ -21,13 +21,15 @@ from typing import Any
 
 import matplotlib
 
-from experiments.lib.cli import write_atomic
 from experiments.lib.calibrate import format_cost_table
+from experiments.lib.cli import write_atomic
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-HEADER = "| method | mode | T | rule | lossless | tau | rep4 | alpha | tokens/s | speedup | efficiency | draft % | exact |"
+HEADER = (
+    "| method | mode | T | rule | lossless | tau | rep4 | alpha | tokens/s | speedup | efficiency | draft % | exact |"
+)
 
 
 def repeated_ngram_share(prompts: list[list[int]], outputs: list[list[int]], n: int = 4) -> float:
@@ -73,8 +75,10 @@ def markdown_table(results: dict) -> str:
     lines = [HEADER, "|" + "|".join(["---"] * (HEADER.count("|") - 1)) + "|"]
     for t in dict.fromkeys(p["temperature"] for p in results["plain"]):
         for plain in (p for p in results["plain"] if p["temperature"] == t):
-            lines.append(f"| plain | {mode(plain)} | {t:g} | - | yes | 1.00 | {plain['repeat4']:.2f} | - "
-                         f"| {plain['tokens_per_s']:.1f} | {plain['speedup']:.2f} | - | 0 | - |")
+            lines.append(
+                f"| plain | {mode(plain)} | {t:g} | - | yes | 1.00 | {plain['repeat4']:.2f} | - "
+                f"| {plain['tokens_per_s']:.1f} | {plain['speedup']:.2f} | - | 0 | - |"
+            )
         for row in (r for r in results["methods"] if r["temperature"] == t):
             lines.append(
                 f"| {row['name']} | {mode(row)} | {t:g} | {row['rule']} | {_fmt(row['lossless'])} | {row['tau']:.2f} "
@@ -86,12 +90,17 @@ def markdown_table(results: dict) -> str:
 
 def warmup_lines(results: dict) -> str:
     """Compile (warm-up) time per setting, reported apart from tokens/s."""
-    out = [f"- {setting}: cost calibration {s:.1f} s (about 0 when read from its cache"
-           f"{'; on a fresh machine it includes compiling every verify width' if 'compiled' in setting else ''})"
-           for setting, s in results.get("calibration_s", {}).items()]
+    out = [
+        f"- {setting}: cost calibration {s:.1f} s (about 0 when read from its cache"
+        f"{'; on a fresh machine it includes compiling every verify width' if 'compiled' in setting else ''})"
+        for setting, s in results.get("calibration_s", {}).items()
+    ]
     for row in results["plain"] + results["methods"]:
         if row.get("compiled"):
-            out.append(f"- {row.get('name', 'plain')} {mode(row)} T={row['temperature']:g}: warm-up incl. compilation {row['warmup_s']:.1f} s")
+            out.append(
+                f"- {row.get('name', 'plain')} {mode(row)} T={row['temperature']:g}: warm-up incl. compilation "
+                f"{row['warmup_s']:.1f} s"
+            )
     return "\n".join(out) + ("\n" if out else "")
 
 
@@ -99,7 +108,9 @@ def plot_speedup_tau(results: dict, path: Path) -> None:
     rows = results["methods"]
     labels = [f"{r['name']}\n{mode(r)} T={r['temperature']:g}" for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, len(rows) * 1.1), 4))
-    for ax, key, title in zip(axes, ("speedup", "tau"), ("speedup over plain decoding", "tau (tokens per target forward)")):
+    for ax, key, title in zip(
+        axes, ("speedup", "tau"), ("speedup over plain decoding", "tau (tokens per target forward)")
+    ):
         ax.bar(range(len(rows)), [r[key] for r in rows], color=["C0" if r["lossless"] else "C3" for r in rows])
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
@@ -135,8 +146,11 @@ def cost_lines(results: dict) -> str:
     out = []
     for setting, costs in results.get("cost_tables", {}).items():
         t0 = results["methods"][0]["temperature"] if results["methods"] else None
-        drafters = {r["name"]: r["draft_seconds_per_step"] for r in results["methods"]
-                    if mode(r) == setting and r["temperature"] == t0}
+        drafters = {
+            r["name"]: r["draft_seconds_per_step"]
+            for r in results["methods"]
+            if mode(r) == setting and r["temperature"] == t0
+        }
         out.append(f"\nMeasured costs, {setting} (target forward of k new tokens; drafters per verification step):\n")
         out.append(format_cost_table({int(k): v for k, v in costs.items()}, drafters))
     return "\n".join(out) + ("\n" if out else "")

@@ -39,8 +39,9 @@ def check_writable(directory: str | Path, name: str) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"{name}={str(directory)!r} is not a writable directory ({e.strerror or e}): "
-                         "give one this user can write") from None
+        raise ValueError(
+            f"{name}={str(directory)!r} is not a writable directory ({e.strerror or e}): give one this user can write"
+        ) from None
     return directory
 
 
@@ -48,8 +49,10 @@ def check_checkpoint_dir(directory: Path) -> None:
     """A `checkpoint/` that holds files but no meta.json (copied in part, or foreign) would be trained over
     and then refused at the first save, losing the run: refuse it before training instead."""
     if directory.is_dir() and any(directory.iterdir()) and not checkpoint_exists(directory):
-        raise ValueError(f"{directory} holds files but no meta.json: it is not a complete checkpoint; "
-                         "move it away (or point out_dir elsewhere) before training")
+        raise ValueError(
+            f"{directory} holds files but no meta.json: it is not a complete checkpoint; "
+            "move it away (or point out_dir elsewhere) before training"
+        )
 
 
 class RunLock:
@@ -59,7 +62,7 @@ class RunLock:
         self.path = Path(directory) / LOCK_FILE
         self.fd: int | None = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -67,8 +70,10 @@ class RunLock:
             holder = os.read(self.fd, 64).decode(errors="replace").strip() or "unknown"
             os.close(self.fd)
             self.fd = None
-            raise RunDirectoryInUse(f"run directory {self.path.parent} is in use by another training (pid {holder}); "
-                                    "wait for it to finish or choose another out_dir / hydra.run.dir") from None
+            raise RunDirectoryInUse(
+                f"run directory {self.path.parent} is in use by another training (pid {holder}); "
+                "wait for it to finish or choose another out_dir / hydra.run.dir"
+            ) from None
         try:  # the pid only names the holder in the error above; a failure here must not keep the lock
             os.ftruncate(self.fd, 0)
             os.write(self.fd, f"{os.getpid()}\n".encode())

@@ -55,15 +55,18 @@ def function_docstrings(text: str) -> list[tuple[str, str, str]]:
     return found
 
 
-def seq2seq_pairs(data: PreparedData, *, max_source_tokens: int, max_target_tokens: int,
-                  max_files: int | None = None) -> tuple[Pairs, Pairs]:
+def seq2seq_pairs(
+    data: PreparedData, *, max_source_tokens: int, max_target_tokens: int, max_files: int | None = None
+) -> tuple[Pairs, Pairs]:
     """(train, validation) pairs from the stdlib, tokenized with `data.tokenizer`, split by `data.val_files`.
     `max_files` must be the data's own (the first files in the corpus's order, as prepare_data takes them).
 
     Sources longer than max_source_tokens are cut (the signature and the start of the body survive);
     pairs whose summary + EOS exceeds max_target_tokens are dropped (a cut summary teaches nothing)."""
     if max_source_tokens < 1 or max_target_tokens < 2:
-        raise ValueError(f"max_source_tokens={max_source_tokens}, max_target_tokens={max_target_tokens}: need >= 1 and >= 2")
+        raise ValueError(
+            f"max_source_tokens={max_source_tokens}, max_target_tokens={max_target_tokens}: need >= 1 and >= 2"
+        )
     root = Path(sysconfig.get_paths()["stdlib"])
     val_files = set(data.val_files)
     split: dict[bool, list[tuple[str, str, str]]] = {False: [], True: []}

@@ -12,8 +12,9 @@ these in experiments/lib/decode_checks.py.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -22,8 +23,20 @@ from experiments.lib.checkpoint import CheckpointError
 from experiments.lib.distributed import Dist
 from verify.numerics import is_finite_number
 
-__all__ = ["require", "is_int", "check_int", "check_bool", "check_number", "check_positive_int", "data_recipe",
-           "check_optim", "check_loop_config", "check_batch_split", "resolve_device", "check_recipe"]
+__all__ = [
+    "require",
+    "is_int",
+    "check_int",
+    "check_bool",
+    "check_number",
+    "check_positive_int",
+    "data_recipe",
+    "check_optim",
+    "check_loop_config",
+    "check_batch_split",
+    "resolve_device",
+    "check_recipe",
+]
 
 
 def require(ok: bool, message: str) -> None:
@@ -42,8 +55,10 @@ def check_int(name: str, value: Any, *, minimum: int = 1, allow_null: bool = Fal
     `<name>=<value>: must be [null or ]an integer >= <minimum>`."""
     if allow_null and value is None:
         return None
-    require(is_int(value) and value >= minimum,
-            f"{name}={value!r}: must be {'null or ' if allow_null else ''}an integer >= {minimum}")
+    require(
+        is_int(value) and value >= minimum,
+        f"{name}={value!r}: must be {'null or ' if allow_null else ''}an integer >= {minimum}",
+    )
     return value
 
 
@@ -66,7 +81,9 @@ def check_positive_int(name: str, value: Any, *, allow_null: bool = False) -> No
     try:
         check_int(name, value, allow_null=allow_null)
     except ValueError:
-        raise ValueError(f"{name} must be a positive integer{' or null' if allow_null else ''}, got {value!r}") from None
+        raise ValueError(
+            f"{name} must be a positive integer{' or null' if allow_null else ''}, got {value!r}"
+        ) from None
 
 
 def data_recipe(data: Any) -> dict[str, Any]:
@@ -82,13 +99,19 @@ def check_optim(optim: Any, max_steps: int) -> None:
         require(is_finite_number(optim[key]), f"optim.{key} must be a number, got {optim[key]!r}")
     require(optim.lr > 0, f"optim.lr must be positive, got {optim.lr}")
     require(0 <= optim.min_lr <= optim.lr, f"optim.min_lr must lie in [0, optim.lr={optim.lr}], got {optim.min_lr}")
-    require(is_int(optim.warmup_steps) and optim.warmup_steps >= 0,
-            f"optim.warmup_steps must be a non-negative integer, got {optim.warmup_steps!r}")
-    require(optim.warmup_steps <= max_steps,
-            f"optim.warmup_steps ({optim.warmup_steps}) must not exceed max_steps ({max_steps})")
+    require(
+        is_int(optim.warmup_steps) and optim.warmup_steps >= 0,
+        f"optim.warmup_steps must be a non-negative integer, got {optim.warmup_steps!r}",
+    )
+    require(
+        optim.warmup_steps <= max_steps,
+        f"optim.warmup_steps ({optim.warmup_steps}) must not exceed max_steps ({max_steps})",
+    )
     betas = list(optim.betas)
-    require(len(betas) == 2 and all(is_finite_number(b) and 0 <= b < 1 for b in betas),
-            f"optim.betas must be two numbers in [0, 1), got {betas}")
+    require(
+        len(betas) == 2 and all(is_finite_number(b) and 0 <= b < 1 for b in betas),
+        f"optim.betas must be two numbers in [0, 1), got {betas}",
+    )
     require(optim.eps > 0, f"optim.eps must be positive, got {optim.eps}")
     require(optim.weight_decay >= 0, f"optim.weight_decay must be non-negative, got {optim.weight_decay}")
     require(optim.grad_clip >= 0, f"optim.grad_clip must be non-negative (0 disables), got {optim.grad_clip}")
@@ -99,8 +122,10 @@ def check_loop_config(cfg: Any) -> None:
     for key in ("max_steps", "log_every", "eval_every", "eval_blocks", "checkpoint_every", "grad_accum"):
         check_positive_int(key, cfg[key])
     require(is_int(cfg.seed) and 0 <= cfg.seed < 2**32, f"seed must be an integer in [0, 2**32), got {cfg.seed!r}")
-    require(cfg.max_minutes is None or (is_finite_number(cfg.max_minutes) and cfg.max_minutes > 0),
-            f"max_minutes must be positive or null, got {cfg.max_minutes!r}")
+    require(
+        cfg.max_minutes is None or (is_finite_number(cfg.max_minutes) and cfg.max_minutes > 0),
+        f"max_minutes must be positive or null, got {cfg.max_minutes!r}",
+    )
     require(isinstance(cfg.resume, bool), f"resume must be true or false, got {cfg.resume!r}")
     check_positive_int("threads", cfg.threads, allow_null=True)
     check_optim(cfg.optim, cfg.max_steps)
@@ -110,8 +135,11 @@ def check_loop_config(cfg: Any) -> None:
 
 def check_batch_split(batch_size: int, grad_accum: int, ctx: Dist) -> None:
     """batch_size is the global batch: split evenly across ranks, then into grad_accum micro-batches."""
-    require(batch_size % ctx.world == 0, f"batch_size={batch_size} must be divisible by the number of processes "
-                                         f"({ctx.world}): it is the global batch, split evenly across ranks")
+    require(
+        batch_size % ctx.world == 0,
+        f"batch_size={batch_size} must be divisible by the number of processes "
+        f"({ctx.world}): it is the global batch, split evenly across ranks",
+    )
     rows = batch_size // ctx.world
     require(grad_accum <= rows, f"grad_accum={grad_accum} must not exceed the rows per step and process ({rows})")
 
@@ -130,11 +158,18 @@ def resolve_device(name: str) -> torch.device:
 def check_recipe(directory: Path, found: dict[str, Any] | None, expected: dict[str, Any]) -> None:
     """Resume only a checkpoint trained with the same recipe (seed, data, batch, optimizer, ...)."""
     if found is None:
-        raise CheckpointError(f"checkpoint {directory} records no training recipe (written by an older version): "
-                              "it cannot be resumed exactly; use resume=false or another out_dir")
+        raise CheckpointError(
+            f"checkpoint {directory} records no training recipe (written by an older version): "
+            "it cannot be resumed exactly; use resume=false or another out_dir"
+        )
     found, expected = json.loads(json.dumps(found)), json.loads(json.dumps(expected))  # tuples vs lists
-    diffs = [f"{k}: checkpoint {found.get(k, '<absent>')!r} vs now {expected.get(k, '<absent>')!r}"
-             for k in sorted(set(found) | set(expected)) if found.get(k, "<absent>") != expected.get(k, "<absent>")]
+    diffs = [
+        f"{k}: checkpoint {found.get(k, '<absent>')!r} vs now {expected.get(k, '<absent>')!r}"
+        for k in sorted(set(found) | set(expected))
+        if found.get(k, "<absent>") != expected.get(k, "<absent>")
+    ]
     if diffs:
-        raise CheckpointError(f"checkpoint {directory} was trained with another recipe ({'; '.join(diffs)}): "
-                              "resuming would mix two runs; use resume=false or another out_dir")
+        raise CheckpointError(
+            f"checkpoint {directory} was trained with another recipe ({'; '.join(diffs)}): "
+            "resuming would mix two runs; use resume=false or another out_dir"
+        )

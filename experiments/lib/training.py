@@ -23,25 +23,33 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import Tensor, nn
-
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from experiments.lib.checkpoint import fingerprint
 from experiments.lib.cli import write_atomic
 from experiments.lib.data import sample_batch
 from experiments.lib.distributed import (
-    Dist, all_mean, batch_rows, broadcast_float, broadcast_text, close_distributed, gather_text, init_distributed,
-    take_rows, wrap,
+    Dist,
+    all_mean,
+    batch_rows,
+    broadcast_float,
+    broadcast_text,
+    close_distributed,
+    gather_text,
+    init_distributed,
+    take_rows,
+    wrap,
 )
 from experiments.lib.loggers import NullLogger
 from experiments.lib.precision import autocast
@@ -62,8 +70,9 @@ class NonFiniteLoss(ValueError):
 # ------------------------------------------------------------------------------------ optimisation parts
 
 
-def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int,
-          time_fraction: float = 0.0) -> float:
+def lr_at(
+    step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int, time_fraction: float = 0.0
+) -> float:
     """Linear warm-up over warmup_steps (step 0 already gets lr / warmup_steps) times a cosine to min_lr.
 
     The cosine follows whichever budget is further spent: the steps after warm-up, or wall time
@@ -75,8 +84,9 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
     return warmup * (min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
-                   weight_decay: float) -> torch.optim.AdamW:
+def make_optimizer(
+    model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> torch.optim.AdamW:
     # Decay matrices (linear and embedding weights) only: decaying norm gains and biases pulls them to 0,
     # which only hurts.
     params = [p for p in model.parameters() if p.requires_grad]
@@ -90,8 +100,7 @@ def make_optimizer(model: nn.Module, *, lr: float, betas: tuple[float, float], e
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused)
 
 
-def batch_for_step(ids: Tensor, *, step: int, seed: int, batch_size: int, seq_len: int,
-                   device: torch.device) -> Tensor:
+def batch_for_step(ids: Tensor, *, step: int, seed: int, batch_size: int, seq_len: int, device: torch.device) -> Tensor:
     """(B, T+1) random windows, a pure function of (seed, step): resuming needs no state."""
     generator = torch.Generator().manual_seed(seed * SEED_STRIDE + step)
     return sample_batch(ids, batch_size=batch_size, seq_len=seq_len, generator=generator, device=device)
@@ -118,7 +127,7 @@ class LoopState:
     elapsed_s: float = 0.0  # wall time of earlier sessions (resumes add up): max_minutes budgets it all
 
     @classmethod
-    def from_meta(cls, meta: dict[str, Any], unit: str) -> "LoopState":
+    def from_meta(cls, meta: dict[str, Any], unit: str) -> LoopState:
         return cls(step=meta["step"], units=meta[f"{unit}_seen"], elapsed_s=meta["elapsed_s"])
 
 
@@ -146,12 +155,16 @@ class MetricsFile:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 if i < len(lines) - 1:
-                    raise ValueError(f"{path}: line {i + 1} is not JSON (only a last line cut short by a kill is "
-                                     "expected); repair or remove the file") from None
+                    raise ValueError(
+                        f"{path}: line {i + 1} is not JSON (only a last line cut short by a kill is "
+                        "expected); repair or remove the file"
+                    ) from None
                 continue
             if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise ValueError(f"{path}: line {i + 1} is not a metrics row (an object with an integer step); "
-                                 "repair or remove the file")
+                raise ValueError(
+                    f"{path}: line {i + 1} is not a metrics row (an object with an integer step); "
+                    "repair or remove the file"
+                )
             rows.append(row)
         return rows
 
@@ -159,8 +172,13 @@ class MetricsFile:
 def progress_bar(*, enabled: bool = True) -> Progress:
     console = Console(stderr=True)  # stdout is kept for the final JSON line
     return Progress(
-        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[info]}"), console=console, disable=not (enabled and console.is_terminal),
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=console,
+        disable=not (enabled and console.is_terminal),
     )
 
 
@@ -181,14 +199,18 @@ def launch(cfg: Any, *, batch_size: int, body: Callable[..., dict[str, Any]]) ->
         close_distributed()
 
 
-
 def make_logger(cfg: Any, out_dir: Path, ctx: Dist) -> Any:
     """The configured logger on rank 0; the others log nothing (their metrics reach rank 0 by all-reduce)."""
     if not ctx.main:
         return NullLogger()
     # _recursive_=False: the run config holds `_target_` nodes (base, logger) that must stay plain data
-    return instantiate(cfg.logger, dir=str(out_dir), run_config=OmegaConf.to_container(cfg, resolve=True),
-                       _convert_="all", _recursive_=False)
+    return instantiate(
+        cfg.logger,
+        dir=str(out_dir),
+        run_config=OmegaConf.to_container(cfg, resolve=True),
+        _convert_="all",
+        _recursive_=False,
+    )
 
 
 def prepare_run_dir(out_dir: str | Path, ctx: Dist, device: torch.device) -> Path:
@@ -200,7 +222,6 @@ def prepare_run_dir(out_dir: str | Path, ctx: Dist, device: torch.device) -> Pat
         out_dir.mkdir(parents=True, exist_ok=True)
         check_checkpoint_dir(out_dir / "checkpoint")
     return out_dir
-
 
 
 # ------------------------------------------------------------------------------------------- the loop
@@ -218,10 +239,17 @@ class LoopSettings:
     optim: Any  # the optim group: lr, min_lr, warmup_steps, grad_clip, ...
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "LoopSettings":
-        return cls(max_steps=cfg.max_steps, max_minutes=cfg.max_minutes, log_every=cfg.log_every,
-                   eval_every=cfg.eval_every, checkpoint_every=cfg.checkpoint_every, seed=cfg.seed,
-                   grad_accum=cfg.grad_accum, optim=cfg.optim)
+    def from_config(cls, cfg: Any) -> LoopSettings:
+        return cls(
+            max_steps=cfg.max_steps,
+            max_minutes=cfg.max_minutes,
+            log_every=cfg.log_every,
+            eval_every=cfg.eval_every,
+            checkpoint_every=cfg.checkpoint_every,
+            seed=cfg.seed,
+            grad_accum=cfg.grad_accum,
+            optim=cfg.optim,
+        )
 
 
 LossFn = Callable[[nn.Module, Any], "tuple[Tensor, dict[str, float]]"]
@@ -230,12 +258,27 @@ LossFn = Callable[[nn.Module, Any], "tuple[Tensor, dict[str, float]]"]
 class TrainLoop:
     """One optimizer step per `step()`; `run()` is the loop with its logging, validation and checkpoints."""
 
-    def __init__(self, *, model: nn.Module, loss_fn: LossFn, batch_fn: Callable[[int], Any],
-                 count_fn: Callable[[Any, dict[str, float]], int], validate_fn: Callable[[], dict[str, float]],
-                 save_fn: Callable[..., Path], optimizer: torch.optim.Optimizer, settings: LoopSettings,
-                 precision: str, device: torch.device, ctx: Dist, out_dir: Path, logger: Any,
-                 state: LoopState, unit: str = "tokens", after_backward: Callable[[], None] | None = None,
-                 find_unused: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        loss_fn: LossFn,
+        batch_fn: Callable[[int], Any],
+        count_fn: Callable[[Any, dict[str, float]], int],
+        validate_fn: Callable[[], dict[str, float]],
+        save_fn: Callable[..., Path],
+        optimizer: torch.optim.Optimizer,
+        settings: LoopSettings,
+        precision: str,
+        device: torch.device,
+        ctx: Dist,
+        out_dir: Path,
+        logger: Any,
+        state: LoopState,
+        unit: str = "tokens",
+        after_backward: Callable[[], None] | None = None,
+        find_unused: bool = False,
+    ) -> None:
         self.model, self.optimizer, self.s = model, optimizer, settings
         self.wrapped = wrap(model, loss_fn, ctx, device, find_unused=find_unused)  # DDP when distributed
         self.batch_fn, self.count_fn, self.validate_fn, self.save_fn = batch_fn, count_fn, validate_fn, save_fn
@@ -260,8 +303,13 @@ class TrainLoop:
         return self.session_units / self.train_time if self.train_time > 0 else None
 
     def row(self, kind: str, values: dict[str, Any]) -> dict[str, Any]:
-        r = {"kind": kind, "step": self.state.step, self.unit: self.state.units,
-             "elapsed_s": round(self.elapsed(), 3), **values}
+        r = {
+            "kind": kind,
+            "step": self.state.step,
+            self.unit: self.state.units,
+            "elapsed_s": round(self.elapsed(), 3),
+            **values,
+        }
         if self.ctx.main:
             self.metrics_file.write(r)
             self.logger.log({f"{kind}/{k}": v for k, v in values.items() if v is not None}, step=self.state.step)
@@ -272,8 +320,14 @@ class TrainLoop:
     def step(self, elapsed: float) -> float:
         s, o = self.s, self.s.optim
         began = time.perf_counter()
-        lr = lr_at(self.state.step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
-                   max_steps=s.max_steps, time_fraction=elapsed / self.budget_s)
+        lr = lr_at(
+            self.state.step,
+            lr=o.lr,
+            min_lr=o.min_lr,
+            warmup_steps=o.warmup_steps,
+            max_steps=s.max_steps,
+            time_fraction=elapsed / self.budget_s,
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         torch.manual_seed(s.seed * SEED_STRIDE + self.state.step)  # any randomness in a loss: a function of the step
@@ -313,22 +367,29 @@ class TrainLoop:
         waiting in the gradient all-reduce)."""
         if all_mean({"finite": float(math.isfinite(loss))}, self.ctx, self.device)["finite"] != 1.0:
             shown = loss if not math.isfinite(loss) else "NaN or inf on another rank"
-            raise NonFiniteLoss(f"training loss is {shown} at step {self.state.step}: lower optim.lr, or check the "
-                                "data; the last checkpoint (if any) is left as it was")
+            raise NonFiniteLoss(
+                f"training loss is {shown} at step {self.state.step}: lower optim.lr, or check the "
+                "data; the last checkpoint (if any) is left as it was"
+            )
 
     def check_same_start(self) -> None:
         """Every rank resumes from the step rank 0 does: a rank that saw no checkpoint (its run directory is not
         rank 0's: no shared filesystem) would train a different number of steps and hang the others."""
         first = broadcast_float(float(self.state.step), self.ctx, self.device)
         if all_mean({"same": float(first == self.state.step)}, self.ctx, self.device)["same"] != 1.0:
-            raise ValueError(f"the ranks resume from different steps (rank 0 from {int(first)}, rank {self.ctx.rank} "
-                             f"from {self.state.step}): every process must see rank 0's run directory")
+            raise ValueError(
+                f"the ranks resume from different steps (rank 0 from {int(first)}, rank {self.ctx.rank} "
+                f"from {self.state.step}): every process must see rank 0's run directory"
+            )
 
     # -- the loop
 
     def validate(self) -> dict[str, Any]:
-        train_loss = all_mean({"train_loss": sum(self.val_losses) / len(self.val_losses)}, self.ctx, self.device) \
-            if self.val_losses else {"train_loss": None}
+        train_loss = (
+            all_mean({"train_loss": sum(self.val_losses) / len(self.val_losses)}, self.ctx, self.device)
+            if self.val_losses
+            else {"train_loss": None}
+        )
         self.val_losses.clear()
         values = self.validate_fn() if self.ctx.main else {}  # the other ranks go on to the next all-reduce
         if self.ctx.main:
@@ -368,14 +429,20 @@ class TrainLoop:
             last_val = (self.previous_val() if state.step == start_step else None) or self.validate()
         if self.ctx.main and (state.step > start_step or not self.checkpoint_complete()):
             self.save_fn(self.state, last_val, finished=True, elapsed_s=self.elapsed())
-        return {"start_step": start_step, "stopped_by": stopped_by, "last_val": last_val,
-                "replica_fingerprints": self.replica_fingerprints()}
+        return {
+            "start_step": start_step,
+            "stopped_by": stopped_by,
+            "last_val": last_val,
+            "replica_fingerprints": self.replica_fingerprints(),
+        }
 
     def previous_val(self) -> dict[str, Any] | None:
         """The last "val" row already written at this step (rank 0; the others validate nothing anyway)."""
         if not self.ctx.main:
             return None
-        rows = [r for r in MetricsFile.read(self.metrics_file.path) if r["kind"] == "val" and r["step"] == self.state.step]
+        rows = [
+            r for r in MetricsFile.read(self.metrics_file.path) if r["kind"] == "val" and r["step"] == self.state.step
+        ]
         return rows[-1] if rows else None
 
     def checkpoint_complete(self) -> bool:
