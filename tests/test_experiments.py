@@ -366,6 +366,15 @@ def test_base_unchanged_by_drafter_training(family: str, drafters: dict, tiny_ba
     assert all(p.grad is None and not p.requires_grad for p in base.parameters())
 
 
+DRAFTER_CLASS = {
+    "draft": "DraftModelDrafter",
+    "medusa": "MedusaDrafter",
+    "prophet": "ProphetDrafter",
+    "sequential": "SequentialDrafter",
+    "early_exit": "EarlyExitDrafter",
+}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_load_drafter_same_base_and_another_base(family: str, drafters: dict, tiny_base: Path) -> None:
     ckpt = drafters[family]["result"]["checkpoint"]
@@ -374,12 +383,9 @@ def test_load_drafter_same_base_and_another_base(family: str, drafters: dict, ti
     assert package is families.FAMILIES[family] and not module.training
     saved = load_checkpoint(ckpt).state_dict
     assert all(torch.equal(module.state_dict()[k], v) for k, v in saved.items())
-    assert (
-        package.make_drafter(
-            module, base, **dict(make_cfg("train_drafter", f"drafter={family}", "base_checkpoint=/b").drafter.decode)
-        )
-        is not None
-    )
+    decode = dict(make_cfg("train_drafter", f"drafter={family}", "base_checkpoint=/b").drafter.decode)
+    drafter = package.make_drafter(module, base, **decode)
+    assert type(drafter).__name__ == DRAFTER_CLASS[family]  # the registry pairs each family with its own drafter
     # another base: same architecture, another seed
     torch.manual_seed(1)
     other = build_lm(**base_meta["model_config"]).eval()
