@@ -22,21 +22,17 @@ import math
 import torch
 from torch import Tensor
 
+from verify.numerics import check_int
 from verify.tree import Path, grow_tree, sort_paths, tree_from_paths
 
 MEDUSA_TOP1 = (0.56, 0.32, 0.20, 0.15, 0.12)  # heads 1..5, Vicuna-7B (Cai et al. 2024)
 RANKS = 10  # ranks per head considered when growing a tree (evaluate() measures ranks 0..9)
 
 
-def _check_int(name: str, value: object, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r}: must be an integer >= {low}")
-
-
 def typical_accuracies(num_heads: int, ranks: int = RANKS) -> list[list[float]]:
     """accuracies[k][r] for heads 1..num_heads and ranks 0..ranks-1, from the table above."""
-    _check_int("num_heads", num_heads)
-    _check_int("ranks", ranks)
+    check_int("num_heads", num_heads)
+    check_int("ranks", ranks)
     out = []
     for k in range(num_heads):
         top1 = MEDUSA_TOP1[k] if k < len(MEDUSA_TOP1) else MEDUSA_TOP1[-1] * 0.8 ** (k + 1 - len(MEDUSA_TOP1))
@@ -53,7 +49,7 @@ def default_tree(
     the typical accuracies above, as before any head was measured.
 
     `ranks` caps the rank of any node (a vocabulary smaller than 10 has fewer ranks)."""
-    _check_int("tree_nodes", tree_nodes)
+    check_int("tree_nodes", tree_nodes)
     if accuracies is None:
         return grow_tree(typical_accuracies(num_heads, ranks), tree_nodes)
     if len(accuracies) < num_heads:
@@ -63,7 +59,7 @@ def default_tree(
 
 def accuracies_from_metrics(metrics: dict, num_heads: int) -> list[list[float]]:
     """The `head{k}_rank{r}` entries of evaluate()'s metrics -> accuracies[k - 1][r]."""
-    _check_int("num_heads", num_heads)
+    check_int("num_heads", num_heads)
     out = []
     for k in range(1, num_heads + 1):
         row = []
@@ -79,7 +75,7 @@ def accuracies_from_metrics(metrics: dict, num_heads: int) -> list[list[float]]:
 
 def tree_from_accuracies(metrics: dict, num_heads: int, tree_nodes: int) -> list[Path]:
     """Grow a `tree_nodes`-node tree from measured rank accuracies (the metrics of evaluate())."""
-    _check_int("tree_nodes", tree_nodes)
+    check_int("tree_nodes", tree_nodes)
     return grow_tree(accuracies_from_metrics(metrics, num_heads), tree_nodes)
 
 

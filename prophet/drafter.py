@@ -34,16 +34,12 @@ from torch import Tensor
 
 from prophet.model import Prophet, check_same_base
 from verify.drafter import Draft, Verdict
+from verify.numerics import check_int
 from verify.sampling import SamplingConfig, draft_from_logits
 from verify.target import TargetOutput, left_to_right, pad_prompts
 from verify.vocab import check_vocab, full_ids, trim_linear
 
 MODES = ("chain", "tree")
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r}: must be an integer >= 1")
 
 
 class ProphetDrafter:
@@ -61,7 +57,7 @@ class ProphetDrafter:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
         for name, value in dict(top_k=top_k, depth=depth, tree_nodes=tree_nodes).items():
-            _check_positive_int(name, value)
+            check_int(name, value)
         self.vocab = check_vocab(vocab, prophet.vocab_size)  # (N,) or None = all V
         ranked = prophet.vocab_size if self.vocab is None else self.vocab.numel()  # tokens the tree ranks
         if top_k > ranked:
@@ -97,7 +93,7 @@ class ProphetDrafter:
 
     @torch.inference_mode()
     def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        _check_positive_int("gamma", gamma)
+        check_int("gamma", gamma)
         if self.mode == "chain":
             return self._chain(gamma, sampling, generator)
         return self._tree(min(self.depth, gamma))

@@ -37,6 +37,7 @@ from x_transformers import Decoder
 from verify.cache import StaticCache
 from verify.engine import LeanDecoder, block_depth, check_layers, lean
 from verify.hf import HFBase
+from verify.numerics import check_int
 
 
 @torch.no_grad()
@@ -89,11 +90,6 @@ class FrozenHead:
         return self  # borrowed: a copy of the prophet (e.g. an EMA) shares the base, never clones it
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name}={value!r}: must be a positive integer")
-
-
 class Prophet(nn.Module):
     def __init__(
         self,
@@ -108,11 +104,11 @@ class Prophet(nn.Module):
     ):
         super().__init__()
         for name, value in dict(dim=dim, depth=depth, heads=heads, ff_mult=ff_mult).items():
-            _check_positive_int(name, value)
+            check_int(name, value)
         if attn_dim_head is None and dim % heads != 0:
             raise ValueError(f"dim={dim} is not divisible by heads={heads}: pass attn_dim_head or change them")
         dim_head = attn_dim_head if attn_dim_head is not None else dim // heads
-        _check_positive_int("attn_dim_head", dim_head)
+        check_int("attn_dim_head", dim_head)
         if dim_head < 2:
             raise ValueError(f"attn_dim_head={dim_head}: rotary positions need at least 2")
         self.head = head  # a plain object: not a submodule, not in state_dict
@@ -199,7 +195,7 @@ class Prophet(nn.Module):
         with the attention mask of `unroll_attention`. `layers` (B, T, S, d_base): the base's states of
         `fuse_layers`, mixed into the true features (`seed`); predictions are fed back as they are.
         """
-        _check_positive_int("steps", steps)
+        check_int("steps", steps)
         t = features.shape[1]
         emb = self.head.embed(next_tokens)
         features = self.seed(features, layers)  # the true features as the prophet reads them, here and in the filler

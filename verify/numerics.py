@@ -17,11 +17,15 @@ Rows are independent, but within a row a NaN spreads: the lean engine attends ov
 cache buffer, a masked weight is 0 and 0 * NaN is NaN, so a NaN-making token written anywhere in a row's
 cache (a rejected draft token's included) reaches every later logit of that row. On the same broken
 model, speculative decoding can therefore stop at an earlier step than plain decoding.
+
+The checks of settings' numbers live here too (is_finite_number, is_int, check_int), one of each: verify is
+the package every other one imports, so medusa, prophet and experiments take them from here.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,6 +41,21 @@ class NonFiniteError(ValueError):
 def is_finite_number(x: object) -> bool:
     """For settings: a finite int or float (not NaN, not inf, not a bool: True would pass as 1)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def is_int(value: Any) -> bool:
+    """An int, not a bool (True would pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, *, minimum: int = 1, allow_null: bool = False) -> int | None:
+    """`value` if it is an integer >= minimum (or None, when allow_null), else
+    `<name>=<value>: must be [null or ]an integer >= <minimum>`."""
+    if allow_null and value is None:
+        return None
+    if not (is_int(value) and value >= minimum):
+        raise ValueError(f"{name}={value!r}: must be {'null or ' if allow_null else ''}an integer >= {minimum}")
+    return value
 
 
 def usable(x: Tensor, used: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from experiments.lib.checkpoint import CheckpointError
 from experiments.lib.distributed import Dist
-from verify.numerics import is_finite_number
+from verify.numerics import check_int, is_finite_number, is_int
 
 __all__ = [
     "require",
@@ -43,23 +43,6 @@ def require(ok: bool, message: str) -> None:
     """A ValueError(message) unless ok: a condition the validators below do not cover."""
     if not ok:
         raise ValueError(message)
-
-
-def is_int(value: Any) -> bool:
-    """An int, not a bool (True would pass as 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_int(name: str, value: Any, *, minimum: int = 1, allow_null: bool = False) -> int | None:
-    """`value` if it is an integer >= minimum (or None, when allow_null), else
-    `<name>=<value>: must be [null or ]an integer >= <minimum>`."""
-    if allow_null and value is None:
-        return None
-    require(
-        is_int(value) and value >= minimum,
-        f"{name}={value!r}: must be {'null or ' if allow_null else ''}an integer >= {minimum}",
-    )
-    return value
 
 
 def check_bool(name: str, value: Any) -> bool:
