@@ -108,44 +108,34 @@ def test_greedy_tree_decoding_equals_plain(lm, gamma, rule):
     assert out.stats.tau > 1.2  # siblings other than rank 0 were accepted too
 
 
-class RandomTreeStub:
-    """Proposes a fixed-shape tree of random candidates: deterministic picks (q=None) or i.i.d. draws
-    from a random per-node-parent distribution q (SpecInfer's multi-candidate case)."""
+WIDE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)]  # three candidates at the root, depth 2
+DEEP = [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]  # a chain of 4 as a tree: walks that stop early stop for good
 
-    def __init__(self, sampled: bool, seed=0):
-        self.sampled, self.vocab_size = sampled, VOCAB
-        self.parents, _ = tree_from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)])
+
+class RandomTreeStub:
+    """Proposes a fixed-shape tree of random candidates: deterministic picks (q=None, distinct siblings) or
+    i.i.d. draws from one random q per parent node (SpecInfer's multi-candidate case); `scale` sharpens q."""
+
+    def __init__(self, sampled: bool, seed=0, paths=WIDE, scale: float = 2.0):
+        self.sampled, self.vocab_size, self.scale = sampled, VOCAB, scale
+        self.parents, self.depth = tree_from_paths(paths)
         self.g = torch.Generator().manual_seed(seed)
 
     def begin(self, prompts, prefill, pending):
         self.b = len(prompts)
 
     def propose(self, gamma, sampling, generator):
-        if gamma < 2:  # the last step of a row may only be one token deep
-            return self._propose(gamma, sampling, generator, depth_one=True)
-        return self._propose(gamma, sampling, generator, depth_one=False)
-
-    def _propose(self, gamma, sampling, generator, depth_one):
-        draft = self._full()
-        if depth_one:
-            keep = torch.tensor([0, 1, 2])
-            return Draft(
-                tokens=draft.tokens[:, keep],
-                q=None if draft.q is None else draft.q[:, keep],
-                parents=draft.parents[keep],
-            )
-        return draft
+        draft, keep = self._full(), (self.depth <= gamma).nonzero().flatten()  # the last steps may be shallower
+        q = None if draft.q is None else draft.q[:, keep]
+        return Draft(tokens=draft.tokens[:, keep], q=q, parents=self.parents[keep])
 
     def _full(self):
-        k = len(self.parents)
-        if not self.sampled:  # distinct siblings: a random permutation's head for each sibling group
-            perm = torch.stack([torch.randperm(VOCAB, generator=self.g) for _ in range(self.b)])
-            tokens = torch.stack([perm[:, 0], perm[:, 1], perm[:, 2], perm[:, 3], perm[:, 4], perm[:, 5]], 1)
-            return Draft(tokens=tokens, parents=self.parents)
-        # one q per parent group: root's children share q_root, node 0's children share q_0, node 1's q_1
-        q_groups = torch.softmax(2 * torch.randn(self.b, 3, VOCAB, generator=self.g), -1)
-        group = torch.tensor([0, 0, 0, 1, 1, 2])
-        q = q_groups[:, group]  # (b, k, V)
+        k, group = len(self.parents), self.parents + 1  # group 0: the root's children
+        if not self.sampled:  # distinct siblings: the r-th sibling takes its group's permutation's r-th token
+            perm = torch.stack([torch.randperm(VOCAB, generator=self.g) for _ in range(self.b * (k + 1))])
+            rank = torch.tensor([int((self.parents[:i] == self.parents[i]).sum()) for i in range(k)])
+            return Draft(tokens=perm.reshape(self.b, k + 1, VOCAB)[:, group, rank], parents=self.parents)
+        q = torch.softmax(self.scale * torch.randn(self.b, k + 1, VOCAB, generator=self.g), -1)[:, group]  # (b, k, V)
         tokens = torch.multinomial(q.reshape(-1, VOCAB), 1, generator=self.g).reshape(self.b, k)
         return Draft(tokens=tokens, q=q, parents=self.parents)
 
@@ -153,24 +143,35 @@ class RandomTreeStub:
         pass
 
 
-def run_tree(drafter, rule="auto"):
+def run_tree(drafter, rule="auto", trials=TRIALS):
     target_lm = sharp_lm(0)
     sampling = SamplingConfig(temperature=1.0)
+    depth = int(drafter.depth.max())
     out = speculative_generate(
         Target(target_lm),
         drafter,
-        [PROMPT] * TRIALS,
-        max_new_tokens=NEW + 1,  # the first step may draft gamma deep
-        spec=SpecConfig(gamma=2, rule=rule),
+        [PROMPT] * trials,
+        max_new_tokens=NEW + depth,  # the first step may draft the whole tree
+        spec=SpecConfig(gamma=depth, rule=rule),
         sampling=sampling,
         generator=torch.Generator().manual_seed(0),
     )
     return chi_square([t[:NEW] for t in out.tokens], exact_joint(target_lm, sampling)), out.stats
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_tree_sampling_reproduces_the_target_distribution(sampled):
-    (stat, critical), stats = run_tree(RandomTreeStub(sampled))
+STUBS = {
+    "picked": lambda: RandomTreeStub(False),
+    "sampled": lambda: RandomTreeStub(True),
+    "picked_deep": lambda: RandomTreeStub(False, paths=DEEP),
+    # q near uniform against a sharp p: a rejection moves the residual far, so a walk that retried the same
+    # child after stopping (an old defect) emitted a biased token: chi2 343 against a critical 201 at 40k rows.
+    "sampled_deep": lambda: RandomTreeStub(True, paths=DEEP, scale=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(STUBS))
+def test_tree_sampling_reproduces_the_target_distribution(name):
+    (stat, critical), stats = run_tree(STUBS[name](), trials=2 * TRIALS if name == "sampled_deep" else TRIALS)
     assert 0 < stats.alpha < 1
     assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}"
 

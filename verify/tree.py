@@ -102,8 +102,9 @@ def tree_sampling_accept(
     parents (b, n) verify-indexed; q (b, n, V) the distribution each node was drawn from, or None for
     deterministic candidates (q one-hot). At a node, try its children in order: accept child c with
     probability min(1, p(c)/q(c) + delta); on rejection p <- norm(max(0, p - q)); if all fail, sample
-    from what is left; at a leaf, sample the bonus token from p. Loops run over depth and sibling rank,
-    never over rows or tokens. delta = 0 is lossless; delta > 0 is NOT lossless.
+    from what is left, and the walk stops there for good; at a leaf, sample the bonus token from p. The path
+    is always a walk from the root that repeats its last node once it stops. Loops run over depth and
+    sibling rank, never over rows or tokens. delta = 0 is lossless; delta > 0 is NOT lossless.
     """
     b, n, vocab = p.shape
     rows = torch.arange(b, device=p.device)
@@ -112,11 +113,15 @@ def tree_sampling_accept(
     cur = torch.zeros(b, dtype=torch.long, device=p.device)
     residual = p[:, 0]
     path = [cur]
+    # A row whose children were all rejected has stopped for good: its residual already excludes them, and
+    # trying them again at the next depth would bias the correction token (and with delta > 0 accept a
+    # node that is not a child of the path's end).
+    stopped = torch.zeros(b, dtype=torch.bool, device=p.device)
     for _ in range(int(depth.max())):
         moved = torch.zeros(b, dtype=torch.bool, device=p.device)
         for j in range(children.shape[-1]):
             child = children[rows, cur, j]  # (b,)
-            try_ = (child >= 0) & ~moved
+            try_ = (child >= 0) & ~moved & ~stopped
             c = child.clamp(min=0)
             tok = tokens[rows, c]
             q_c = F.one_hot(tok, vocab).to(p.dtype) if q is None else q[rows, c]
@@ -130,6 +135,7 @@ def tree_sampling_accept(
             residual = torch.where(rejected[:, None], left, torch.where(ok[:, None], p[rows, c], residual))
             cur = torch.where(ok, c, cur)
             moved |= ok
+        stopped |= ~moved
         path.append(cur)
     path = torch.stack(path, dim=1)  # (b, D + 1), repeats the last accepted node once the walk stops
     accepted = depth.gather(1, cur[:, None]).squeeze(1)
