@@ -9,10 +9,18 @@ numbers of tokens without moving anything: every extend appends k slots to every
 slots stay in the cache as holes that its attention mask hides from then on, and each token gets its
 position from `position_ids` (a row's count of valid tokens, plus its depth in a tree), not from its
 slot. Slots no row keeps at the end are cropped (`cache.crop(-n)`), so a batch of one never has holes.
-Tree drafts see their ancestors through a 4D boolean attention mask (b, 1, k, slots + k). This needs a
-model whose positions come from `position_ids` (rotary or learned absolute positions: Llama, Mistral,
-Qwen, GPT-2, ...); a model with relative position biases over slots (T5, ALiBi) would need the cache
-compacted instead.
+Tree drafts see their ancestors through a 4D attention mask (b, 1, k, slots + k), in the form the model's
+attention implementation reads: transformers hands a 4D mask to the attention function unchanged, and SDPA
+reads a boolean one (True = attend) while eager attention adds it to the scores (so it gets 0 = attend and
+the dtype's minimum = blocked; a boolean mask there would add +1 / +0 and mask nothing).
+
+What the adapter runs exactly (`check_decodable`, at construction; anything else is refused in one line):
+models whose positions come from `position_ids` (rotary or learned absolute positions: Llama, Mistral,
+Qwen, GPT-2, GPT-NeoX, OPT, Falcon without ALiBi, GPT-Neo, ...), full or sliding-window attention layers,
+eager or sdpa attention. ALiBi (Bloom, MPT, Falcon with alibi=True) biases attention by slot distance,
+which holes and tree nodes break, and is refused. A sliding window limits the target's context to the
+window (max_seq_len = min(the model's maximum, the window)): no query is ever a window away from a key,
+so sliding attention equals full attention and the cache keeps every layer whole.
 """
 
 from __future__ import annotations
@@ -32,6 +40,92 @@ from verify.vocab import check_vocab, trim_linear
 # Transforms some CausalLM classes apply to the output layer's logits; the adapter computes logits from the
 # backbone's hidden states with the output layer alone, so it refuses models that have them.
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
+# Where configs keep the longest sequence the model takes (GPT-2 n_positions, ChatGLM seq_length, MPT max_seq_len).
+_MAX_LENGTH_FIELDS = (
+    "max_position_embeddings",
+    "n_positions",
+    "n_ctx",
+    "seq_length",
+    "max_seq_len",
+    "max_sequence_length",
+)
+# The mask form each attention implementation reads from a 4D attention_mask.
+MASK_FORMS = {"sdpa": "bool", "eager": "additive"}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _name(config) -> str:
+    return f"{config.model_type} model" if getattr(config, "model_type", None) else "model"
+
+
+def max_length(config) -> int:
+    """The longest sequence the model takes, from the field its architecture uses; refused when none is set."""
+    for field in _MAX_LENGTH_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    raise ValueError(
+        f"{_name(config)} has no maximum length in its config: the adapter needs one of {', '.join(_MAX_LENGTH_FIELDS)}"
+    )
+
+
+def _uses_alibi(config) -> bool:
+    attn = getattr(config, "attn_config", None)  # MPT keeps it there
+    return (
+        config.model_type == "bloom"
+        or bool(getattr(config, "alibi", False))
+        or bool(getattr(attn, "alibi", False) if not isinstance(attn, dict) else attn.get("alibi", False))
+        or getattr(config, "position_embedding_type", None) == "alibi"
+    )
+
+
+def _layer_types(config) -> list[str]:
+    """Each decoder layer's attention kind, as transformers' cache infers it."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return list(types)
+    if getattr(config, "attention_chunk_size", None) is not None:
+        return ["chunked_attention"]
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return ["sliding_attention" if sliding else "full_attention"]
+
+
+def check_decodable(config) -> int:
+    """Refuse, in one line, a causal LM the adapter cannot decode exactly; return the target's context length
+    (the model's maximum, or its sliding window where that is shorter)."""
+    name = _name(config)
+    if _uses_alibi(config):
+        raise ValueError(
+            f"{name} uses ALiBi position biases: the adapter supports models whose positions come from "
+            "position_ids (rotary or learned absolute positions)"
+        )
+    longest = max_length(config)
+    kinds = _layer_types(config)
+    other = sorted(set(kinds) - set(_LAYER_TYPES))
+    if other:
+        raise ValueError(f"{name} has {other[0]} layers: the adapter supports {' and '.join(_LAYER_TYPES)} layers")
+    local = getattr(config, "attention_layers", None) or []  # GPT-Neo masks its local layers itself, by cache slot
+    if "local" in local and config.window_size < longest:
+        raise ValueError(
+            f"{name} has local attention layers with window_size={config.window_size} < its maximum length "
+            f"{longest}: the adapter supports GPT-Neo only where the window covers the whole context"
+        )
+    if "sliding_attention" in kinds:
+        window = getattr(config, "sliding_window", None)
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(
+                f"{name} has sliding-window layers with sliding_window={window!r}: must be an integer >= 1"
+            )
+        longest = min(longest, window)
+    return longest
+
+
+def attention_mask(allow: Tensor, implementation: str, dtype: torch.dtype) -> Tensor:
+    """allow (b, n, slots) boolean -> the 4D mask (b, 1, n, slots) in the form `implementation` reads."""
+    allow = allow[:, None]
+    if MASK_FORMS[implementation] == "bool":
+        return allow
+    return torch.zeros(allow.shape, dtype=dtype, device=allow.device).masked_fill_(~allow, torch.finfo(dtype).min)
 
 
 class _Embedding(nn.Module):
@@ -66,7 +160,7 @@ class HFBase(nn.Module):
             raise ValueError(f"{type(model).__name__} has no nn.Linear output layer (get_output_embeddings)")
         self.hf = model
         self.num_tokens: int = config.vocab_size
-        self.max_seq_len: int = config.max_position_embeddings
+        self.max_seq_len: int = check_decodable(config)  # the model's maximum length, or its sliding window
         self.depth: int = config.num_hidden_layers
 
     @property
@@ -140,6 +234,12 @@ class HFTarget:
             raise ValueError(f"HFTarget takes an HFBase, got {type(base).__name__}")
         if compile:
             raise ValueError("compile=True: the Hugging Face adapter runs eager only; use compile=false")
+        self.attention = base.hf.config._attn_implementation
+        if self.attention not in MASK_FORMS:
+            raise ValueError(
+                f"attn_implementation={self.attention!r}: the Hugging Face target supports "
+                f"{', '.join(MASK_FORMS)} (its per-row and tree masks are 4D)"
+            )
         base.eval()
         for p in base.parameters():
             p.requires_grad_(False)
@@ -175,7 +275,9 @@ class HFTarget:
 
         tokens, lengths = pad_prompts(prompts, self.pad_id, self.device)  # right-padded: (b, W)
         b, width = tokens.shape
-        self.cache = DynamicCache(config=self.model.hf.config)
+        # Full layers everywhere (no config): a sliding layer's cache would drop slots the context still uses,
+        # and check_decodable keeps the context within any window.
+        self.cache = DynamicCache()
         self.valid = torch.arange(width, device=self.device) < lengths[:, None]  # (b, W)
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         positions = repeat(torch.arange(width, device=self.device), "w -> b w", b=b)
@@ -224,7 +326,7 @@ class HFTarget:
         hidden, states, _ = self.model.backbone(
             tokens,
             layers=self.layers,
-            attention_mask=allow[:, None],
+            attention_mask=attention_mask(allow, self.attention, self.model.hf.dtype),
             position_ids=positions,
             past_key_values=self.cache,
             use_cache=True,
