@@ -56,6 +56,7 @@ from experiments.lib.methods import (
 )
 from experiments.lib.report import mode, repeated_ngram_share, write_report
 from experiments.lib.settings import resolve_device
+from verify.numerics import EosId
 from verify.plain import plain_generate
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate
@@ -74,7 +75,7 @@ def run_once(
     spec: SpecConfig,
     cfg: DictConfig,
     seed: int,
-    eos_id: int | None,
+    eos_id: EosId,
 ) -> tuple[list[list[int]], list[DecodeStats]]:
     """Decode every batch with plain decoding (factory None) or a fresh drafter per batch: (the new tokens of
     every row, in prompt order; one DecodeStats per batch)."""
@@ -105,7 +106,7 @@ def summarize_stats(stats: list[DecodeStats]) -> dict[str, Any]:
 
 
 def bench_temperature(
-    cfg: DictConfig, setups: list[dict], batches: list[list[list[int]]], temperature: float, eos_id: int | None
+    cfg: DictConfig, setups: list[dict], batches: list[list[list[int]]], temperature: float, eos_id: EosId
 ) -> tuple[list[dict], list[dict]]:
     """Plain and every method in every setting at one temperature: warm-up, interleaved rounds, medians.
 
@@ -220,6 +221,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     device = resolve_device(cfg.device)
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
+    # an id or a list of ids (a Hugging Face model's generation_config may list several: checkpoint.hf_eos_id)
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
     prompts = get_prompts(cfg, tokenizer, base_meta)
     # Every target before any drafter trains: bad prompts, or compile on a base that cannot, fail first.
@@ -310,7 +312,7 @@ def pilot_prompts(cfg: DictConfig, tokenizer, base_meta: dict, taken: list[list[
     return [p for p in get_prompts(draw, tokenizer, base_meta) if p not in taken][:n]
 
 
-def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_id) -> dict[str, dict]:
+def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_id: EosId) -> dict[str, dict]:
     """budget=auto: per method, the gamma (chains) or tree size (trees) with the highest predicted
     tokens/s from this setting's measured verify costs and a pilot run on held-out prompts."""
     search, chosen = cfg.budget_search, {}

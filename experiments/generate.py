@@ -55,6 +55,7 @@ from experiments.lib.methods import (
 )
 from experiments.lib.settings import check_bool, check_int
 from verify.drafter import Draft, Verdict
+from verify.numerics import EosId
 from verify.plain import Generation, plain_generate
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate
@@ -189,7 +190,7 @@ class Session:
     target: Target
     factory: Callable[[], Any]  # a fresh drafter per generation
     tokenizer: Tokenizer
-    eos_id: int | None
+    eos_id: EosId  # one id, several (a Hugging Face generation_config may list some), or None
     sampling: SamplingConfig
     spec: SpecConfig
     rule: str
@@ -206,6 +207,7 @@ def load_session(cfg: DictConfig, checked: tuple[SamplingConfig, SpecConfig, str
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
     make = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[0][cfg.method]
+    # an id or a list of ids (a Hugging Face model's generation_config may list several: checkpoint.hf_eos_id)
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
     target = make_target(base, compile=cfg.compile, widths=verify_widths(cfg, [spec.gamma]))
     return Session(target, lambda: make(compile=cfg.compile), tokenizer, eos_id, sampling, spec, rule, cfg)

@@ -454,3 +454,65 @@ def test_read_meta_reads_no_weights_and_says_what_a_directory_is(
         with pytest.raises(CheckpointError) as excinfo:
             ckpt_mod.read_meta(path)
         assert_one_line_error(excinfo, fragment)
+
+
+def hf_directory(directory: Path, *, config_eos=None, generation_eos=None) -> Path:
+    """A Hugging Face model directory (save_pretrained of a tiny Llama, a 64-token tokenizer whose t5 is its
+    end-of-text token) with the given eos_token_id in config.json and generation_config.json (None: absent)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    build_lm(arch="llama", **SMALL).hf.save_pretrained(directory)
+    (directory / "tokenizer.json").write_text(word_tokenizer(64))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t5"}))
+    for name, eos in (("config.json", config_eos), ("generation_config.json", generation_eos)):
+        file = directory / name
+        data = json.loads(file.read_text()) if file.is_file() else {}
+        data.pop("eos_token_id", None)
+        if eos is not None:
+            data["eos_token_id"] = eos
+        file.write_text(json.dumps(data))
+    return directory
+
+
+@pytest.mark.parametrize(
+    "config_eos, generation_eos, expected",
+    [
+        (None, None, 5),  # the tokenizer's end-of-text token
+        (7, None, 7),  # config.json before the tokenizer
+        (7, [9, 11], [9, 11]),  # generation_config.json first, a list as transformers takes it
+        ([12, 13], None, [12, 13]),
+    ],
+)
+def test_a_hugging_face_directory_records_the_eos_its_generate_uses(
+    config_eos, generation_eos, expected, tmp_path: Path
+) -> None:
+    directory = hf_directory(tmp_path / "hf", config_eos=config_eos, generation_eos=generation_eos)
+    _, _, meta = load_lm(directory)
+    assert meta["data"]["eos_id"] == expected
+
+
+@pytest.mark.parametrize(
+    "eos, fragment",
+    [
+        ([9, 64], "its EOS ids [9, 64] must be a non-empty list of tokens of its 64-token tokenizer"),
+        ([], "its EOS ids [] must be a non-empty list"),
+        ([True], "its EOS ids [True]"),
+        (64, "its EOS id 64 is not a token of its 64-token tokenizer"),
+    ],
+)
+def test_a_hugging_face_directory_with_a_bad_eos_is_a_one_line_error(eos, fragment: str, tmp_path: Path) -> None:
+    directory = hf_directory(tmp_path / "hf", generation_eos=eos)
+    with pytest.raises(CheckpointError) as excinfo:
+        load_lm(directory)
+    assert_one_line_error(excinfo, f"Hugging Face model {directory}: {fragment}")
+
+
+def test_a_checkpoint_may_record_several_eos_ids(tmp_path: Path) -> None:
+    directory = save(
+        tmp_path / "ckpt", make_model(), tokenizer_json=word_tokenizer(64), extra={"data": {"eos_id": [3, 63]}}
+    )
+    assert load_lm(directory)[2]["data"]["eos_id"] == [3, 63]
+    bad = save(tmp_path / "bad", make_model(), tokenizer_json=word_tokenizer(64), extra={"data": {"eos_id": [3, 64]}})
+    with pytest.raises(CheckpointError) as excinfo:
+        load_lm(bad)
+    assert_one_line_error(excinfo, "its EOS ids [3, 64] must be a non-empty list of tokens of its 64-token tokenizer")

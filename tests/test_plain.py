@@ -37,6 +37,35 @@ def test_eos_stops_each_row_and_is_emitted(lm):
     assert out.stats.tau == 1.0
 
 
+def test_a_list_of_eos_ids_stops_each_row_at_its_first_one(lm):
+    # transformers takes eos_token_id as an int or a list; a list used to be compared with == and ignored
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    free = plain_generate(Target(lm), prompts, max_new_tokens=20).tokens
+    eos = [free[0][5], free[1][3]]
+    out = plain_generate(Target(lm), prompts, max_new_tokens=20, eos_id=eos)
+    for row, full in zip(out.tokens, free):
+        cut = min([full.index(e) + 1 for e in eos if e in full], default=len(full))
+        assert row == full[:cut]
+    assert [len(r) for r in out.tokens] != [20, 20]
+    assert out.stats.tokens.tolist() == [len(r) for r in out.tokens]
+    assert (
+        plain_generate(Target(lm), prompts, max_new_tokens=20, eos_id=(eos[0],)).tokens
+        == plain_generate(Target(lm), prompts, max_new_tokens=20, eos_id=eos[0]).tokens
+    )
+
+
+@pytest.mark.parametrize("eos_id", [[], [1, 97], 97, -1, True, [True], "1", 1.0, [1, None], torch.tensor(1)], ids=repr)
+def test_bad_eos_ids_are_one_line_errors_before_the_prefill(lm, eos_id):
+    target = Target(lm)
+    target.prefill = None  # a check after the prefill would fail here with a TypeError
+    with pytest.raises(ValueError) as excinfo:
+        plain_generate(target, [[1, 2, 3]], max_new_tokens=4, eos_id=eos_id)
+    assert str(excinfo.value) == (
+        f"eos_id={eos_id!r}: must be null, a token id or a non-empty list of token ids in [0, 97)"
+    )
+    assert "\n" not in str(excinfo.value)
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_tiny_budgets(lm, n):
     out = plain_generate(Target(lm), [[1, 2, 3]], max_new_tokens=n)

@@ -116,6 +116,41 @@ def test_eos_mid_draft(lm, name):
         assert out.stats.tokens.tolist() == [len(r) for r in ref]
 
 
+@pytest.mark.parametrize("kind", ["chain", "chain_stub", "tree"])
+def test_a_list_of_eos_ids_inside_accepted_drafts(lm, kind):
+    from tests.test_tree import TREE, OracleTreeStub
+
+    free = plain(lm, PROMPTS, 30)
+    eos = [free[0][8], free[2][8]]  # row 0 meets the first at its 9th token, row 2 the second
+    ref = plain(lm, PROMPTS, 30, eos=eos)
+    # rows stop at different ids of the list, and rows that meet none run to the budget
+    assert ref[0][-1] == eos[0] != ref[2][-1] == eos[1] and len(ref[0]) <= 9 and len(ref[2]) <= 9
+    for row, full in zip(ref, free):
+        assert row == full[: min([full.index(e) + 1 for e in eos if e in full], default=30)]
+    make = {
+        "chain": lambda: drafters(lm)["draft_model_self"](),  # always right: every EOS is inside an accepted draft
+        "chain_stub": lambda: OracleStub(free, lambda i, s: (i + 2 * s) % 4),
+        "tree": lambda: OracleTreeStub(free, TREE),
+    }[kind]
+    for gamma in (2, 5):
+        out = spec(lm, make(), PROMPTS, 30, gamma, eos=eos)
+        assert out.tokens == ref
+        assert out.stats.tokens.tolist() == [len(r) for r in ref]
+        if kind == "chain":
+            assert out.stats.alpha == 1.0
+
+
+@pytest.mark.parametrize("eos_id", [[], [0, 97], -1, [False]], ids=repr)
+def test_bad_eos_ids_are_one_line_errors_before_the_prefill(lm, eos_id):
+    target = Target(lm)
+    target.prefill = None  # a check after the prefill would fail here with a TypeError
+    with pytest.raises(ValueError) as excinfo:
+        speculative_generate(target, PromptLookupDrafter(vocab_size=97), [[1, 2]], max_new_tokens=4, eos_id=eos_id)
+    assert str(excinfo.value) == (
+        f"eos_id={eos_id!r}: must be null, a token id or a non-empty list of token ids in [0, 97)"
+    )
+
+
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("gamma", [1, 8])
 def test_tiny_budgets_and_gamma_larger_than_tokens_left(lm, n, gamma):

@@ -18,13 +18,14 @@ cache buffer, a masked weight is 0 and 0 * NaN is NaN, so a NaN-making token wri
 cache (a rejected draft token's included) reaches every later logit of that row. On the same broken
 model, speculative decoding can therefore stop at an earlier step than plain decoding.
 
-The checks of settings' numbers live here too (is_finite_number, is_int, check_int), one of each: verify is
-the package every other one imports, so medusa, prophet and experiments take them from here.
+The checks of settings' numbers live here too (is_finite_number, is_int, check_int, eos_ids), one of each:
+verify is the package every other one imports, so medusa, prophet and experiments take them from here.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -56,6 +57,25 @@ def check_int(name: str, value: Any, *, minimum: int = 1, allow_null: bool = Fal
     if not (is_int(value) and value >= minimum):
         raise ValueError(f"{name}={value!r}: must be {'null or ' if allow_null else ''}an integer >= {minimum}")
     return value
+
+
+# What the decode loops take as `eos_id`: one id, several (a row ends at any of them: transformers takes
+# eos_token_id as an int or a list, and Llama 3 ships several), or None (no EOS: rows run to their budget).
+EosId = int | Sequence[int] | None
+
+
+def eos_ids(eos_id: EosId, vocab_size: int, device: torch.device | str) -> Tensor | None:
+    """The EOS ids as an (n,) long tensor on `device`, for torch.isin in the loops (no host read per step);
+    None for no EOS. Checked once, before any work: each id an int (not a bool) in [0, vocab_size)."""
+    if eos_id is None:
+        return None
+    ids = [eos_id] if is_int(eos_id) else eos_id
+    fine = isinstance(ids, Sequence) and not isinstance(ids, (str, bytes)) and len(ids) > 0
+    if not (fine and all(is_int(i) and 0 <= i < vocab_size for i in ids)):
+        raise ValueError(
+            f"eos_id={eos_id!r}: must be null, a token id or a non-empty list of token ids in [0, {vocab_size})"
+        )
+    return torch.tensor(list(ids), dtype=torch.long, device=device)
 
 
 def usable(x: Tensor, used: Tensor) -> Tensor:

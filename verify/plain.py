@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verify.numerics import TARGET_LOGITS, nonfinite_error
+from verify.numerics import TARGET_LOGITS, EosId, eos_ids, nonfinite_error
 from verify.sampling import SamplingConfig, sample_token
 from verify.stats import DecodeStats
 from verify.target import Target
@@ -40,13 +40,15 @@ def plain_generate(
     *,
     max_new_tokens: int,
     sampling: SamplingConfig = SamplingConfig(),
-    eos_id: int | None = None,
+    eos_id: EosId = None,
     generator: torch.Generator | None = None,
 ) -> Generation:
-    """Decode each prompt token by token; a row stops at EOS or after max_new_tokens.
+    """Decode each prompt token by token; a row stops at EOS (any of the ids, when eos_id is a list) or after
+    max_new_tokens.
 
     Raises NonFiniteError (verify/numerics.py) when the logits a row sampled from held NaN or inf."""
     check_max_new_tokens(max_new_tokens)
+    eos = eos_ids(eos_id, target.vocab_size, target.device)
     target.check_tokens(prompts, max_new_tokens=max_new_tokens)
     target.use_layers(())  # a target reused after speculative decoding: return no layer states, pay nothing for them
     b, device = len(prompts), target.device
@@ -66,9 +68,9 @@ def plain_generate(
             out[:, i] = nxt
             stats.tokens += ~done
             stats.forwards += ~done
-            if eos_id is not None:
-                done |= nxt == eos_id
-            if i == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
+            if eos is not None:
+                done |= torch.isin(nxt, eos)
+            if i == max_new_tokens - 1 or (eos is not None and bool(done.all())):
                 break
             with stats.timed("target"):
                 logits = target.extend(nxt[:, None]).logits[:, -1]

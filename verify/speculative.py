@@ -15,7 +15,7 @@ from torch import Tensor
 
 from verify.acceptance import check_delta, check_rule, check_typical, greedy_accept, speculative_accept, typical_accept
 from verify.drafter import Draft, Drafter, Verdict
-from verify.numerics import DRAFT_Q, TARGET_LOGITS, check_usable, usable
+from verify.numerics import DRAFT_Q, TARGET_LOGITS, EosId, check_usable, eos_ids, usable
 from verify.plain import Generation, check_max_new_tokens, rows_to_lists
 from verify.sampling import SamplingConfig, probs_from_logits, sample_token
 from verify.stats import DecodeStats
@@ -112,16 +112,18 @@ def speculative_generate(
     max_new_tokens: int,
     spec: SpecConfig = SpecConfig(),
     sampling: SamplingConfig = SamplingConfig(),
-    eos_id: int | None = None,
+    eos_id: EosId = None,
     generator: torch.Generator | None = None,
 ) -> Generation:
-    """Generate with drafts verified by the target; returns the same record as plain decoding.
+    """Generate with drafts verified by the target; returns the same record as plain decoding (a row stops
+    at EOS, any of the ids when eos_id is a list, even inside an accepted draft).
 
     Raises NonFiniteError (verify/numerics.py) when the target's logits a row used, or the drafter's q an
     acceptance rule divided by, held NaN or inf; it names the decode step (0 = the prefill) and the row."""
     check_max_new_tokens(max_new_tokens)
     rule = check_rule(spec.rule, delta=spec.delta, temperature=sampling.temperature)
     check_drafter(target, drafter)
+    eos = eos_ids(eos_id, target.vocab_size, target.device)
     target.check_tokens(prompts, max_new_tokens=max_new_tokens)
     # The target's residual states after these blocks, in every TargetOutput the drafter sees; most
     # drafters read none, and then the target computes none.
@@ -149,8 +151,8 @@ def speculative_generate(
         out[:, 0] = pending
         stats.tokens += 1
         stats.forwards += 1
-        if eos_id is not None:
-            done |= pending == eos_id
+        if eos is not None:
+            done |= torch.isin(pending, eos)
         with stats.timed("draft"):
             drafter.begin(prompts, prefill, pending)
         while True:
@@ -179,7 +181,7 @@ def speculative_generate(
                 (draft.tokens.gather(1, (path[:, 1:] - 1).clamp(min=0)), torch.zeros_like(nxt)[:, None]), dim=1
             )
             step[rows, accepted] = nxt
-            _emit(out, stats, step, accepted + 1, active, done, eos_id)
+            _emit(out, stats, step, accepted + 1, active, done, eos)
             _record(stats, active, accepted, depth)
             kept = torch.zeros(b, draft.length + 1, dtype=torch.bool, device=device)
             kept.scatter_(1, path, True)  # a path is padded by repeating its last accepted node
@@ -209,11 +211,14 @@ def _record(stats: DecodeStats, active: Tensor, accepted: Tensor, depth: int) ->
     stats.record_positions(active.sum().expand(depth), (active[:, None] & (positions < accepted[:, None])).sum(0))
 
 
-def _emit(out: Tensor, stats: DecodeStats, step: Tensor, count: Tensor, active: Tensor, done: Tensor, eos_id) -> None:
-    """Append each active row's first `count` step tokens to `out`, cut after an EOS (marking it done)."""
+def _emit(
+    out: Tensor, stats: DecodeStats, step: Tensor, count: Tensor, active: Tensor, done: Tensor, eos: Tensor | None
+) -> None:
+    """Append each active row's first `count` step tokens to `out`, cut after its first EOS (any of the ids
+    `eos` (n,)), marking the row done."""
     count = torch.where(active, count, torch.zeros_like(count))
-    if eos_id is not None:
-        is_eos = (step == eos_id) & (torch.arange(step.shape[1], device=step.device) < count[:, None])
+    if eos is not None:
+        is_eos = torch.isin(step, eos) & (torch.arange(step.shape[1], device=step.device) < count[:, None])
         first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, count)
         done |= is_eos.any(1)
         count = torch.minimum(count, first)

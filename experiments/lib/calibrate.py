@@ -29,6 +29,7 @@ import torch
 
 from experiments.lib.cli import write_atomic
 from verify.budget import best_chain, best_tree, interpolate_cost
+from verify.numerics import EosId
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig, speculative_generate
 from verify.target import Target
@@ -222,7 +223,7 @@ def pilot(
     *,
     spec: SpecConfig,
     sampling: SamplingConfig,
-    eos_id: int | None,
+    eos_id: EosId,
     max_new_tokens: int,
     seed: int,
     batch_size: int = 1,
@@ -301,7 +302,7 @@ def choose_chain_budget(
     verify_cost: dict[int, float],
     max_gamma: int,
     sampling: SamplingConfig,
-    eos_id: int | None,
+    eos_id: EosId,
     max_new_tokens: int,
     seed: int,
     spec: SpecConfig = SpecConfig(),
@@ -354,7 +355,7 @@ def choose_tree_budget(
     candidates: list[dict],
     verify_cost: dict[int, float],
     sampling: SamplingConfig,
-    eos_id: int | None,
+    eos_id: EosId,
     max_new_tokens: int,
     seed: int,
     spec: SpecConfig = SpecConfig(),

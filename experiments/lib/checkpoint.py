@@ -38,6 +38,7 @@ from tokenizers import Tokenizer
 from experiments.lib.cli import one_line
 from experiments.lib.data import load_tokenizer
 from experiments.lib.lm import build_lm
+from verify.numerics import is_int
 
 __all__ = [
     "Checkpoint",
@@ -407,7 +408,13 @@ def _check_vocabulary(name: str, tokenizer: Tokenizer, num_tokens: int, eos_id: 
             f"{name}: its tokenizer has {size} tokens, more than the model's {num_tokens} "
             "(num_tokens): the tokenizer does not belong to these weights"
         )
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int) or not 0 <= eos_id < size):
+    # One id, or several (a Hugging Face model's generation_config may list several: a row ends at any).
+    if isinstance(eos_id, list):
+        if not eos_id or not all(is_int(i) and 0 <= i < size for i in eos_id):
+            raise CheckpointError(
+                f"{name}: its EOS ids {eos_id!r} must be a non-empty list of tokens of its {size}-token tokenizer"
+            )
+    elif eos_id is not None and not (is_int(eos_id) and 0 <= eos_id < size):
         raise CheckpointError(f"{name}: its EOS id {eos_id!r} is not a token of its {size}-token tokenizer")
 
 
@@ -446,13 +453,28 @@ def is_hf_directory(directory: Path) -> bool:
     return (directory / "config.json").is_file() and not (directory / META_FILE).exists()
 
 
+def hf_eos_id(directory: Path, tokenizer_eos: int) -> Any:
+    """The EOS a Hugging Face model generates until, as transformers' generate takes it: eos_token_id of
+    generation_config.json, else of config.json (an int, or a list: Llama 3 ends at any of several), else the
+    tokenizer's end-of-text token. Returned unchecked (int or list); _check_vocabulary checks it."""
+    for name in ("generation_config.json", "config.json"):
+        file = directory / name
+        if file.is_file():
+            data = json.loads(file.read_text())  # malformed: a ValueError, the caller's one-line error
+            found = data.get("eos_token_id") if isinstance(data, dict) else None
+            if found is not None:
+                return found
+    return tokenizer_eos
+
+
 def _load_hf(directory: Path, device: str | torch.device) -> tuple[torch.nn.Module, Tokenizer, dict[str, Any]]:
     """A model saved by transformers' save_pretrained, with its own tokenizer. Its meta names no corpus:
     entry points take the run's data config, with this tokenizer (experiments.lib.data.base_data_config)."""
     from verify.hf import load_hf_base  # transformers is optional
 
     try:
-        tokenizer, eos_id = load_tokenizer(str(directory))
+        tokenizer, tokenizer_eos = load_tokenizer(str(directory))
+        eos_id = hf_eos_id(directory, tokenizer_eos)
         base = load_hf_base(directory, device=device)
     except (ValueError, OSError) as e:
         raise CheckpointError(f"Hugging Face model {directory}: {one_line(e)}") from None

@@ -25,6 +25,7 @@ from experiments.lib.calibrate import cpu_model
 from experiments.lib.cli import write_atomic
 from experiments.lib.report import repeated_ngram_share
 from experiments.lib.seq2seq_data import Pairs
+from verify.numerics import EosId
 from verify.plain import plain_generate
 from verify.prompt_lookup import PromptLookupDrafter
 from verify.sampling import SamplingConfig
@@ -42,7 +43,7 @@ def _decode_all(
     *,
     cfg: DictConfig,
     sampling: SamplingConfig,
-    eos_id: int,
+    eos_id: EosId,
     seed: int,
 ) -> dict[str, Any]:
     """Decode the sources `bench.batch` at a time (a ragged batch); totals of tokens, target forwards (per
@@ -84,7 +85,7 @@ def benchmark(
     cfg: DictConfig,
     *,
     bos_id: int,
-    eos_id: int,
+    eos_id: EosId,
     out_dir: Path,
 ) -> dict[str, Any]:
     """Run the comparison, write results.json and results.md into out_dir, return the results."""
