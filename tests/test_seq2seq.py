@@ -284,9 +284,9 @@ def test_function_docstrings_removes_the_docstring_and_keeps_the_summary():
 # ------------------------------------------------------------------------------------ HF T5
 
 
-def make_t5(*, d_model: int = 32, layers: int = 2, seed: int = 0, std: float = 0.5):
+def make_t5(*, d_model: int = 32, layers: int = 2, seed: int = 0, std: float = 0.5, **special):
     """A tiny random T5 (nothing downloaded). Its default init decodes one token forever; normal weights
-    of std 0.5 give outputs that vary with the source."""
+    of std 0.5 give outputs that vary with the source. `special` overrides the special token ids."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     config = transformers.T5Config(
@@ -300,9 +300,7 @@ def make_t5(*, d_model: int = 32, layers: int = 2, seed: int = 0, std: float = 0
         relative_attention_num_buckets=8,
         relative_attention_max_distance=16,
         dropout_rate=0.0,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
+        **{"decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1, **special},
     )
     model = transformers.T5ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -348,6 +346,112 @@ def test_t5_greedy_speculative_equals_plain(drafter, gamma):
         assert spec.tokens == plain.tokens
         if drafter == "self":
             assert spec.stats.alpha == 1.0
+
+
+def test_t5_a_list_of_eos_ids_equals_t5_generate():
+    from verify.t5 import T5DraftDrafter, T5Target
+
+    model = make_t5()
+    source = T5_SOURCES[0]
+    free = plain_generate(T5Target(model), [source], max_new_tokens=24).tokens[0]
+    eos = [1, free[1]]  # the source's output meets the second id at its 2nd token, and never meets 1
+    ref = model.generate(torch.tensor([source]), do_sample=False, max_new_tokens=24, eos_token_id=eos)[0, 1:].tolist()
+    assert ref == free[:2] and 1 not in free
+    assert plain_generate(T5Target(model), [source], max_new_tokens=24, eos_id=eos).tokens[0] == ref
+    for gamma in (1, 3):  # the self-draft is always right: the EOS is inside an accepted draft for gamma 3
+        out = speculative_generate(
+            T5Target(model),
+            T5DraftDrafter(make_t5()),
+            [source],
+            max_new_tokens=24,
+            eos_id=eos,
+            spec=SpecConfig(gamma=gamma),
+        )
+        assert out.tokens[0] == ref
+
+
+def test_t5_starts_at_the_bos_without_a_decoder_start_token_as_t5_generate():
+    from verify.t5 import T5DraftDrafter, T5Target
+
+    model = make_t5(decoder_start_token_id=None, bos_token_id=7)
+    target = T5Target(model)
+    assert target.bos_id == 7
+    for source in T5_SOURCES:
+        ref = model.generate(torch.tensor([source]), do_sample=False, max_new_tokens=12)[0].tolist()
+        assert ref[0] == 7
+        assert plain_generate(target, [source], max_new_tokens=12, eos_id=1).tokens[0] == ref[1:]
+        out = speculative_generate(
+            target,
+            T5DraftDrafter(make_t5(decoder_start_token_id=None, bos_token_id=7)),
+            [source],
+            max_new_tokens=12,
+            eos_id=1,
+            spec=SpecConfig(gamma=3),
+        )
+        assert out.tokens[0] == ref[1:]
+    # generation_config before config, as generate reads them
+    model = make_t5()
+    model.generation_config.decoder_start_token_id = 9
+    ref = model.generate(torch.tensor([T5_SOURCES[0]]), do_sample=False, max_new_tokens=12)[0].tolist()
+    assert ref[0] == 9 and model.config.decoder_start_token_id == 0
+    assert plain_generate(T5Target(model), [T5_SOURCES[0]], max_new_tokens=12, eos_id=1).tokens[0] == ref[1:]
+
+
+def test_t5_without_a_start_token_is_a_one_line_error():
+    from verify.t5 import T5Target
+
+    model = make_t5(decoder_start_token_id=None, bos_token_id=None)
+    with pytest.raises(ValueError) as theirs:
+        model.generate(torch.tensor([T5_SOURCES[0]]), max_new_tokens=4)
+    assert "decoder_start_token_id" in str(theirs.value)
+    with pytest.raises(ValueError) as excinfo:
+        T5Target(model)
+    assert str(excinfo.value) == (
+        "decoder_start_token_id=None and bos_token_id=None: a T5 decoder needs a start token (set "
+        "decoder_start_token_id, or bos_token_id, in the model's generation_config or config)"
+    )
+    with pytest.raises(ValueError, match=r"^decoder_start_token_id=40: must be a token id in \[0, 40\)$"):
+        T5Target(make_t5(decoder_start_token_id=V))
+
+
+def test_t5_and_draft_model_misuse_is_refused_in_one_line(model):
+    from tests.conftest import make_lm
+    from verify.draft_model import DraftModelDrafter
+    from verify.hf import HFBase
+    from verify.t5 import T5DraftDrafter, T5Target
+
+    causal = make_lm(num_tokens=V)
+    for bad in (causal, model, HFBase(tiny_llama())):
+        for cls in (T5Target, T5DraftDrafter):
+            with pytest.raises(ValueError) as excinfo:
+                cls(bad)
+            assert str(excinfo.value) == (
+                f"{cls.__name__} takes a transformers T5ForConditionalGeneration (an encoder-decoder), got "
+                f"{type(bad).__name__}"
+            )
+    for bad in (make_t5(), model):
+        with pytest.raises(ValueError) as excinfo:
+            DraftModelDrafter(bad)
+        assert str(excinfo.value) == (
+            "DraftModelDrafter takes a causal LM (an x-transformers TransformerWrapper, or a Hugging Face causal LM "
+            f"wrapped as HFBase), got {type(bad).__name__}: for T5 use T5DraftDrafter (verify.t5), for an "
+            "x-transformers encoder-decoder Seq2SeqDraftDrafter (verify.seq2seq)"
+        )
+    DraftModelDrafter(causal)  # a causal LM is taken
+
+
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
 
 
 def test_t5_rollback_then_extend_equals_a_fresh_run():

@@ -34,6 +34,7 @@ class DraftModelDrafter:
         vocab: Tensor | None = None,
         engine: str = "auto",
     ):
+        check_causal_lm(model)
         self.vocab = check_vocab(vocab, model.num_tokens)  # (N,) or None = all V
         # The draft LM's output layer keeps only the subset's rows: its logits are (b, n, N).
         # A compiled draft LM runs steps of 1 token, plus 2 at the start of a cycle (the uncached pair).
@@ -61,6 +62,18 @@ class DraftModelDrafter:
 
     def commit(self, verdict: Verdict) -> None:
         self.uncached, self.fed = roll_uncached(self.lm, self.uncached, self.fed, verdict), 0
+
+
+def check_causal_lm(model: nn.Module) -> None:
+    """A one-line error for a draft model the draft loop cannot run: an encoder-decoder (it needs a source
+    encoded first, which the seq2seq drafters do) or a module that is no LM wrapper at all."""
+    encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True
+    if encoder_decoder or not hasattr(model, "num_tokens"):
+        raise ValueError(
+            f"DraftModelDrafter takes a causal LM (an x-transformers TransformerWrapper, or a Hugging Face causal "
+            f"LM wrapped as HFBase), got {type(model).__name__}: for T5 use T5DraftDrafter (verify.t5), for an "
+            "x-transformers encoder-decoder Seq2SeqDraftDrafter (verify.seq2seq)"
+        )
 
 
 def roll_uncached(cache: Target | StaticCache, uncached: Tensor, fed: int, verdict: Verdict) -> Tensor:

@@ -19,21 +19,54 @@ import torch
 from torch import Tensor, nn
 
 from verify.draft_model import DraftModelDrafter
+from verify.numerics import is_int
 from verify.target import TargetOutput
+
+
+def check_t5(model: nn.Module, who: str) -> None:
+    """A one-line error for a module that is not a transformers encoder-decoder (a causal LM, an x-transformers
+    model), before anything reads its config."""
+    config = getattr(model, "config", None)
+    if not (getattr(config, "is_encoder_decoder", False) is True and callable(getattr(model, "get_encoder", None))):
+        raise ValueError(
+            f"{who} takes a transformers T5ForConditionalGeneration (an encoder-decoder), got {type(model).__name__}"
+        )
+
+
+def decoder_start_id(model: nn.Module) -> int:
+    """The decoder start token as transformers' generate picks it: generation_config.decoder_start_token_id,
+    then config.decoder_start_token_id, then the BOS id (generation_config's, then config's)."""
+    config, generation = model.config, getattr(model, "generation_config", None)
+    candidates = [
+        getattr(generation, "decoder_start_token_id", None),
+        getattr(config, "decoder_start_token_id", None),
+        getattr(generation, "bos_token_id", None),
+        getattr(config, "bos_token_id", None),
+    ]
+    start = next((c for c in candidates if c is not None), None)
+    if start is None:
+        raise ValueError(
+            "decoder_start_token_id=None and bos_token_id=None: a T5 decoder needs a start token (set "
+            "decoder_start_token_id, or bos_token_id, in the model's generation_config or config)"
+        )
+    if not (is_int(start) and 0 <= start < config.vocab_size):
+        raise ValueError(f"decoder_start_token_id={start!r}: must be a token id in [0, {config.vocab_size})")
+    return start
 
 
 class T5Target:
     """A frozen T5ForConditionalGeneration plus its decoder cache; prompts are sources, the decoder
-    starts at `config.decoder_start_token_id` (T5: the pad id)."""
+    starts at the token transformers' generate starts it at (`decoder_start_id`; T5: the pad id)."""
 
     def __init__(self, model: nn.Module, *, max_seq_len: int = 512):
+        check_t5(model, "T5Target")
+        self.bos_id: int = decoder_start_id(model)
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
         self.model, config = model, model.config
         self.vocab_size: int = config.vocab_size
         self.pad_id: int = config.pad_token_id
-        self.bos_id: int = config.decoder_start_token_id
         # Relative positions have no hard limit: this bounds source and decoder lengths for the budgets.
         self.max_seq_len = self.max_source_len = max_seq_len
         self.device = next(model.parameters()).device
@@ -115,6 +148,7 @@ class T5DraftDrafter(DraftModelDrafter):
     cache discipline, `roll_uncached`, and q returned at temperature > 0)."""
 
     def __init__(self, model: nn.Module):
+        check_t5(model, "T5DraftDrafter")
         self.vocab = None
         self.lm = T5Target(model)
         self.vocab_size = self.lm.vocab_size
