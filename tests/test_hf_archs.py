@@ -203,3 +203,24 @@ def test_a_config_without_a_maximum_length_is_refused_in_one_line():
         ValueError, match=r"^custom model has no maximum length in its config: the adapter needs one of"
     ):
         check_decodable(SimpleNamespace(model_type="custom", max_position_embeddings=None))
+
+
+@pytest.mark.parametrize("name", ["gpt_neo", "gpt2"])
+def test_ragged_batches_reach_the_last_position(name):
+    """Rows that finish early keep running (outputs unused) and rows that accept different counts leave holes:
+    near the model's last position neither may index past its position table (GPT-2) or its slot-indexed
+    causal mask (GPT-Neo). Before: IndexError and a tensor size mismatch."""
+    base = build(name, "eager")
+    target = HFTarget(base)
+    new = target.max_seq_len - max(len(p) for p in PROMPTS)  # the longest prompt ends at the last position
+    want = [hf_greedy(base, p, new) for p in PROMPTS]
+    for scale in (0.1, 0.3):
+        out = speculative_generate(
+            HFTarget(base),
+            DraftModelDrafter(perturbed(base, scale=scale)),
+            PROMPTS,
+            max_new_tokens=new,
+            spec=SpecConfig(gamma=6),
+        )
+        assert out.tokens == want, scale
+        assert len(set(out.stats.accepted.tolist())) > 1  # ragged: the rows accepted different counts

@@ -229,7 +229,7 @@ class HFTarget:
         max_draft: int = 64,
         widths: tuple[int, ...] = (1,),
     ):
-        # max_draft and widths size the lean engine's static cache and compiled widths; a DynamicCache needs neither.
+        # widths are the lean engine's compiled widths; a DynamicCache needs none. max_draft: see GPT-Neo below.
         if not isinstance(base, HFBase):
             raise ValueError(f"HFTarget takes an HFBase, got {type(base).__name__}")
         if compile:
@@ -247,6 +247,15 @@ class HFTarget:
         self.vocab = check_vocab(vocab, base.num_tokens)
         self.weight, self.bias = trim_linear(base.to_logits, self.vocab)  # (N, d), (N,) or None
         self.vocab_size, self.max_seq_len, self.pad_id = base.num_tokens, base.max_seq_len, pad_id
+        if base.hf.config.model_type == "gpt_neo":
+            # GPT-Neo indexes its causal mask, sized by its maximum length, by cache slot; a step appends up to
+            # max_draft slots after the longest row (rows that finished keep theirs): leave that room.
+            self.max_seq_len -= max_draft
+            if self.max_seq_len < 2:
+                raise ValueError(
+                    f"max_draft={max_draft}: a GPT-Neo target needs max_draft < its maximum length "
+                    f"{base.max_seq_len} - 1 (steps append up to max_draft slots within it)"
+                )
         self.device = next(base.parameters()).device
         self.layers: tuple[int, ...] = ()
         self.reset()
@@ -299,8 +308,13 @@ class HFTarget:
         else:
             parents = repeat(parents, "k -> b k", b=b) if parents.ndim == 1 else parents
             allow, depth = tree_attention(parents.to(self.device))
+        if self.valid.shape[1] + k > self.model.max_seq_len:  # holes could push slots past the model's length
+            self._compact()
         mask = torch.cat((self.valid[:, None, :].expand(b, k, -1), allow), dim=2)  # (b, k, slots + k)
-        out = self._forward(tokens, mask, self.lengths[:, None] + depth)
+        # Rows that finished still run (their outputs unused) and may pass the model's last position: clamp,
+        # or a model with learned positions (GPT-2, OPT, GPT-Neo) indexes past its position table.
+        positions = (self.lengths[:, None] + depth).clamp(max=self.model.max_seq_len - 1)
+        out = self._forward(tokens, mask, positions)
         self.valid = torch.cat((self.valid, torch.ones(b, k, dtype=torch.bool, device=self.device)), dim=1)
         self.lengths, self.added = self.lengths + k, self.added + k
         return out
@@ -332,6 +346,22 @@ class HFTarget:
             use_cache=True,
         )
         return TargetOutput(logits=F.linear(hidden, self.weight, self.bias), hidden=hidden, layers=states)
+
+    def _compact(self) -> None:
+        """Close the holes: move each row's committed slots, in order, to the end of the committed region and
+        drop the leading slots no row uses then, so the slot count is the longest row's length (plus slots
+        appended since the last commit, left where they are). Ragged batches otherwise grow more slots than
+        any row has tokens, and GPT-Neo indexes its causal mask, sized by its maximum length, by slot.
+        Positions come from position_ids, so moving a key changes nothing it computes."""
+        b, slots = self.valid.shape
+        n = slots - self.added
+        holes_first = torch.sort(self.valid[:, :n].to(torch.uint8), dim=1, stable=True).indices  # (b, n)
+        lead = n - int(self.valid[:, :n].sum(1).max())
+        index = torch.cat((holes_first[:, lead:], torch.arange(n, slots, device=self.device).expand(b, -1)), dim=1)
+        for layer in self.cache.layers:
+            at = repeat(index, "b s -> b h s d", h=layer.keys.shape[1], d=layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, at), layer.values.gather(2, at)
+        self.valid = self.valid.gather(1, index)
 
     def _crop(self) -> None:
         """Drop trailing slots that no row keeps (for a batch of one: every rejected slot)."""
