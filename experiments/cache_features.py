@@ -19,7 +19,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.lib.checkpoint import load_lm
+from experiments.lib.checkpoint import load_lm, tokenizer_mismatch
 from experiments.lib.cli import exit_on_user_error
 from experiments.lib.data import base_data_config, prepare_data
 from experiments.lib.features import check_features_config, feature_spec, open_features
@@ -42,9 +42,7 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError(f"seq_len={seq_len}: must lie in [2, the base's context {base.max_seq_len}]")
     data = prepare_data(**base_data_config(base_meta, OmegaConf.to_container(cfg.data, resolve=True)))
     if data.tokenizer.to_str() != tokenizer.to_str():
-        raise ValueError(
-            f"data config gives another tokenizer than base {cfg.base_checkpoint}'s: use the base's data config"
-        )
+        raise ValueError(tokenizer_mismatch("the data config", data.tokenizer, tokenizer, "use the base's data config"))
     spec = feature_spec(features, base_meta=base_meta, data=data, seq_len=seq_len, layers=tuple(cfg.layers or ()))
     started = time.perf_counter()
     cache = open_features(base, data.train_ids, spec, directory=features["dir"], root=features["root"])

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.artifacts import ensure
 from experiments.lib.calibrate import cpu_model
-from experiments.lib.checkpoint import is_hf_directory, load_lm, read_meta
+from experiments.lib.checkpoint import is_hf_directory, load_lm, read_meta, tokenizer_mismatch
 from experiments.lib.cli import exit_on_user_error, write_atomic
 from experiments.lib.data import base_data_config, prepare_data
 from experiments.lib.decode_checks import check_checkpoints, check_prompt_lookup, check_run
@@ -110,7 +110,9 @@ def load_pair(cfg: DictConfig, device: torch.device) -> tuple[HFBase, HFBase, An
             )
     if assistant_tokenizer.to_str() != tokenizer.to_str():
         raise ValueError(
-            f"assistant {assistant_dir} has another tokenizer than base {base_dir}: train it on the base's data config"
+            tokenizer_mismatch(
+                f"assistant {assistant_dir}", assistant_tokenizer, tokenizer, "train it on the base's data config"
+            )
         )
     return base, assistant, tokenizer, meta, base_dir
 

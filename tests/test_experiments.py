@@ -470,7 +470,8 @@ def test_train_drafter_bad_config_fails_before_work(
 
 def test_train_drafter_refuses_another_tokenizer(tiny_base: Path, cache_dir: str, tmp_path: Path) -> None:
     cfg = drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "data.vocab_size=400")
-    with pytest.raises(ValueError, match="another tokenizer"):
+    sizes = r"the data config uses another tokenizer than the base \(\d+ tokens against \d+\): use the base's data"
+    with pytest.raises(ValueError, match=sizes):
         drafter_trainer.train(cfg)
 
 
@@ -843,7 +844,7 @@ def test_benchmark_refuses_draft_model_with_another_tokenizer(
         "methods=[draft_model]",
         "decode.temperatures=[0]",
     )
-    with pytest.raises(ValueError, match="tokenizer"):
+    with pytest.raises(ValueError, match=r"another tokenizer than the base \(both \d+ tokens, not the same ones\)"):
         bench_mod.benchmark(cfg)
 
 
@@ -857,6 +858,31 @@ def test_benchmark_unknown_method_fails_before_training(tmp_path: Path, monkeypa
     )
     with pytest.raises(ValueError, match="medusa_chian"):
         bench_mod.benchmark(cfg)
+
+
+@pytest.mark.parametrize("entry", ["benchmark", "baseline"])
+def test_blank_prompt_in_prompts_file_fails_before_loading(
+    entry: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from experiments import baseline as baseline_mod
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("a model was loaded or trained before the prompts file was checked")
+
+    monkeypatch.setattr(methods, "ensure", no_work)
+    monkeypatch.setattr(bench_mod, "load_lm", no_work)
+    monkeypatch.setattr(baseline_mod, "load_lm", no_work)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n\n" + json.dumps({"prompt": " \t\n "}) + "\n")
+    cfg = make_cfg(
+        "benchmark", f"prompts.file={prompts}", f"artifacts.root={tmp_path}", f"out_dir={tmp_path}", "logger=none"
+    )
+    run = bench_mod.benchmark if entry == "benchmark" else baseline_mod.compare
+    with pytest.raises(ValueError) as excinfo:
+        run(cfg)
+    message = str(excinfo.value)
+    assert f"prompts file {str(prompts)!r} line 3: prompt 2=' \\t\\n '" in message, message
+    assert "give a non-empty text, not only whitespace" in message and "\n" not in message
 
 
 # -------------------------------------------------------------------------- 6. main's last line

@@ -118,3 +118,6 @@ def test_bad_prompts_rejected_before_work(lm):
         target.check_tokens([[]], max_new_tokens=1)
     with pytest.raises(ValueError, match="at least one prompt"):
         target.check_tokens([], max_new_tokens=1)
+    # no prompt can fit: the error is about max_new_tokens (it read "at most ... = -4" of the prompt's length)
+    with pytest.raises(ValueError, match=r"^max_new_tokens=100: must be less than the model's max_seq_len=96 \("):
+        target.check_tokens([[1]], max_new_tokens=100)

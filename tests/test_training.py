@@ -367,7 +367,7 @@ def test_torchrun_two_ranks_train_a_drafter(family: str, tiny_base: Path, cache_
         ("medusa", "+drafter.loss.foo=1", "drafter.loss.foo: not a setting of medusa.train.loss"),
         ("medusa", "+drafter.module.foo=1", "drafter.module.foo: not a setting of medusa.train.build"),
         ("prophet", "drafter.loss.unroll=0", "unroll=0: must be an integer >= 1"),
-        ("medusa", "drafter.module.num_heads=0", "num_heads=0: must be an integer >= 1"),
+        ("medusa", "drafter.module.num_heads=0", "drafter.module.num_heads=0: must be an integer >= 1"),
     ],
 )
 def test_drafter_settings_fail_before_the_feature_cache(

@@ -64,6 +64,11 @@ def check_prompts(prompts: list[list[int]], *, vocab_size: int, max_seq_len: int
     """One-line errors for prompts a model cannot take, before any work starts."""
     if len(prompts) == 0:
         raise ValueError("prompts=[]: need at least one prompt")
+    if max_new_tokens >= max_seq_len:  # no prompt fits: say so of max_new_tokens, not of a prompt's length
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens}: must be less than the model's max_seq_len={max_seq_len} "
+            "(a prompt needs at least one of its positions)"
+        )
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")

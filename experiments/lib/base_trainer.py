@@ -19,8 +19,15 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from tokenizers import Tokenizer
 
-from experiments.lib.checkpoint import checkpoint_exists, load_checkpoint, read_meta, save_checkpoint
+from experiments.lib.checkpoint import (
+    checkpoint_exists,
+    load_checkpoint,
+    read_meta,
+    save_checkpoint,
+    tokenizer_mismatch,
+)
 from experiments.lib.cli import one_line
 from experiments.lib.data import PreparedData, prepare_data
 from experiments.lib.distributed import Dist, main_first, shard
@@ -120,11 +127,16 @@ def resume(
 ) -> LoopState:
     """Load weights, optimizer and loop state from `ckpt_dir`, after checking it is this run's."""
     ckpt = load_checkpoint(ckpt_dir, expected_config=model_config(cfg))
-    require(
-        ckpt.meta["tokenizer"] == data.tokenizer.to_str(),
-        f"checkpoint {ckpt_dir} was trained with another tokenizer (data config changed?); "
-        "use another out_dir or resume=false",
-    )
+    if ckpt.meta["tokenizer"] != data.tokenizer.to_str():
+        raise ValueError(
+            tokenizer_mismatch(
+                "this run's data config",
+                data.tokenizer,
+                Tokenizer.from_str(ckpt.meta["tokenizer"]),
+                "use another out_dir or resume=false",
+                reference=f"checkpoint {ckpt_dir}",
+            )
+        )
     check_recipe(ckpt_dir, ckpt.meta.get("recipe"), recipe(cfg))
     require(ckpt.optimizer_state is not None, f"checkpoint {ckpt_dir} has no optimizer state to resume from")
     model.load_state_dict(ckpt.state_dict, strict=True)

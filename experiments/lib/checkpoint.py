@@ -52,6 +52,7 @@ __all__ = [
     "read_meta",
     "check_lm_meta",
     "is_hf_directory",
+    "tokenizer_mismatch",
 ]
 
 MODEL_FILE = "model.safetensors"
@@ -451,6 +452,14 @@ def load_model(
 
 def is_hf_directory(directory: Path) -> bool:
     return (directory / "config.json").is_file() and not (directory / META_FILE).exists()
+
+
+def tokenizer_mismatch(what: str, theirs: Tokenizer, ours: Tokenizer, fix: str, *, reference: str = "the base") -> str:
+    """One line for a tokenizer that is not `reference`'s, naming both vocabulary sizes (or, where they are
+    equal, saying the tokens differ)."""
+    a, b = theirs.get_vocab_size(), ours.get_vocab_size()
+    sizes = f"{a} tokens against {b}" if a != b else f"both {a} tokens, not the same ones"
+    return f"{what} uses another tokenizer than {reference} ({sizes}): {fix}"
 
 
 def hf_eos_id(directory: Path, tokenizer_eos: int) -> Any:

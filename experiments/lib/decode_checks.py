@@ -21,7 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from tokenizers import Tokenizer, models
 
 from experiments.lib.artifacts import ENTRY, check_artifact
-from experiments.lib.checkpoint import CheckpointError, check_lm_meta, is_hf_directory, read_meta
+from experiments.lib.checkpoint import CheckpointError, check_lm_meta, is_hf_directory, read_meta, tokenizer_mismatch
 from experiments.lib.families import FAMILIES, TREE_FAMILIES
 from experiments.lib.methods import (
     DRAFTER_KINDS,
@@ -282,7 +282,9 @@ def check_checkpoints(cfg: DictConfig, kinds: list[str]) -> None:
             tokenizer = check_lm_meta(path, meta, "checkpoints.draft")
             if base is not None and tokenizer.to_str() != base[1].to_str():
                 raise ValueError(
-                    f"checkpoints.draft={path} uses another tokenizer than the base: train it on the base's data config"
+                    tokenizer_mismatch(
+                        f"checkpoints.draft={path}", tokenizer, base[1], "train it on the base's data config"
+                    )
                 )
         elif package is None:
             raise CheckpointError(

@@ -23,7 +23,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from experiments.lib.checkpoint import checkpoint_exists, load_checkpoint, load_lm, read_meta, save_checkpoint
+from experiments.lib.checkpoint import (
+    checkpoint_exists,
+    load_checkpoint,
+    load_lm,
+    read_meta,
+    save_checkpoint,
+    tokenizer_mismatch,
+)
 from experiments.lib.data import prepare_data, token_counts
 from experiments.lib.distributed import Dist, main_first, shard
 from experiments.lib.families import Family, call_with_settings
@@ -286,9 +293,7 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     with main_first(ctx):  # rank 0 tokenizes and caches the corpus; the others read its cache
         data = prepare_data(**data_cfg)
     if data.tokenizer.to_str() != tokenizer.to_str():
-        raise ValueError(
-            f"data config gives another tokenizer than base {cfg.base_checkpoint}'s: use the base's data config"
-        )
+        raise ValueError(tokenizer_mismatch("the data config", data.tokenizer, tokenizer, "use the base's data config"))
     vocab = frequent_tokens(token_counts(data, base.num_tokens), cfg.vocab)
     vocab = None if vocab is None else vocab.to(device)
     log.info(

@@ -84,7 +84,8 @@ def family(name: str) -> Family:
 
 
 def call_with_settings(fn, group: str, *args, **settings):
-    """fn(*args, **settings) with an unknown setting reported as one line naming the config group."""
+    """fn(*args, **settings) with an unknown setting reported as one line naming the config group, and a
+    setting the module refuses (`num_heads=0: ...`) named by its full key (`medusa.module.num_heads=0: ...`)."""
     try:
         return fn(*args, **settings)
     except TypeError as e:
@@ -92,6 +93,10 @@ def call_with_settings(fn, group: str, *args, **settings):
             raise
         name = str(e).split("argument")[-1].strip(" '")
         raise ValueError(f"{group}.{name}: not a setting of {fn.__module__}.{fn.__name__}") from None
+    except ValueError as e:
+        if str(e).split("=")[0] not in settings:
+            raise
+        raise ValueError(f"{group}.{e}") from None
 
 
 def load_drafter(directory: str | Path, base: nn.Module, base_meta: dict) -> tuple[nn.Module, Family, dict]:

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from experiments.lib.artifacts import ensure
-from experiments.lib.checkpoint import load_lm, read_meta
+from experiments.lib.checkpoint import load_lm, read_meta, tokenizer_mismatch
 from experiments.lib.data import base_data_config, prepare_data, token_counts
 from experiments.lib.families import FAMILIES, TREE_FAMILIES, call_with_settings, load_drafter
 from experiments.lib.families import family as find_family
@@ -226,7 +226,9 @@ def load_draft_model(
         directory, device=str(next(base.parameters()).device), role="checkpoints.draft"
     )
     if draft_tokenizer.to_str() != tokenizer.to_str():
-        raise ValueError("the draft model uses another tokenizer than the base: train it on the base's data config")
+        raise ValueError(
+            tokenizer_mismatch("the draft model", draft_tokenizer, tokenizer, "train it on the base's data config")
+        )
     return draft_lm, meta
 
 
@@ -250,5 +252,7 @@ def get_prompts(cfg: DictConfig, tokenizer, base_meta: dict) -> list[list[int]]:
         return prompts[: cfg.prompts.num_prompts]
     data = prepare_data(**base_data_config(base_meta, OmegaConf.to_container(cfg.data, resolve=True)))
     if data.tokenizer.to_str() != tokenizer.to_str():
-        raise ValueError("the data config gives another tokenizer than the base's: pass the base's data config")
+        raise ValueError(
+            tokenizer_mismatch("the data config", data.tokenizer, tokenizer, "pass the base's data config")
+        )
     return heldout_prompts(data, num_prompts=cfg.prompts.num_prompts, prompt_len=cfg.prompts.prompt_len, seed=cfg.seed)
