@@ -53,6 +53,7 @@ from experiments.lib.methods import (
     make_methods,
     verify_widths,
 )
+from experiments.lib.prompts import check_prompt_text
 from experiments.lib.settings import check_bool, check_int
 from verify.drafter import Draft, Verdict
 from verify.numerics import EosId
@@ -168,9 +169,7 @@ def check_config(cfg: DictConfig) -> tuple[SamplingConfig, SpecConfig, str]:
 
 
 def check_prompt(prompt: Any) -> str:
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"prompt={prompt!r}: give a non-empty text, e.g. 'prompt=\"def fib(n):\"'")
-    return prompt
+    return check_prompt_text(prompt, "prompt", ", e.g. 'prompt=\"def fib(n):\"'")
 
 
 def methods_config(cfg: DictConfig) -> DictConfig:

@@ -20,6 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
+from experiments import baseline as baseline_mod
 from experiments import benchmark as bench_mod
 from experiments import summarize as summ_mod
 from experiments.lib import artifacts, base_trainer, decode_checks, drafter_trainer, families, methods
@@ -864,8 +865,6 @@ def test_benchmark_unknown_method_fails_before_training(tmp_path: Path, monkeypa
 def test_blank_prompt_in_prompts_file_fails_before_loading(
     entry: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from experiments import baseline as baseline_mod
-
     def no_work(*args, **kwargs):
         raise AssertionError("a model was loaded or trained before the prompts file was checked")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tokenizers import Tokenizer
@@ -85,6 +85,14 @@ def heldout_prompts(data: PreparedData, *, num_prompts: int, prompt_len: int, se
 # ---------------------------------------------------------------- a user's prompts file
 
 
+def check_prompt_text(text: Any, name: str, example: str = "") -> str:
+    """`text` as a prompt: a string holding more than whitespace. A blank prompt gives the model nothing to
+    continue, and a benchmark would time it as if it were a prompt. `name` says where it came from."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{name}={text!r}: give a non-empty text, not only whitespace{example}")
+    return text
+
+
 def _jsonl_prompts(lines: list[str], path: str) -> list[str]:
     prompts = []
     for n, line in enumerate(lines, start=1):
@@ -95,11 +103,13 @@ def _jsonl_prompts(lines: list[str], path: str) -> list[str]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n} is not valid JSON ({e.msg})") from None
         if isinstance(item, dict) and isinstance(item.get("prompt"), str):
-            prompts.append(item["prompt"])
+            text = item["prompt"]
         elif isinstance(item, str):
-            prompts.append(item)
+            text = item
         else:
             raise ValueError(f"{path}:{n} must be a JSON string or an object with a string field 'prompt'")
+        # Refused, not dropped: a line that names a prompt is one the user meant to run.
+        prompts.append(check_prompt_text(text, f"prompts file {path!r} line {n}: prompt {len(prompts) + 1}"))
     return prompts
 
 
