@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.lib.base_trainer import validate_config
 from experiments.lib.data import prepare_data
 from experiments.lib.lm import count_parameters
+from experiments.lib.settings import data_recipe
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ["base", "data", "optim", "logger", "experiment"]  # the groups train_base composes
@@ -247,3 +248,10 @@ def test_baseline_and_peer_compose(tmp_path: Path) -> None:
         "experiment=base_llama_draft"
     ]
     assert not {"vocab", "medusa", "base_checkpoint"} & set(peer)
+
+
+def test_data_recipe_of_replace_matches_a_recipe_recorded_before_undecodable() -> None:
+    assert data_recipe(make_cfg().data)["undecodable"] == "skip"  # the default: files that are not UTF-8 left out
+    old = data_recipe(make_cfg().data)
+    old.pop("undecodable")  # what a checkpoint trained before the setting recorded: it decoded with U+FFFD
+    assert data_recipe(make_cfg("data.undecodable=replace").data) == old

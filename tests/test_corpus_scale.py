@@ -273,6 +273,53 @@ def test_a_capped_tokenizer_learns_from_the_sample_only(built, monkeypatch):
     assert data.cache_key != built[0].cache_key
 
 
+# ---------------------------------------------------------------- files that are not UTF-8
+
+
+def entry_meta(cache: Path, data: D.PreparedData) -> dict:
+    return json.loads((cache / data.cache_key / "meta.json").read_text())
+
+
+def test_undecodable_files_are_skipped_and_counted_or_replaced(tmp_path, caplog):
+    write_corpus(tmp_path / "corpus", 4, lines=5)
+    latin1 = "caf\u00e9 = 'cr\u00e8me'\n".encode("latin-1")  # 0xe9, 0xe8: not UTF-8
+    (tmp_path / "corpus" / "latin1.py").write_bytes(latin1)
+    cache = tmp_path / "cache"
+    with caplog.at_level("WARNING", logger=D.__name__):
+        skipped = prepare_files(tmp_path / "corpus", cache)  # the default: skip
+    counts = {"files": 1, "bytes": len(latin1), "examples": ["latin1.py"], "left_out": True}
+    assert skipped.undecodable == counts and entry_meta(cache, skipped)["undecodable"] == counts
+    meta = entry_meta(cache, skipped)
+    assert "latin1.py" not in meta["train_files"] + meta["val_files"]
+    assert len(meta["train_files"] + meta["val_files"]) == 4
+    [line] = [r.getMessage() for r in caplog.records if "not UTF-8" in r.getMessage()]
+    assert line.startswith(f"1 of 5 corpus files ({len(latin1)} of ") and "left out" in line and "latin1.py" in line
+
+    replaced = prepare_files(tmp_path / "corpus", cache, undecodable="replace")
+    assert replaced.cache_key != skipped.cache_key  # a skip entry is never read for replace, nor the reverse
+    assert replaced.undecodable == {**counts, "left_out": False}
+    meta = entry_meta(cache, replaced)
+    assert "latin1.py" in meta["train_files"] + meta["val_files"]
+    text = replaced.tokenizer.decode(torch.cat((replaced.train_ids, replaced.val_ids)).long().tolist())
+    assert "caf\ufffd = 'cr\ufffdme'" in text
+    assert prepare_files(tmp_path / "corpus", cache).cache_key == skipped.cache_key  # skip again: its own entry
+
+
+def test_a_mostly_undecodable_corpus_is_refused_before_writing(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("x = 1\n" * 20)
+    for i in range(3):  # binary without NUL bytes: the walk keeps them as text files
+        (corpus / f"blob{i}.bin").write_bytes(bytes(range(128, 256)) * 4)
+    for undecodable in ("skip", "replace"):
+        with pytest.raises(ValueError) as info:
+            prepare_files(corpus, tmp_path / "cache", undecodable=undecodable)
+        message = str(info.value)
+        assert "\n" not in message and f"corpus in {corpus}: 93% of its bytes (1536 of 1656; 3 of 4 files" in message
+        assert "blob0.bin, blob1.bin, blob2.bin" in message and "at most 50% may be" in message, message
+        assert not (tmp_path / "cache").exists()  # nothing written, not even a temporary entry
+
+
 # ---------------------------------------------------------------- hub: streamed and not
 
 

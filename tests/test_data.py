@@ -261,6 +261,8 @@ def test_load_prompts_formats(small, tmp_path):
         (dict(streaming=True), ValueError, "streaming=true is for source='hub'"),
         (dict(streaming="yes"), ValueError, "streaming='yes'"),
         (dict(tokenizer_max_bytes=0), ValueError, "tokenizer_max_bytes=0"),
+        (dict(undecodable="ignore"), ValueError, "undecodable='ignore' is unknown; use skip"),
+        (dict(undecodable=None), ValueError, "undecodable=None is unknown; use skip"),
     ],
 )
 def test_prepare_data_rejects_bad_arguments(kwargs, exc, named, tmp_path):
@@ -268,6 +270,14 @@ def test_prepare_data_rejects_bad_arguments(kwargs, exc, named, tmp_path):
         prepare_data(**{"cache_dir": str(tmp_path), **kwargs})
     assert "\n" not in str(info.value)
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_base_recorded_before_undecodable_reads_its_corpus_as_it_was_built():
+    old = {"data": {"config": {"source": "stdlib", "vocab_size": 512}}}  # no undecodable: built with U+FFFD
+    assert D.base_data_config(old, {"source": "files"})["undecodable"] == "replace"
+    new = {"data": {"config": {"source": "stdlib", "undecodable": "skip"}}}
+    assert D.base_data_config(new, {"source": "files"})["undecodable"] == "skip"
+    assert "undecodable" not in D.base_data_config({}, {"source": "files"})  # the run's own config, as given
 
 
 def test_prepare_data_rejects_bad_paths(tmp_path):

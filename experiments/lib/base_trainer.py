@@ -174,6 +174,7 @@ def saver(
                 "val_tokens": data.val_ids.numel(),
                 "train_bytes": data.train_bytes,
                 "val_bytes": data.val_bytes,
+                "undecodable": data.undecodable,  # corpus files that were not UTF-8, and whether left out
                 "eos_id": data.eos_id,
                 "vocab_size": data.vocab_size,
             },
@@ -274,6 +275,7 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
         "val_tokens": int(blocks[:, 1:].numel()),
         "train_corpus_tokens": int(data.train_ids.numel()),
         "val_corpus_tokens": int(data.val_ids.numel()),
+        "undecodable_files": data.undecodable["files"],  # corpus files that were not UTF-8 (data.undecodable)
         "tokens_per_s": loop.units_per_s(),
         "elapsed_s": loop.elapsed(),
         "precision": precision,

@@ -22,13 +22,14 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
 import sysconfig
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -37,11 +38,20 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+log = logging.getLogger(__name__)
+
 # Bump whenever what goes into a cache entry changes. Still 1: the streamed build writes byte for byte
 # the files the in-memory build wrote, and the loader maps those same .npy files.
 FORMAT_VERSION = 1
 EOS = "<|endoftext|>"
 SOURCES = ("stdlib", "files", "hub")
+# What to do with a corpus file that is not valid UTF-8: leave it out, or decode it with U+FFFD for every
+# bad byte sequence (a model trained on that learns replacement characters).
+UNDECODABLE = ("skip", "replace")
+# A corpus where more than this share of the bytes is in files that are not UTF-8 is refused: it is most
+# likely binary or in another encoding, and either way not the text the run means to train on.
+MAX_UNDECODABLE_SHARE = 0.5
+UNDECODABLE_EXAMPLES = 3  # paths named in the log line and meta.json
 SPLIT_RULE = "val iff int(sha1(doc_id).hexdigest(), 16) % 10000 < val_fraction * 10000"
 # Directories left out of the stdlib corpus. site-packages/dist-packages hold third-party code, not the
 # stdlib. test/tests hold deliberately broken files (bad or mixed encodings, invalid syntax, BOM tricks)
@@ -73,6 +83,8 @@ class PreparedData:
     vocab_size: int  # tokenizer.get_vocab_size()
     val_files: list[str]  # ids of the validation documents, in the order they appear in val_ids
     cache_key: str  # names the cache entry cache_dir/<cache_key>/
+    # Corpus files that are not valid UTF-8: {files, bytes, examples, left_out} (see Undecodable.record)
+    undecodable: dict = field(default_factory=lambda: Undecodable().record("skip"))
 
 
 # ---------------------------------------------------------------- corpus
@@ -117,9 +129,45 @@ def _expand_paths(paths: list[str]) -> list[Path]:
     return sorted({f.resolve() for f in found})
 
 
-def _read_text(path: Path) -> str:
+@dataclass
+class Undecodable:
+    """The corpus files that are not valid UTF-8, counted over one pass (a file counts whole: its bytes
+    are all in `bytes`), and every file's bytes in `total_bytes`."""
+
+    files: int = 0
+    bytes: int = 0
+    total_bytes: int = 0
+    examples: list[str] = field(default_factory=list)  # the first few doc ids
+
+    def add(self, doc_id: str, size: int, valid: bool) -> None:
+        self.total_bytes += size
+        if not valid:
+            self.files += 1
+            self.bytes += size
+            if len(self.examples) < UNDECODABLE_EXAMPLES:
+                self.examples.append(doc_id)
+
+    def share(self) -> float:
+        return self.bytes / self.total_bytes if self.total_bytes else 0.0
+
+    def record(self, undecodable: str) -> dict:
+        """What meta.json and PreparedData keep: the counts, and whether those files were left out."""
+        return {
+            "files": self.files,
+            "bytes": self.bytes,
+            "examples": self.examples,
+            "left_out": undecodable == "skip" and self.files > 0,
+        }
+
+
+def _read_text(path: Path, undecodable: str) -> tuple[str | None, int, bool]:
+    """(text, size in bytes, valid UTF-8); text is None for a file that is not UTF-8 under 'skip'."""
     # Bytes then decode: read_text would also translate \r\n, and we want the file as it is.
-    return path.read_bytes().decode("utf-8", errors="replace")
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8"), len(data), True
+    except UnicodeDecodeError:
+        return (None if undecodable == "skip" else data.decode("utf-8", errors="replace")), len(data), False
 
 
 def _named_files(files: list[Path], root: Path, max_files: int | None) -> list[tuple[str, str]]:
@@ -142,15 +190,24 @@ class Corpus:
     text_field: str = "text"
     max_files: int | None = None
     streaming: bool = False
+    undecodable: str = "skip"  # files that are not UTF-8 (hub rows are text already): one of UNDECODABLE
+    root: str = ""  # stdlib and files: the directory the doc ids are relative to (for messages)
 
-    def documents(self) -> Iterator[tuple[str, str]]:
-        """(doc id, text) of every non-empty document, in the corpus's fixed order."""
-        rows = (
-            self._hub_rows() if self.source == "hub" else ((name, _read_text(Path(path))) for name, path in self.files)
-        )
+    def documents(self, seen: Undecodable | None = None) -> Iterator[tuple[str, str]]:
+        """(doc id, text) of every non-empty document, in the corpus's fixed order; `seen` counts the
+        files that are not UTF-8 (left out under undecodable='skip')."""
+        rows = self._hub_rows() if self.source == "hub" else self._file_rows(seen)
         for doc_id, text in rows:
             if text:  # an empty document would only add a lone EOS (a few stdlib __init__.py files are empty)
                 yield doc_id, text
+
+    def _file_rows(self, seen: Undecodable | None) -> Iterator[tuple[str, str]]:
+        for name, path in self.files:
+            text, size, valid = _read_text(Path(path), self.undecodable)
+            if seen is not None:
+                seen.add(name, size, valid)
+            if text is not None:
+                yield name, text
 
     def _hub_rows(self) -> Iterator[tuple[str, str]]:
         # needs network, or the user's local Hugging Face cache, or a local dataset directory
@@ -187,11 +244,13 @@ def open_corpus(
     text_field: str,
     max_files: int | None,
     streaming: bool = False,
+    undecodable: str = "skip",
 ) -> Corpus:
     """The corpus, its file list resolved now (a bad path fails here, before anything is read)."""
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
-        return Corpus(source, files=tuple(_named_files(stdlib_files(), root, max_files)), max_files=max_files)
+        files = tuple(_named_files(stdlib_files(), root, max_files))
+        return Corpus(source, files=files, max_files=max_files, undecodable=undecodable, root=str(root))
     if source == "files":
         files = _expand_paths(paths or [])
         if not files:
@@ -199,7 +258,8 @@ def open_corpus(
         # Ids relative to the deepest common directory: the split then depends on the corpus's own
         # tree, not on where it sits on disk.
         root = Path(os.path.commonpath([f.parent for f in files]))
-        return Corpus(source, files=tuple(_named_files(files, root, max_files)), max_files=max_files)
+        named = tuple(_named_files(files, root, max_files))
+        return Corpus(source, files=named, max_files=max_files, undecodable=undecodable, root=str(root))
     return Corpus(
         source,
         hub_name=hub_name or "",
@@ -217,24 +277,39 @@ class CorpusScan:
     doc_ids: list[str]  # every non-empty document, in the corpus's order
     sizes: list[int]  # their UTF-8 bytes
     key: str | None  # the cache key, when the pass hashed the text
+    undecodable: Undecodable  # the files that are not UTF-8
 
 
 def scan_corpus(corpus: Corpus, head: dict | None) -> CorpusScan:
     """Ids and sizes of the documents; with `head` (what else the entry depends on), also the cache key:
     sha256 over head then, per document, its id, UTF-8 size and text (a same-size edit must not hit a
-    stale entry), 16 hex digits."""
+    stale entry), 16 hex digits.
+
+    The key needs no `undecodable` in head: a file that is not UTF-8 is either absent ('skip') or hashed
+    with its U+FFFD ('replace'), so the two settings give two keys exactly when they tokenize different
+    text, and an all-UTF-8 corpus (the stdlib's) keeps the key it had before the setting existed.
+
+    Refuses a corpus where most bytes are in files that are not UTF-8, before anything is written."""
     h = None if head is None else hashlib.sha256(json.dumps(head, sort_keys=True).encode())
     doc_ids, sizes = [], []
-    for doc_id, text in corpus.documents():
+    seen = Undecodable()
+    for doc_id, text in corpus.documents(seen):
         data = text.encode("utf-8")
         if h is not None:
             h.update(f"\0{doc_id}\0{len(data)}\0".encode())
             h.update(data)
         doc_ids.append(doc_id)
         sizes.append(len(data))
+    if seen.share() > MAX_UNDECODABLE_SHARE:
+        raise ValueError(
+            f"the source={corpus.source!r} corpus in {corpus.root}: {seen.share():.0%} of its bytes "
+            f"({seen.bytes} of {seen.total_bytes}; {seen.files} of {len(corpus.files)} files, e.g. "
+            f"{', '.join(seen.examples)}) are not UTF-8 text, at most {MAX_UNDECODABLE_SHARE:.0%} may be "
+            "(binary files, or text in another encoding?)"
+        )
     if not doc_ids:
         raise ValueError(f"source={corpus.source!r} gave an empty corpus: every document is empty")
-    return CorpusScan(doc_ids, sizes, None if h is None else h.hexdigest()[:16])
+    return CorpusScan(doc_ids, sizes, None if h is None else h.hexdigest()[:16], seen)
 
 
 def key_head(
@@ -446,6 +521,7 @@ def _build_entry(
     key: str,
     tokenizer_path: str | None,
     tokenizer_max_bytes: int | None,
+    undecodable: str,
 ) -> None:
     """Split, train the tokenizer, tokenize: three passes over the corpus, written into a temporary
     sibling that is renamed into place last, so readers see a whole entry or none."""
@@ -475,6 +551,7 @@ def _build_entry(
             "val_tokens": val_tokens,
             "train_files": [names[j] for j in train_idx],
             "val_files": [names[j] for j in val_idx],
+            "undecodable": scan.undecodable.record(undecodable),
         }
         if tokenizer_max_bytes is not None:
             meta["tokenizer_files"] = len(sample)  # training documents the tokenizer learned from
@@ -517,7 +594,9 @@ def _load_ids(entry: Path, name: str, count: int) -> torch.Tensor:
     return torch.from_numpy(np.load(path, mmap_mode="c"))
 
 
-def _load_entry(entry: Path) -> PreparedData:
+def _load_entry(entry: Path, undecodable: dict) -> PreparedData:
+    """The entry's data; `undecodable` stands in for meta.json's counts in an entry built before they were
+    recorded."""
     try:
         meta = json.loads((entry / "meta.json").read_text())
         counts = meta["train_tokens"], meta["val_tokens"]
@@ -537,6 +616,7 @@ def _load_entry(entry: Path) -> PreparedData:
         vocab_size=meta["vocab_size"],
         val_files=meta["val_files"],
         cache_key=meta["cache_key"],
+        undecodable=meta.get("undecodable", undecodable),
     )
 
 
@@ -552,6 +632,7 @@ def _check_args(
     max_files: int | None,
     streaming: bool,
     tokenizer_max_bytes: int | None,
+    undecodable: str,
 ) -> None:
     if source not in SOURCES:
         raise ValueError(f"source={source!r} is unknown; use one of {', '.join(SOURCES)}")
@@ -575,6 +656,11 @@ def _check_args(
         raise ValueError(
             f"tokenizer_max_bytes={tokenizer_max_bytes!r} must be a positive integer or None (all the training text)"
         )
+    if undecodable not in UNDECODABLE:
+        raise ValueError(
+            f"undecodable={undecodable!r} is unknown; use skip (leave out files that are not UTF-8) "
+            "or replace (decode them with U+FFFD)"
+        )
 
 
 def prepare_data(
@@ -591,6 +677,7 @@ def prepare_data(
     tokenizer: str | None = None,
     streaming: bool = False,
     tokenizer_max_bytes: int | None = None,
+    undecodable: str = "skip",
 ) -> PreparedData:
     """Load the corpus, split it by file, train the tokenizer on train (or take `tokenizer`, a model's own:
     a tokenizer.json or the model directory holding it; vocab_size is then the tokenizer's), tokenize both
@@ -600,10 +687,14 @@ def prepare_data(
     then keyed by the dataset's name, split and field, not by its text (hashing the text would mean
     reading the whole dataset on every run just to find the entry): delete the entry if the dataset
     changes. tokenizer_max_bytes: train the BPE on at most this much training text, documents taken
-    evenly over the split; None, all of it."""
-    _check_args(source, paths, hub_name, val_fraction, vocab_size, max_files, streaming, tokenizer_max_bytes)
+    evenly over the split; None, all of it. undecodable: a stdlib or files corpus file that is not UTF-8
+    is left out ('skip') or decoded with U+FFFD ('replace'); either way it is counted and logged, and a
+    corpus where most bytes are in such files is refused."""
+    _check_args(
+        source, paths, hub_name, val_fraction, vocab_size, max_files, streaming, tokenizer_max_bytes, undecodable
+    )
     own = None if tokenizer is None else load_tokenizer(tokenizer)[0]  # a bad path fails before the corpus is read
-    corpus = open_corpus(source, paths, hub_name, hub_split, text_field, max_files, streaming)
+    corpus = open_corpus(source, paths, hub_name, hub_split, text_field, max_files, streaming, undecodable)
     described = f"hub:{hub_name}:{hub_split}:{text_field}" if source == "hub" else source
     if streaming:
         described = "streaming-" + described
@@ -618,8 +709,20 @@ def prepare_data(
     entry = Path(cache_dir) / key
     if not (entry / "meta.json").exists():
         scan = scan or scan_corpus(corpus, None)
-        _build_entry(entry, corpus, scan, val_fraction, vocab_size, key, tokenizer, tokenizer_max_bytes)
-    return _load_entry(entry)
+        _build_entry(entry, corpus, scan, val_fraction, vocab_size, key, tokenizer, tokenizer_max_bytes, undecodable)
+    seen = scan.undecodable if scan is not None else Undecodable()  # a streamed hub scan: rows are text already
+    if seen.files:
+        log.warning(
+            "%d of %d corpus files (%d of %d bytes) are not UTF-8 and were %s (data.undecodable=%s), e.g. %s",
+            seen.files,
+            len(corpus.files),
+            seen.bytes,
+            seen.total_bytes,
+            "left out" if undecodable == "skip" else "decoded with U+FFFD",
+            undecodable,
+            ", ".join(seen.examples),
+        )
+    return _load_entry(entry, seen.record(undecodable))
 
 
 def base_data_config(base_meta: dict, fallback: dict) -> dict:
@@ -627,6 +730,8 @@ def base_data_config(base_meta: dict, fallback: dict) -> dict:
     run's data config), with the base's own tokenizer when it brings one (a Hugging Face directory)."""
     data = base_meta.get("data") or {}
     config = dict(data.get("config") or fallback)
+    if data.get("config") and "undecodable" not in config:
+        config["undecodable"] = "replace"  # recorded before the setting existed: files were decoded with U+FFFD
     if data.get("tokenizer_path"):
         config["tokenizer"] = data["tokenizer_path"]
     return config

@@ -73,6 +73,8 @@ def data_recipe(data: Any) -> dict[str, Any]:
     """A data config as part of a training recipe: everything but where its token cache lives."""
     recipe = OmegaConf.to_container(data, resolve=True)
     recipe.pop("cache_dir", None)
+    if recipe.get("undecodable") == "replace":  # what every run did before the setting: their recipes still match
+        recipe.pop("undecodable")
     return recipe
 
 
