@@ -22,7 +22,7 @@ from omegaconf import DictConfig, ListConfig
 from x_transformers import AutoregressiveWrapper
 
 from experiments.lib.checkpoint import load_lm
-from experiments.lib.cli import exit_on_user_error
+from experiments.lib.cli import exit_on_user_error, hydra_preflight
 from experiments.lib.decode_checks import check_checkpoints, check_decode, check_prompts, check_run, command_line_keys
 from experiments.lib.methods import checkpoint_for, get_prompts
 from experiments.lib.settings import check_bool, check_int
@@ -112,6 +112,7 @@ def compare(cfg: DictConfig) -> dict:
     }
 
 
+@hydra_preflight
 @hydra.main(version_base="1.3", config_path="../conf", config_name="benchmark")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:

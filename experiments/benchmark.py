@@ -43,7 +43,7 @@ from experiments.lib.calibrate import (
     format_cost_table,
 )
 from experiments.lib.checkpoint import load_lm
-from experiments.lib.cli import exit_on_user_error
+from experiments.lib.cli import exit_on_user_error, hydra_preflight
 from experiments.lib.decode_checks import check_benchmark, check_exact, sampling_for
 from experiments.lib.families import FAMILIES, TREE_FAMILIES
 from experiments.lib.methods import (
@@ -354,6 +354,7 @@ def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_i
     return chosen
 
 
+@hydra_preflight
 @hydra.main(version_base="1.3", config_path="../conf", config_name="benchmark")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:

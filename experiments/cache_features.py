@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.checkpoint import load_lm, tokenizer_mismatch
-from experiments.lib.cli import exit_on_user_error
+from experiments.lib.cli import exit_on_user_error, hydra_preflight
 from experiments.lib.data import base_data_config, prepare_data
 from experiments.lib.features import check_features_config, feature_spec, open_features
 from experiments.lib.settings import resolve_device
@@ -58,6 +58,7 @@ def run(cfg: DictConfig) -> dict:
     }
 
 
+@hydra_preflight
 @hydra.main(version_base="1.3", config_path="../conf", config_name="cache_features")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:

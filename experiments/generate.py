@@ -33,7 +33,7 @@ from rich.text import Text
 from tokenizers import Tokenizer
 
 from experiments.lib.checkpoint import load_lm
-from experiments.lib.cli import USER_ERRORS, exit_on_user_error, one_line
+from experiments.lib.cli import USER_ERRORS, exit_on_user_error, hydra_preflight, one_line
 from experiments.lib.decode_checks import (
     check_checkpoints,
     check_decode,
@@ -387,6 +387,7 @@ def generate(cfg: DictConfig, console: Console | None = None) -> dict[str, Any]:
     return {"results": results}
 
 
+@hydra_preflight
 @hydra.main(version_base="1.3", config_path="../conf", config_name="generate")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:

@@ -19,7 +19,7 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.lib.checkpoint import load_checkpoint
-from experiments.lib.cli import exit_on_user_error
+from experiments.lib.cli import exit_on_user_error, hydra_preflight
 from medusa.trees import tree_from_accuracies
 
 
@@ -34,6 +34,7 @@ def grow(cfg: DictConfig) -> list[list[int]]:
     return [list(p) for p in tree_from_accuracies(meta["metrics"], num_heads, cfg.tree_nodes)]
 
 
+@hydra_preflight
 @hydra.main(version_base="1.3", config_path="../conf", config_name="grow_tree")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:

@@ -16,9 +16,10 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.lib.base_trainer import train
-from experiments.lib.cli import exit_on_user_error
+from experiments.lib.cli import exit_on_user_error, hydra_preflight
 
 
+@hydra_preflight
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train_base")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:

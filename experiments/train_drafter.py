@@ -17,10 +17,11 @@ import json
 import hydra
 from omegaconf import DictConfig
 
-from experiments.lib.cli import exit_on_user_error
+from experiments.lib.cli import exit_on_user_error, hydra_preflight
 from experiments.lib.drafter_trainer import train
 
 
+@hydra_preflight
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train_drafter")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from x_transformers import XTransformer
 
 from experiments.lib.checkpoint import checkpoint_exists, load_checkpoint, load_model, read_meta, save_checkpoint
-from experiments.lib.cli import exit_on_user_error
+from experiments.lib.cli import exit_on_user_error, hydra_preflight
 from experiments.lib.data import prepare_data
 from experiments.lib.distributed import Dist
 from experiments.lib.rundir import RunLock, check_checkpoint_dir
@@ -360,6 +360,7 @@ def _run(cfg: DictConfig, *, out_dir: Path, device: torch.device, benchmark) -> 
     return results
 
 
+@hydra_preflight
 @hydra.main(version_base="1.3", config_path="../conf", config_name="seq2seq")
 @exit_on_user_error
 def main(cfg: DictConfig) -> None:

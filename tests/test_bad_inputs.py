@@ -7,6 +7,7 @@ AssertionError instead of the expected one-line error."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import errno
 import functools
@@ -30,7 +31,7 @@ from experiments import baseline
 from experiments import benchmark as bench_mod
 from experiments import generate as gen
 from experiments import peer as peer_mod
-from experiments.lib import artifacts, decode_checks, methods, report
+from experiments.lib import artifacts, cli, decode_checks, methods, report
 from experiments.lib.checkpoint import save_checkpoint
 from experiments.lib.cli import USER_ERRORS, write_atomic
 from experiments.lib.lm import build_lm
@@ -552,3 +553,163 @@ def test_a_drafter_setting_its_training_would_refuse_fails_before_any_training(
     with pytest.raises(ValueError, match=re.escape(fragment)):
         methods.check_untrained_drafters(cfg, make_lm())
     methods.check_untrained_drafters(make_cfg("benchmark", ["methods=[draft_model,medusa_chain]"], files), make_lm())
+
+
+# --------------------------------------------------------------------- failures inside Hydra, before main(cfg)
+# Hydra composes the config and creates the run directory before the entry point's code runs; hydra_preflight
+# (experiments/lib/cli.py) checks both first. The entry points run in this process (sys.argv as typed), with
+# their work replaced by a stub: a check that lets a bad command line through reaches the stub, not the work.
+
+
+@pytest.fixture
+def hydra_app(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+    """Run an entry point's main() on a command line; returns (exit status, stderr, what the stub received)."""
+    started = []
+
+    def stub(cfg: DictConfig, *args, **kwargs) -> None:
+        started.append(cfg)
+        raise AssertionError("the run started")  # a bug to the entry point: a traceback and exit 1
+
+    monkeypatch.setattr(bench_mod, "benchmark", stub)
+    monkeypatch.setattr(gen, "generate", lambda cfg: started.append(cfg))
+
+    def run(module, argv: list[str]) -> tuple[int, str, list]:
+        # The config directory given as typed: imported (not run as __main__), Hydra would look for ../conf as a
+        # package next to the module's package.
+        monkeypatch.setattr(sys, "argv", [module.__file__, f"--config-path={ROOT / 'conf'}", *argv])
+        capsys.readouterr()
+        try:
+            module.main()
+            status = 0
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else 1
+        return status, capsys.readouterr().err, started
+
+    return run
+
+
+def assert_one_line_error(status: int, stderr: str, fragments: list[str]) -> None:
+    assert status == 2, stderr
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+    for fragment in fragments:
+        assert fragment in stderr, stderr
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["nosuch=1"], ["error: nosuch=1: the config has no key 'nosuch'; its keys are: ", "decode", "seed"]),
+        (["decode.nosuch=1"], ["error: decode.nosuch=1: decode has no key 'nosuch'; its keys are: temperatures,"]),
+        (
+            ["experiment=nosuch"],
+            ["error: experiment=nosuch: no option 'nosuch' in config group experiment; the options are: base_draft,"],
+        ),
+        (
+            ["drafter=nosuch"],
+            [
+                "error: drafter=nosuch: config group drafter is set per package, as one of drafter@draft,",
+                "the options are: draft, early_exit, medusa, prophet, sequential",
+            ],
+        ),
+        (
+            ["-m", "drafter@medusa=medusa,nosuch"],  # a multirun's job 1 would fail after job 0 ran
+            ["error: drafter@medusa=medusa,nosuch: no option 'nosuch' in config group drafter; the options are: "],
+        ),
+        (["decode.gamma=[1"], ["error: cannot parse the override 'decode.gamma=[1': no viable alternative"]),
+    ],
+)
+def test_a_command_line_hydra_cannot_compose_is_one_line(
+    argv: list[str], fragments: list[str], hydra_app, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    where = f"hydra.sweep.dir={run_dir}" if "-m" in argv else f"hydra.run.dir={run_dir}"
+    status, stderr, started = hydra_app(bench_mod, [*argv, "logger=none", where])
+    assert_one_line_error(status, stderr, fragments)
+    assert not started and not run_dir.exists()
+
+
+def fail_probe(code: int):
+    def write_probe(path: Path) -> None:
+        raise OSError(code, os.strerror(code), str(path))
+
+    return write_probe
+
+
+@pytest.mark.parametrize(
+    "run_dir, fault, fragment",
+    [
+        ("/proc/x", None, "error: hydra.run.dir=/proc/x: cannot create /proc/x: No such file or directory"),
+        ("/sys/x", None, "error: hydra.run.dir=/sys/x: cannot write /sys/x: permission denied"),
+        (
+            "{tmp}/file/run",
+            None,
+            "error: hydra.run.dir={tmp}/file/run: cannot create {tmp}/file/run: {tmp}/file is a file",
+        ),
+        (
+            "{tmp}/a/run",
+            errno.ENOSPC,
+            "error: hydra.run.dir={tmp}/a/run: disk full while writing {tmp}/a/run: free some",
+        ),
+        (
+            "{tmp}/a/run",
+            errno.EROFS,
+            "error: hydra.run.dir={tmp}/a/run: cannot write {tmp}/a/run: read-only file system",
+        ),
+    ],
+)
+def test_a_run_directory_hydra_cannot_write_is_one_line(
+    run_dir: str, fault: int | None, fragment: str, hydra_app, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: a traceback from Hydra's mkdir, its logging set-up or its saving of the config (exit 1)."""
+    if run_dir.startswith(("/proc", "/sys")) and not Path(run_dir).parent.is_dir():
+        pytest.skip("no /proc or /sys here")
+    (tmp_path / "file").write_text("")
+    if fault is not None:
+        monkeypatch.setattr(cli, "write_probe", fail_probe(fault), raising=False)  # fails the same without it
+    run_dir = run_dir.format(tmp=tmp_path)
+    status, stderr, started = hydra_app(gen, [f"hydra.run.dir={run_dir}"])
+    assert_one_line_error(status, stderr, [fragment.format(tmp=tmp_path)])
+    assert not started and sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the probe's directories are gone
+
+
+def test_a_multirun_sweep_directory_hydra_cannot_write_is_one_line(hydra_app, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    status, stderr, started = hydra_app(bench_mod, ["-m", "decode.gamma=1,2", f"hydra.sweep.dir={tmp_path}/file/x"])
+    assert_one_line_error(status, stderr, [f"error: hydra.sweep.dir={tmp_path}/file/x: cannot create"])
+    assert not started
+
+
+def test_a_good_command_line_still_runs_in_its_run_directory(hydra_app, tmp_path: Path) -> None:
+    run_dir = tmp_path / "a" / "run"
+    status, stderr, started = hydra_app(gen, ["decode.gamma=2", f"hydra.run.dir={run_dir}"])
+    assert status == 0 and stderr == "", stderr
+    assert [cfg.decode.gamma for cfg in started] == [2]
+    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "generate.log"]  # no probe left behind
+
+
+def test_every_entry_point_checks_its_command_line_before_hydra() -> None:
+    """@hydra_preflight outside @hydra.main on every entry point: the check must run before Hydra starts."""
+    mains = 0
+    for path in sorted((ROOT / "experiments").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            names = [ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list]
+            if "hydra.main" in names:
+                mains += 1
+                assert names[:2] == ["hydra_preflight", "hydra.main"], (path.name, names)
+    assert mains >= 9
+
+
+def test_the_command_line_itself_prints_one_line(tmp_path: Path) -> None:
+    """As a user runs it (python -m: the config path found from the file, not the package)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.benchmark", "experiment=nosuch", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    fragment = "error: experiment=nosuch: no option 'nosuch' in config group experiment; the options are: base_draft,"
+    assert_one_line_error(proc.returncode, proc.stderr, [fragment])
+    assert not (tmp_path / "run").exists()
