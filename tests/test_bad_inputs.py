@@ -539,7 +539,7 @@ def test_a_bad_artifact_recipe_fails_before_any_work(override: str, fragment: st
 @pytest.mark.parametrize(
     "override, fragment",
     [
-        ("medusa.module.num_heads=0", "num_heads=0: must be an integer >= 1"),
+        ("medusa.module.num_heads=0", "medusa.module.num_heads=0: must be an integer >= 1"),
         ("prophet.module.fuse_layers=[99]", "fuse_layers=[99]: 99 is not a block index"),
     ],
 )
