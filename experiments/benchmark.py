@@ -43,7 +43,7 @@ from experiments.lib.calibrate import (
     format_cost_table,
 )
 from experiments.lib.checkpoint import load_lm
-from experiments.lib.cli import exit_on_user_error, hydra_preflight
+from experiments.lib.cli import exit_on_user_error
 from experiments.lib.decode_checks import check_benchmark, check_exact, sampling_for
 from experiments.lib.families import FAMILIES, TREE_FAMILIES
 from experiments.lib.methods import (
@@ -54,6 +54,7 @@ from experiments.lib.methods import (
     recorded_config,
     verify_widths,
 )
+from experiments.lib.preflight import hydra_preflight
 from experiments.lib.report import mode, repeated_ngram_share, write_report
 from experiments.lib.settings import resolve_device
 from verify.numerics import EosId

@@ -20,9 +20,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.checkpoint import load_lm, tokenizer_mismatch
-from experiments.lib.cli import exit_on_user_error, hydra_preflight
+from experiments.lib.cli import exit_on_user_error
 from experiments.lib.data import base_data_config, prepare_data
 from experiments.lib.features import check_features_config, feature_spec, open_features
+from experiments.lib.preflight import hydra_preflight
 from experiments.lib.settings import resolve_device
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from rich.text import Text
 from tokenizers import Tokenizer
 
 from experiments.lib.checkpoint import load_lm
-from experiments.lib.cli import USER_ERRORS, exit_on_user_error, hydra_preflight, one_line
+from experiments.lib.cli import USER_ERRORS, exit_on_user_error, one_line
 from experiments.lib.decode_checks import (
     check_checkpoints,
     check_decode,
@@ -53,6 +53,7 @@ from experiments.lib.methods import (
     make_methods,
     verify_widths,
 )
+from experiments.lib.preflight import hydra_preflight
 from experiments.lib.prompts import check_prompt_text
 from experiments.lib.settings import check_bool, check_int
 from verify.drafter import Draft, Verdict

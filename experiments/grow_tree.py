@@ -19,7 +19,8 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.lib.checkpoint import load_checkpoint
-from experiments.lib.cli import exit_on_user_error, hydra_preflight
+from experiments.lib.cli import exit_on_user_error
+from experiments.lib.preflight import hydra_preflight
 from medusa.trees import tree_from_accuracies
 
 

@@ -34,9 +34,10 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.lib.artifacts import ensure
 from experiments.lib.calibrate import cpu_model
 from experiments.lib.checkpoint import is_hf_directory, load_lm, read_meta, tokenizer_mismatch
-from experiments.lib.cli import exit_on_user_error, hydra_preflight, write_atomic
+from experiments.lib.cli import exit_on_user_error, write_atomic
 from experiments.lib.data import base_data_config, prepare_data
 from experiments.lib.decode_checks import check_checkpoints, check_prompt_lookup, check_run
+from experiments.lib.preflight import hydra_preflight
 from experiments.lib.prompts import heldout_prompts
 from experiments.lib.rundir import check_writable
 from experiments.lib.settings import check_bool, check_int

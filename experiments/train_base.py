@@ -16,7 +16,8 @@ import hydra
 from omegaconf import DictConfig
 
 from experiments.lib.base_trainer import train
-from experiments.lib.cli import exit_on_user_error, hydra_preflight
+from experiments.lib.cli import exit_on_user_error
+from experiments.lib.preflight import hydra_preflight
 
 
 @hydra_preflight

@@ -17,8 +17,9 @@ import json
 import hydra
 from omegaconf import DictConfig
 
-from experiments.lib.cli import exit_on_user_error, hydra_preflight
+from experiments.lib.cli import exit_on_user_error
 from experiments.lib.drafter_trainer import train
+from experiments.lib.preflight import hydra_preflight
 
 
 @hydra_preflight

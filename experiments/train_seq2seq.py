@@ -31,9 +31,10 @@ from omegaconf import DictConfig, OmegaConf
 from x_transformers import XTransformer
 
 from experiments.lib.checkpoint import checkpoint_exists, load_checkpoint, load_model, read_meta, save_checkpoint
-from experiments.lib.cli import exit_on_user_error, hydra_preflight
+from experiments.lib.cli import exit_on_user_error
 from experiments.lib.data import prepare_data
 from experiments.lib.distributed import Dist
+from experiments.lib.preflight import hydra_preflight
 from experiments.lib.rundir import RunLock, check_checkpoint_dir
 from experiments.lib.seq2seq_bench import benchmark
 from experiments.lib.seq2seq_data import Pairs, pad_batch, seq2seq_pairs

@@ -31,7 +31,7 @@ from experiments import baseline
 from experiments import benchmark as bench_mod
 from experiments import generate as gen
 from experiments import peer as peer_mod
-from experiments.lib import artifacts, cli, decode_checks, methods, report
+from experiments.lib import artifacts, decode_checks, methods, preflight, report
 from experiments.lib.checkpoint import save_checkpoint
 from experiments.lib.cli import USER_ERRORS, write_atomic
 from experiments.lib.lm import build_lm
@@ -557,7 +557,7 @@ def test_a_drafter_setting_its_training_would_refuse_fails_before_any_training(
 
 # --------------------------------------------------------------------- failures inside Hydra, before main(cfg)
 # Hydra composes the config and creates the run directory before the entry point's code runs; hydra_preflight
-# (experiments/lib/cli.py) checks both first. The entry points run in this process (sys.argv as typed), with
+# (experiments/lib/preflight.py) checks both first. The entry points run in this process (sys.argv as typed), with
 # their work replaced by a stub: a check that lets a bad command line through reaches the stub, not the work.
 
 
@@ -665,7 +665,7 @@ def test_a_run_directory_hydra_cannot_write_is_one_line(
         pytest.skip("no /proc or /sys here")
     (tmp_path / "file").write_text("")
     if fault is not None:
-        monkeypatch.setattr(cli, "write_probe", fail_probe(fault), raising=False)  # fails the same without it
+        monkeypatch.setattr(preflight, "write_probe", fail_probe(fault), raising=False)  # fails the same without it
     run_dir = run_dir.format(tmp=tmp_path)
     status, stderr, started = hydra_app(gen, [f"hydra.run.dir={run_dir}"])
     assert_one_line_error(status, stderr, [fragment.format(tmp=tmp_path)])
