@@ -48,6 +48,7 @@ from experiments.lib.decode_checks import check_benchmark, check_exact, sampling
 from experiments.lib.families import FAMILIES, TREE_FAMILIES
 from experiments.lib.methods import (
     FAMILY_METHODS,
+    check_drafters_before_base,
     checkpoint_for,
     get_prompts,
     make_methods,
@@ -220,6 +221,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     settings, temperatures, spec = check_benchmark(cfg)  # before anything loads or trains
     widths = compile_widths(cfg, spec)
     device = resolve_device(cfg.device)
+    check_drafters_before_base(cfg)  # a drafter setting its training would refuse, before the base loads or trains
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
     # an id or a list of ids (a Hugging Face model's generation_config may list several: checkpoint.hf_eos_id)

@@ -48,6 +48,7 @@ from experiments.lib.decode_checks import (
 from experiments.lib.methods import (
     DRAFTER_KINDS,
     METHODS,
+    check_drafters_before_base,
     checkpoint_for,
     checkpoint_kinds,
     make_methods,
@@ -204,6 +205,7 @@ def load_session(cfg: DictConfig, checked: tuple[SamplingConfig, SpecConfig, str
     device = check_run(cfg)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    check_drafters_before_base(methods_config(cfg))  # before the base loads or trains
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
     make = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[0][cfg.method]

@@ -555,6 +555,20 @@ def test_a_drafter_setting_its_training_would_refuse_fails_before_any_training(
     methods.check_untrained_drafters(make_cfg("benchmark", ["methods=[draft_model,medusa_chain]"], files), make_lm())
 
 
+@pytest.mark.parametrize(
+    "entry, method", [("benchmark", "methods=[medusa_chain]"), ("generate", "method=medusa_chain")]
+)
+@pytest.mark.parametrize("base", ["base_checkpoint={lm}", "base_checkpoint=null"])  # loaded, or trained by its recipe
+def test_a_drafter_setting_is_refused_before_the_base_loads_or_trains(
+    entry: str, method: str, base: str, files: dict, no_work
+) -> None:
+    """Checked on a weightless stand-in of the base (its shape from the checkpoint's meta or the recipe), so a
+    base artifact never trains for minutes before `medusa.module.num_heads=0` is refused."""
+    run_bad(
+        entry, [base, method, "medusa.module.num_heads=0"], "medusa.module.num_heads=0: must be an integer >= 1", files
+    )
+
+
 # --------------------------------------------------------------------- failures inside Hydra, before main(cfg)
 # Hydra composes the config and creates the run directory before the entry point's code runs; hydra_preflight
 # (experiments/lib/preflight.py) checks both first. The entry points run in this process (sys.argv as typed), with

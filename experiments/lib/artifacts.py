@@ -39,6 +39,11 @@ ENTRY = {
 TRAINERS = {"train_base": base_trainer, "train_drafter": drafter_trainer}  # config name -> its validate_config, train
 
 
+def compose_recipe(kind: str, overrides: list[str]):
+    """The config the `kind` artifact's recipe trains with (the entry point's, composed with `overrides`)."""
+    return _compose(ENTRY[kind], list(overrides))
+
+
 def _compose(config_name: str, overrides: list[str]):
     if GlobalHydra.instance().is_initialized():  # inside a @hydra.main app or a test's initialize()
         return compose(config_name=config_name, overrides=overrides)

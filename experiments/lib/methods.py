@@ -15,16 +15,18 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from experiments.lib.artifacts import ensure
-from experiments.lib.checkpoint import load_lm, read_meta, tokenizer_mismatch
+from experiments.lib.artifacts import compose_recipe, ensure
+from experiments.lib.checkpoint import is_hf_directory, load_lm, read_meta, tokenizer_mismatch
 from experiments.lib.data import base_data_config, prepare_data, token_counts
 from experiments.lib.families import FAMILIES, TREE_FAMILIES, call_with_settings, load_drafter
 from experiments.lib.families import family as find_family
+from experiments.lib.lm import build_lm
 from experiments.lib.prompts import heldout_prompts, load_prompts
 from medusa.trees import accuracies_from_metrics
 from verify.draft_model import DraftModelDrafter
@@ -129,6 +131,25 @@ def check_untrained_drafters(cfg: DictConfig, base: torch.nn.Module) -> None:
         if kind is not None and cfg.checkpoints[kind] is None:
             module = OmegaConf.to_container(cfg[kind].module, resolve=True)
             call_with_settings(find_family(kind).build, f"{kind}.module", base, **module)
+
+
+def check_drafters_before_base(cfg: DictConfig) -> None:
+    """check_untrained_drafters on a weightless stand-in of the base (meta device: shapes, no weights, no time),
+    before the base loads or its artifact trains, so `medusa.module.num_heads=0` does not wait for either.
+    The shape comes from the base checkpoint's meta, or from the recipe that would train it; a Hugging Face
+    directory (whose config only transformers reads) is checked once it has loaded, by make_methods."""
+    path = cfg.checkpoints.base
+    if path is None:
+        recipe = compose_recipe("base", artifact_overrides(cfg, "base", None, None))
+        config = OmegaConf.to_container(recipe.base, resolve=True)
+    elif is_hf_directory(Path(path)):
+        return
+    else:
+        config = dict(read_meta(path)["model_config"])
+    config.pop("_target_", None)
+    with torch.device("meta"):
+        stand_in = build_lm(**config)
+    check_untrained_drafters(cfg, stand_in)
 
 
 def make_methods(
