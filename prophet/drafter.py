@@ -70,6 +70,7 @@ class ProphetDrafter:
         self.mode, self.top_k, self.depth, self.tree_nodes = mode, top_k, depth, tree_nodes
         self.cache = None
         self.compile = compile  # torch.compile the prophet's decoder steps
+        self.commit_width = 1  # compiled: the block every commit is padded to (the widest a propose planned)
         self.drafted = 0  # cache entries the last propose added (from predicted features)
 
     @torch.inference_mode()
@@ -94,6 +95,9 @@ class ProphetDrafter:
     @torch.inference_mode()
     def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         check_int("gamma", gamma)
+        # The widest block a commit may feed: compiled, every commit is padded to it (one program), so a shorter
+        # path (a tree that stopped early, a budget's last step) never compiles a new one inside a timed run.
+        self.commit_width = max(self.commit_width, (gamma if self.mode == "chain" else min(self.depth, gamma)) + 1)
         if self.mode == "chain":
             return self._chain(gamma, sampling, generator)
         return self._tree(min(self.depth, gamma))
@@ -109,7 +113,11 @@ class ProphetDrafter:
             self.cache.commit(torch.zeros(verdict.accepted.shape[0], self.drafted, dtype=torch.bool))
             self.drafted = 0
         width = verdict.path.shape[1]  # rows accept different counts: feed the padded block, keep a + 1
-        out = self._step(self._seed_features(verdict), verdict.tokens[:, :width], self.cache)  # (b, w, d)
+        features, tokens = self._seed_features(verdict), verdict.tokens[:, :width]
+        if self.compile:  # one compiled program (see propose)
+            features, tokens = pad_block(features, tokens, self.commit_width)
+            width = self.commit_width
+        out = self._step(features, tokens, self.cache)  # (b, w, d)
         self.cache.commit(torch.arange(width, device=out.device) < (verdict.accepted + 1)[:, None])
         rows = torch.arange(out.shape[0], device=out.device)
         self.feature = out[rows, verdict.accepted]  # predicted feature at the new pending position
@@ -180,6 +188,8 @@ class ProphetDrafter:
             # One forward over the frontier: entry i pairs frontier node i's parent feature with its token.
             entries = ancestors.shape[1]  # index of this level's first entry among drafted entries
             allow, pos, ancestors = _level_attention(frontier["entry"], ancestors, length0)
+            if self.compile:  # every level one program: its window over the drafted entries at the deepest level's size
+                allow = F.pad(allow, ((self.depth - 1) * k - allow.shape[-1], 0), value=True)
             feature = self._step(frontier["feature"], frontier["token"], self.cache, allow=allow, pos=pos)  # (b, k, d)
             logp, child = self._logits(feature).float().log_softmax(-1).topk(k, dim=-1)  # (b, k, k)
             child = full_ids(child, self.vocab)
@@ -200,6 +210,16 @@ class ProphetDrafter:
         self.drafted = ancestors.shape[1]
         scores, tokens, parents = (torch.cat(x, dim=1) for x in zip(*pool))
         return _best_subtree(scores, tokens, parents, self.tree_nodes)
+
+
+def pad_block(features: Tensor, tokens: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """Pad a commit's block (b, w, d), (b, w) to `width` entries by repeating its last one: entries past a
+    row's accepted path are dropped by the commit anyway, so their content only has to be finite."""
+    extra = width - tokens.shape[1]
+    if extra == 0:
+        return features, tokens
+    features = torch.cat((features, features[:, -1:].expand(-1, extra, -1)), dim=1)
+    return features, torch.cat((tokens, tokens[:, -1:].expand(-1, extra)), dim=1)
 
 
 def _settled(pool: list[tuple[Tensor, Tensor, Tensor]], frontier_score: Tensor, budget: int) -> bool:

@@ -314,6 +314,32 @@ def test_greedy_equals_plain(trained, mode, gamma, rows):
     assert out.tokens == ref
 
 
+@pytest.mark.parametrize("mode, tree", [("chain", {}), ("tree", TREE), ("tree", PRUNED)])
+def test_compiled_steps_take_one_shape_each(trained, monkeypatch, mode, tree):
+    """Compiled, every commit is padded to the widest block a propose planned and every tree level's window to
+    the deepest level's: one program per kind of step, so a shorter block (a tree that stopped early, a budget's
+    last step) never compiles inside a timed run. Run on the eager step with the shapes recorded, the padded
+    decode must still equal plain decoding, batched and ragged."""
+    base, prophet = trained
+    shapes, step = set(), prophet.step
+
+    def recording(features, next_tokens, cache, *, allow=None, pos=None, compile=False):
+        shapes.add((next_tokens.shape[1], None if allow is None else allow.shape[-1]))
+        return step(features, next_tokens, cache, allow=allow, pos=pos)  # eager
+
+    monkeypatch.setattr(prophet, "step", recording)
+    ref = plain_generate(Target(base), PROMPTS, max_new_tokens=23).tokens
+    drafter = ProphetDrafter(prophet, mode=mode, compile=True, **tree)
+    out = speculative_generate(Target(base), drafter, PROMPTS, max_new_tokens=23, spec=SpecConfig(gamma=4))
+    assert out.tokens == ref
+    shapes.discard((max(len(p) for p in PROMPTS), None))  # `begin` runs eagerly, at the prompts' width
+    if mode == "chain":
+        assert shapes == {(1, None), (5, None)}  # draft steps; commits of gamma + 1
+    else:
+        depth, k = tree["depth"], tree["top_k"]
+        assert shapes == {(k, (depth - 1) * k), (depth + 1, None)}  # tree levels; commits of depth + 1
+
+
 @pytest.mark.parametrize("mode, gamma, least", [("chain", 3, 1.2), ("tree", 4, 1.5)])
 def test_trained_prophet_is_accepted(trained, mode, gamma, least):
     base, prophet = trained

@@ -182,6 +182,14 @@ class Target:
                 parents = repeat(parents, "k -> b k", b=tokens.shape[0])
             ancestors, depth = tree_attention(parents.to(self.device))
             kwargs = dict(allow=ancestors, pos=self.cache.lengths[:, None] + depth)
+        elif self.compiled:
+            # A chain as the tree it is, so that a compiled width is one program for chains and trees alike
+            # (a `pos is None` guard would make two, and the second might first compile inside a timed run).
+            b, k = tokens.shape
+            steps = torch.arange(k, device=self.device)
+            kwargs = dict(
+                allow=(steps[:, None] >= steps[None, :]).expand(b, k, k), pos=self.cache.lengths[:, None] + steps
+            )
         k, width = tokens.shape[1], self._width(tokens.shape[1])
         if width > k:
             tokens, kwargs = self._pad(tokens, kwargs, width)
