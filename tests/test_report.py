@@ -83,3 +83,46 @@ def test_curves_read_agreement_under_current_and_older_names(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main([f"out={tmp_path / 'c.png'}", str(run)]) == 0 and (tmp_path / "c.png").stat().st_size > 0
     assert main([str(tmp_path / "missing")]) == 1
+
+
+def results_fixture() -> dict:
+    """Two settings and temperatures; figures chosen so every derived column can be computed by hand."""
+    plain = [
+        dict(temperature=t, threads=2, compiled=c, repeat4=r, tokens_per_s=s, speedup=s / 1000)
+        for t, r in ((0.0, 0.25), (1.0, 0.05))
+        for c, s in ((False, 500.0), (True, 1000.0))
+    ]
+    row = dict(rule="greedy", lossless=True, repeat4=0.25, alpha=0.5, efficiency=0.5, exact=True, threads=2)
+    methods = [
+        {**row, "name": "fast", "temperature": 0.0, "compiled": True, "tau": 2.5, "tokens_per_s": 1300.0}
+        | dict(speedup=1.3, target_seconds_per_step=0.0015, draft_seconds_per_step=0.0002)
+        | dict(draft_share=0.1, target_share=0.8),
+        {**row, "name": "slow", "temperature": 0.0, "compiled": False, "tau": 3.0, "tokens_per_s": 600.0}
+        | dict(speedup=0.6, target_seconds_per_step=0.004, draft_seconds_per_step=0.002)
+        | dict(draft_share=0.3, target_share=0.6),
+        {**row, "name": "lenient", "temperature": 1.0, "compiled": True, "tau": 1.5, "tokens_per_s": 900.0}
+        | dict(speedup=0.9, target_seconds_per_step=0.001, draft_seconds_per_step=0.0001, lossless=False)
+        | dict(draft_share=0.2, target_share=0.7, rule="speculative", exact=None),
+    ]
+    return dict(plain=plain, methods=methods)
+
+
+def test_the_table_shows_the_regime_and_the_time_outside_draft_and_target() -> None:
+    """verify/step and draft/step divide by plain decoding's seconds per token in the SAME setting; rest % is
+    what neither drafting nor the target took."""
+    from experiments.lib.report import markdown_table
+
+    lines = markdown_table(results_fixture()).splitlines()
+    fast = next(line for line in lines if line.startswith("| fast "))
+    slow = next(line for line in lines if line.startswith("| slow "))
+    assert "| 1.50 | 0.20 | 10 | 10 | yes |" in fast  # 1.5 ms / 1 ms, 0.2 ms / 1 ms (compiled plain: 1000 tok/s)
+    assert "| 2.00 | 1.00 | 30 | 10 | yes |" in slow  # 4 ms / 2 ms, 2 ms / 2 ms (eager plain: 500 tok/s)
+
+
+def test_the_verdict_names_the_fastest_method_per_temperature() -> None:
+    from experiments.lib.report import verdict
+
+    line = verdict(results_fixture())
+    assert line.count("\n") == 2 and line.startswith("\nVerdict: ")
+    assert "at T=0 fast (compiled 2t) at 1.30x the fastest plain decoding (tau 2.50; plain rep4 0.25)" in line
+    assert "at T=1 lenient (compiled 2t, NOT lossless) at 0.90x" in line and "plain rep4 0.05" in line

@@ -8,7 +8,11 @@ speedup = median over rounds of method tokens/s over the FASTEST plain decoding'
 (over every threads/compile setting of the run, so plain rows below 1.00 are the slower plain settings);
 mode = eager or compiled (torch.compile'd decode steps) and the number of torch threads;
 efficiency = speedup / tau (the share of the algorithmic gain that survives drafting and verifying);
-draft % = share of wall time spent in the drafter; exact = token-identical to plain at temperature 0;
+draft % = share of wall time spent in the drafter; rest % = share spent neither drafting nor in the target's
+forward and acceptance (the loop's own bookkeeping, cache commits, host reads);
+verify/step and draft/step = the target's (verification) and the drafter's seconds per decoding step over plain
+decoding's seconds per token in the same setting: the regime a speedup has to come from;
+exact = token-identical to plain at temperature 0;
 lossless = the acceptance rule keeps the target's distribution (a lenient `delta` or typical acceptance does not).
 """
 
@@ -28,7 +32,8 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 HEADER = (
-    "| method | mode | T | rule | lossless | tau | rep4 | alpha | tokens/s | speedup | efficiency | draft % | exact |"
+    "| method | mode | T | rule | lossless | tau | rep4 | alpha | tokens/s | speedup | efficiency "
+    "| verify/step | draft/step | draft % | rest % | exact |"
 )
 
 
@@ -77,15 +82,40 @@ def markdown_table(results: dict) -> str:
         for plain in (p for p in results["plain"] if p["temperature"] == t):
             lines.append(
                 f"| plain | {mode(plain)} | {t:g} | - | yes | 1.00 | {plain['repeat4']:.2f} | - "
-                f"| {plain['tokens_per_s']:.1f} | {plain['speedup']:.2f} | - | 0 | - |"
+                f"| {plain['tokens_per_s']:.1f} | {plain['speedup']:.2f} | - | 1.00 | - | 0 | - | - |"
             )
         for row in (r for r in results["methods"] if r["temperature"] == t):
+            step = plain_step(results, row)
+            rest = 1 - row["draft_share"] - row["target_share"]
             lines.append(
                 f"| {row['name']} | {mode(row)} | {t:g} | {row['rule']} | {_fmt(row['lossless'])} | {row['tau']:.2f} "
                 f"| {row['repeat4']:.2f} | {row['alpha']:.2f} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f} "
-                f"| {row['efficiency']:.2f} | {100 * row['draft_share']:.0f} | {_fmt(row['exact'])} |"
+                f"| {row['efficiency']:.2f} | {row['target_seconds_per_step'] / step:.2f} "
+                f"| {row['draft_seconds_per_step'] / step:.2f} | {100 * row['draft_share']:.0f} | {100 * rest:.0f} "
+                f"| {_fmt(row['exact'])} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def plain_step(results: dict, row: dict) -> float:
+    """Plain decoding's seconds per token in `row`'s setting and temperature."""
+    plain = next(p for p in results["plain"] if mode(p) == mode(row) and p["temperature"] == row["temperature"])
+    return 1 / plain["tokens_per_s"]
+
+
+def verdict(results: dict) -> str:
+    """One line per temperature: the fastest method and its speedup over the fastest plain decoding, beside
+    plain decoding's rep4 (a base that repeats itself flatters every tau at T = 0)."""
+    parts = []
+    for t in dict.fromkeys(r["temperature"] for r in results["methods"]):
+        best = max((r for r in results["methods"] if r["temperature"] == t), key=lambda r: r["speedup"])
+        rep4 = max(p["repeat4"] for p in results["plain"] if p["temperature"] == t)
+        lossy = "" if best["lossless"] else ", NOT lossless"
+        parts.append(
+            f"at T={t:g} {best['name']} ({mode(best)}{lossy}) at {best['speedup']:.2f}x the fastest plain decoding "
+            f"(tau {best['tau']:.2f}; plain rep4 {rep4:.2f})"
+        )
+    return f"\nVerdict: {'; '.join(parts)}.\n" if parts else ""
 
 
 def warmup_lines(results: dict) -> str:
@@ -161,7 +191,8 @@ def write_report(results: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(out_dir / "results.json", json.dumps(results, indent=2, default=str))
     cpu = f"CPU: {results['cpu']}\n\n" if results.get("cpu") else ""
-    write_atomic(out_dir / "results.md", cpu + markdown_table(results) + warmup_lines(results) + cost_lines(results))
+    table = markdown_table(results) + verdict(results)
+    write_atomic(out_dir / "results.md", cpu + table + warmup_lines(results) + cost_lines(results))
     if results["methods"]:
         plot_speedup_tau(results, out_dir / "speedup_tau.png")
         plot_acceptance(results, out_dir / "acceptance_by_position.png")
