@@ -569,6 +569,18 @@ def test_a_drafter_setting_is_refused_before_the_base_loads_or_trains(
     )
 
 
+@pytest.mark.parametrize(
+    "base, families",
+    [
+        ("base_checkpoint=null", "draft_model,medusa_chain,prophet_chain,sequential_chain,early_exit_chain"),
+        ("base_checkpoint={lm}", "draft_model,medusa_chain,prophet_chain,sequential_chain"),  # one block: no exit
+    ],
+)
+def test_every_family_passes_the_stand_in_check_with_good_settings(base: str, families: str, files: dict) -> None:
+    """The weightless stand-in must not refuse what the real base accepts (early exit's build computes on it)."""
+    methods.check_drafters_before_base(make_cfg("benchmark", [base, f"methods=[{families}]"], files))
+
+
 # --------------------------------------------------------------------- failures inside Hydra, before main(cfg)
 # Hydra composes the config and creates the run directory before the entry point's code runs; hydra_preflight
 # (experiments/lib/preflight.py) checks both first. The entry points run in this process (sys.argv as typed), with
