@@ -46,6 +46,7 @@ from experiments.lib.checkpoint import load_lm
 from experiments.lib.cli import exit_on_user_error
 from experiments.lib.decode_checks import check_benchmark, check_exact, sampling_for
 from experiments.lib.families import FAMILIES, TREE_FAMILIES
+from experiments.lib.lm import count_parameters
 from experiments.lib.methods import (
     FAMILY_METHODS,
     check_drafters_before_base,
@@ -268,6 +269,11 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         "repeats": cfg.repeats,
         "device": str(device),
         "dtype": "float32",
+        # the target's shape, printed in the table's header: the regime every speedup below belongs to
+        "base": {
+            "parameters": count_parameters(base),
+            **{k: v for k, v in (base_meta.get("model_config") or {}).items() if k in ("arch", "dim", "depth")},
+        },
         "plain": plains,
         "methods": rows,
         "checkpoints": loaded,

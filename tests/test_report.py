@@ -88,11 +88,13 @@ def test_curves_read_agreement_under_current_and_older_names(tmp_path):
 def results_fixture() -> dict:
     """Two settings and temperatures; figures chosen so every derived column can be computed by hand."""
     plain = [
-        dict(temperature=t, threads=2, compiled=c, repeat4=r, tokens_per_s=s, speedup=s / 1000)
+        dict(temperature=t, threads=2, compiled=c, repeat4=r, tokens_per_s=s, speedup=s / 1000, warmup_s=1.0)
         for t, r in ((0.0, 0.25), (1.0, 0.05))
         for c, s in ((False, 500.0), (True, 1000.0))
     ]
-    row = dict(rule="greedy", lossless=True, repeat4=0.25, alpha=0.5, efficiency=0.5, exact=True, threads=2)
+    row = dict(
+        rule="greedy", lossless=True, repeat4=0.25, alpha=0.5, efficiency=0.5, exact=True, threads=2, warmup_s=1.0
+    )
     methods = [
         {**row, "name": "fast", "temperature": 0.0, "compiled": True, "tau": 2.5, "tokens_per_s": 1300.0}
         | dict(speedup=1.3, target_seconds_per_step=0.0015, draft_seconds_per_step=0.0002)
@@ -126,3 +128,11 @@ def test_the_verdict_names_the_fastest_method_per_temperature() -> None:
     assert line.count("\n") == 2 and line.startswith("\nVerdict: ")
     assert "at T=0 fast (compiled 2t) at 1.30x the fastest plain decoding (tau 2.50; plain rep4 0.25)" in line
     assert "at T=1 lenient (compiled 2t, NOT lossless) at 0.90x" in line and "plain rep4 0.05" in line
+
+
+def test_the_header_names_the_cpu_and_the_base() -> None:
+    from experiments.lib.report import header_line
+
+    results = {"cpu": "AMD EPYC", "base": {"parameters": 10_500_000, "dim": 256, "depth": 8}}
+    assert header_line(results) == "CPU: AMD EPYC; base: 10.5M parameters (256 x 8), float32 decoding\n\n"
+    assert header_line({"cpu": "AMD EPYC"}) == "CPU: AMD EPYC\n\n" and header_line({}) == ""

@@ -97,6 +97,19 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def header_line(results: dict) -> str:
+    """'CPU: <model>; base: <size>' and a blank line, or nothing when neither is known."""
+    header = [f"CPU: {results['cpu']}"] if results.get("cpu") else []
+    header += [f"base: {base_line(results['base'])}"] if results.get("base") else []
+    return "; ".join(header) + "\n\n" if header else ""
+
+
+def base_line(base: dict) -> str:
+    """'10.5M parameters (256 x 8)', float32 decoding: the target's size, which sets what a draft can win."""
+    shape = f" ({base['dim']} x {base['depth']})" if "dim" in base and "depth" in base else ""
+    return f"{base['parameters'] / 1e6:.1f}M parameters{shape}, float32 decoding"
+
+
 def plain_step(results: dict, row: dict) -> float:
     """Plain decoding's seconds per token in `row`'s setting and temperature."""
     plain = next(p for p in results["plain"] if mode(p) == mode(row) and p["temperature"] == row["temperature"])
@@ -190,7 +203,7 @@ def write_report(results: dict, out_dir: Path) -> None:
     """results.json, results.md and the plots, each written atomically (old or whole new, never a part)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(out_dir / "results.json", json.dumps(results, indent=2, default=str))
-    cpu = f"CPU: {results['cpu']}\n\n" if results.get("cpu") else ""
+    cpu = header_line(results)
     table = markdown_table(results) + verdict(results)
     write_atomic(out_dir / "results.md", cpu + table + warmup_lines(results) + cost_lines(results))
     if results["methods"]:
