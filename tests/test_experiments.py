@@ -608,7 +608,10 @@ def test_benchmark_files(bench_run: tuple[dict, Path], tiny_base: Path) -> None:
     assert [p["temperature"] for p in results["plain"]] == [0.0, 1.0]
     assert [(r["name"], r["tau"]) for r in results["methods"]] == [(r["name"], r["tau"]) for r in summary["methods"]]
     lines = (out_dir / "results.md").read_text().splitlines()
-    assert lines[0].startswith("CPU: ") and lines[0] == f"CPU: {results['cpu']}"
+    base = results["base"]  # the target's size, in the header beside the CPU
+    assert base["parameters"] > 0 and {"dim", "depth"} <= set(base)
+    shape = f"{base['parameters'] / 1e6:.1f}M parameters ({base['dim']} x {base['depth']}), float32 decoding"
+    assert lines[0] == f"CPU: {results['cpu']}; base: {shape}"
     table = [line for line in lines if line.startswith("|")]
     assert table[0].startswith("| method | mode | T |")
     for t in ("0", "1"):
