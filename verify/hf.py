@@ -72,7 +72,7 @@ def max_length(config) -> int:
 def _uses_alibi(config) -> bool:
     attn = getattr(config, "attn_config", None)  # MPT keeps it there
     return (
-        config.model_type == "bloom"
+        getattr(config, "model_type", None) == "bloom"
         or bool(getattr(config, "alibi", False))
         or bool(getattr(attn, "alibi", False) if not isinstance(attn, dict) else attn.get("alibi", False))
         or getattr(config, "position_embedding_type", None) == "alibi"

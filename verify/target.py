@@ -187,9 +187,8 @@ class Target:
             # (a `pos is None` guard would make two, and the second might first compile inside a timed run).
             b, k = tokens.shape
             steps = torch.arange(k, device=self.device)
-            kwargs = dict(
-                allow=(steps[:, None] >= steps[None, :]).expand(b, k, k), pos=self.cache.lengths[:, None] + steps
-            )
+            causal = (steps[:, None] >= steps[None, :]).repeat(b, 1, 1)  # contiguous, as a tree's: same guards
+            kwargs = dict(allow=causal, pos=self.cache.lengths[:, None] + steps)
         k, width = tokens.shape[1], self._width(tokens.shape[1])
         if width > k:
             tokens, kwargs = self._pad(tokens, kwargs, width)
