@@ -131,10 +131,8 @@ def check_untrained_drafters(cfg: DictConfig, base: torch.nn.Module, *, stand_in
         kind = method_kind(name)
         if kind is not None and cfg.checkpoints[kind] is None:
             module = OmegaConf.to_container(cfg[kind].module, resolve=True)
-            try:
+            try:  # a refused setting is a ValueError, raised either way
                 call_with_settings(find_family(kind).build, f"{kind}.module", base, **module)
-            except ValueError:
-                raise
             except (RuntimeError, NotImplementedError):
                 if not stand_in:
                     raise
