@@ -739,3 +739,14 @@ def test_the_command_line_itself_prints_one_line(tmp_path: Path) -> None:
     fragment = "error: experiment=nosuch: no option 'nosuch' in config group experiment; the options are: base_draft,"
     assert_one_line_error(proc.returncode, proc.stderr, [fragment])
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_directory_another_process_just_made_passes_the_check(tmp_path: Path, monkeypatch) -> None:
+    """torchrun's ranks check one run directory at once: the one that loses the race to create it must pass
+    (it failed with 'File exists'), and a passing check keeps the directory for Hydra, removing it under no one."""
+    run_dir = tmp_path / "ddp"
+    run_dir.mkdir()  # made by the other rank between this rank's look and its mkdir
+    real = os.path.lexists
+    monkeypatch.setattr(preflight.os.path, "lexists", lambda p: False if Path(p) == run_dir else real(p))
+    preflight.probe_directory(run_dir)
+    assert run_dir.is_dir() and list(run_dir.iterdir()) == []

@@ -188,26 +188,33 @@ def write_probe(path: Path) -> None:
 
 
 def probe_directory(directory: Path) -> None:
-    """Create `directory` and its missing parents and write a file in it, as Hydra will, then remove the file
-    and every directory made here: a run that fails later, or a check that fails, leaves nothing behind."""
+    """Create `directory` and its missing parents and write a file in it, as Hydra will, then remove the file.
+    A check that fails also removes every directory made here, so it leaves nothing behind; one that passes
+    keeps them for Hydra, which creates the same directory next. Several processes may check one directory
+    at once (torchrun's ranks): a directory another one made meanwhile is fine, and none is removed under it."""
     missing = [path for path in (directory, *directory.parents) if not os.path.lexists(path)]
     made: list[Path] = []
     try:
         for path in reversed(missing):
-            os.mkdir(path)
-            made.append(path)
+            try:
+                os.mkdir(path)
+                made.append(path)
+            except FileExistsError:
+                if not path.is_dir():
+                    raise
         probe = directory / f"{PROBE_PREFIX}.{os.getpid()}.{secrets.token_hex(4)}"
         try:
             write_probe(probe)
         finally:
             if os.path.lexists(probe):
                 probe.unlink()
-    finally:
+    except OSError:
         for path in reversed(made):
             try:
                 os.rmdir(path)
             except OSError:  # another process wrote into it meanwhile: theirs to keep
                 pass
+        raise
 
 
 def run_dir_problem(error: OSError, directory: Path) -> str:
