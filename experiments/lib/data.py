@@ -5,7 +5,9 @@ token streams (documents joined with EOS). Batching for training (`sample_batch`
 here too; validation blocks are experiments/lib/training.py's `validation_blocks`; prompts live in prompts.py.
 
 The default corpus is the Python standard library's own source: real code nobody
-here wrote, on every machine, no download. Other corpora are local text files or a hub dataset.
+here wrote, on every machine, no download. `packages` is the Python source of the installed packages
+(about 25x larger, split by package: experiments/lib/packages.py). Other corpora are local text files
+or a hub dataset.
 
 A corpus may be larger than memory. It is never held whole: a `Corpus` yields one document at a time
 and every step is a pass over it (the cache key, the split, the tokenizer's training, the tokenization,
@@ -38,13 +40,15 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from experiments.lib.packages import INCLUDE, PACKAGE_SPLIT_RULE, package_files, site_packages, split_by_package
+
 log = logging.getLogger(__name__)
 
 # Bump whenever what goes into a cache entry changes. Still 1: the streamed build writes byte for byte
 # the files the in-memory build wrote, and the loader maps those same .npy files.
 FORMAT_VERSION = 1
 EOS = "<|endoftext|>"
-SOURCES = ("stdlib", "files", "hub")
+SOURCES = ("stdlib", "packages", "files", "hub")
 # What to do with a corpus file that is not valid UTF-8: leave it out, or decode it with U+FFFD for every
 # bad byte sequence (a model trained on that learns replacement characters).
 UNDECODABLE = ("skip", "replace")
@@ -192,6 +196,7 @@ class Corpus:
     streaming: bool = False
     undecodable: str = "skip"  # files that are not UTF-8 (hub rows are text already): one of UNDECODABLE
     root: str = ""  # stdlib and files: the directory the doc ids are relative to (for messages)
+    by_package: bool = False  # packages: validation is whole top-level packages, not files chosen by hash
 
     def documents(self, seen: Undecodable | None = None) -> Iterator[tuple[str, str]]:
         """(doc id, text) of every non-empty document, in the corpus's fixed order; `seen` counts the
@@ -245,8 +250,16 @@ def open_corpus(
     max_files: int | None,
     streaming: bool = False,
     undecodable: str = "skip",
+    include: list[str] | None = None,
+    max_bytes: int | None = None,
 ) -> Corpus:
     """The corpus, its file list resolved now (a bad path fails here, before anything is read)."""
+    if source == "packages":
+        root = Path(paths[0]) if paths else site_packages()
+        files = package_files(root, include=tuple(include or INCLUDE), max_bytes=max_bytes)[:max_files]
+        return Corpus(
+            source, files=tuple(files), max_files=max_files, undecodable=undecodable, root=str(root), by_package=True
+        )
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         files = tuple(_named_files(stdlib_files(), root, max_files))
@@ -313,13 +326,19 @@ def scan_corpus(corpus: Corpus, head: dict | None) -> CorpusScan:
 
 
 def key_head(
-    described: str, val_fraction: float, vocab_size: int, max_files: int | None, tokenizer_max_bytes: int | None
+    described: str,
+    val_fraction: float,
+    vocab_size: int,
+    max_files: int | None,
+    tokenizer_max_bytes: int | None,
+    by_package: bool = False,
 ) -> dict:
-    """Everything but the documents that decides a cache entry."""
+    """Everything but the documents that decides a cache entry. (The include filter and the byte cap need
+    no entry of their own: they decide which documents there are, and the key hashes every document.)"""
     head = {
         "format": FORMAT_VERSION,
         "source": described,
-        "rule": SPLIT_RULE,
+        "rule": PACKAGE_SPLIT_RULE if by_package else SPLIT_RULE,
         "val_fraction": val_fraction,
         "vocab_size": vocab_size,
         "max_files": max_files,
@@ -526,7 +545,10 @@ def _build_entry(
     """Split, train the tokenizer, tokenize: three passes over the corpus, written into a temporary
     sibling that is renamed into place last, so readers see a whole entry or none."""
     names = scan.doc_ids
-    train_idx, val_idx = split_documents(names, val_fraction)
+    if corpus.by_package:
+        train_idx, val_idx = split_by_package(names, scan.sizes, val_fraction)
+    else:
+        train_idx, val_idx = split_documents(names, val_fraction)
     tmp = _temporary_sibling(entry)
     try:
         sample = set(tokenizer_sample(train_idx, scan.sizes, tokenizer_max_bytes)) if tokenizer_path is None else set()
@@ -540,7 +562,7 @@ def _build_entry(
         meta = {
             "format": FORMAT_VERSION,
             "cache_key": key,
-            "split_rule": SPLIT_RULE,
+            "split_rule": PACKAGE_SPLIT_RULE if corpus.by_package else SPLIT_RULE,
             "val_fraction": val_fraction,
             "requested_vocab_size": vocab_size,
             "vocab_size": tokenizer.get_vocab_size(),
@@ -633,9 +655,24 @@ def _check_args(
     streaming: bool,
     tokenizer_max_bytes: int | None,
     undecodable: str,
+    include: list[str] | None,
+    max_bytes: int | None,
 ) -> None:
     if source not in SOURCES:
         raise ValueError(f"source={source!r} is unknown; use one of {', '.join(SOURCES)}")
+    if source != "packages" and (include is not None or max_bytes is not None):
+        raise ValueError(
+            f"include={include!r} and max_bytes={max_bytes!r} are for source='packages'; "
+            f"source={source!r} takes neither (leave both null)"
+        )
+    if source == "packages" and paths is not None and len(paths) != 1:
+        raise ValueError(f"source='packages' takes paths=null (site-packages) or one directory, got paths={paths!r}")
+    if include is not None and (
+        isinstance(include, str) or not include or not all(isinstance(p, str) and p for p in include)
+    ):
+        raise ValueError(f"include={include!r} must be a non-empty list of file-name patterns such as ['*.py']")
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+        raise ValueError(f"max_bytes={max_bytes!r} must be a positive integer (bytes) or None (the whole corpus)")
     if source == "files" and not paths:
         raise ValueError(f"source='files' needs paths (files, directories or globs), got paths={paths!r}")
     if source == "hub" and not hub_name:
@@ -678,6 +715,8 @@ def prepare_data(
     streaming: bool = False,
     tokenizer_max_bytes: int | None = None,
     undecodable: str = "skip",
+    include: list[str] | None = None,
+    max_bytes: int | None = None,
 ) -> PreparedData:
     """Load the corpus, split it by file, train the tokenizer on train (or take `tokenizer`, a model's own:
     a tokenizer.json or the model directory holding it; vocab_size is then the tokenizer's), tokenize both
@@ -689,18 +728,31 @@ def prepare_data(
     changes. tokenizer_max_bytes: train the BPE on at most this much training text, documents taken
     evenly over the split; None, all of it. undecodable: a stdlib or files corpus file that is not UTF-8
     is left out ('skip') or decoded with U+FFFD ('replace'); either way it is counted and logged, and a
-    corpus where most bytes are in such files is refused."""
+    corpus where most bytes are in such files is refused. include and max_bytes (packages only):
+    file-name patterns (default ['*.py']) and a cap on the corpus's bytes (experiments/lib/packages.py)."""
     _check_args(
-        source, paths, hub_name, val_fraction, vocab_size, max_files, streaming, tokenizer_max_bytes, undecodable
+        source,
+        paths,
+        hub_name,
+        val_fraction,
+        vocab_size,
+        max_files,
+        streaming,
+        tokenizer_max_bytes,
+        undecodable,
+        include,
+        max_bytes,
     )
     own = None if tokenizer is None else load_tokenizer(tokenizer)[0]  # a bad path fails before the corpus is read
-    corpus = open_corpus(source, paths, hub_name, hub_split, text_field, max_files, streaming, undecodable)
+    corpus = open_corpus(
+        source, paths, hub_name, hub_split, text_field, max_files, streaming, undecodable, include, max_bytes
+    )
     described = f"hub:{hub_name}:{hub_split}:{text_field}" if source == "hub" else source
     if streaming:
         described = "streaming-" + described
     if own is not None:  # the tokenizer's content, not its path, decides the entry
         described += ":tokenizer:" + hashlib.sha256(own.to_str().encode()).hexdigest()
-    head = key_head(described, val_fraction, vocab_size, max_files, tokenizer_max_bytes)
+    head = key_head(described, val_fraction, vocab_size, max_files, tokenizer_max_bytes, corpus.by_package)
     if streaming:
         scan, key = None, hashlib.sha256(json.dumps(head, sort_keys=True).encode()).hexdigest()[:16]
     else:
