@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from experiments.lib.cli import one_line
+from experiments.lib.cli import one_line, write_atomic
 from experiments.lib.data import load_tokenizer
 from experiments.lib.lm import build_lm
 from verify.numerics import is_int
@@ -45,6 +45,7 @@ __all__ = [
     "CheckpointError",
     "fingerprint",
     "save_checkpoint",
+    "update_meta",
     "load_checkpoint",
     "load_lm",
     "load_model",
@@ -263,6 +264,22 @@ def save_checkpoint(
         _fsync(directory.parent)  # make the renames themselves durable
     finally:
         _recover(directory)  # on success: drops the backup; on failure: restores it and drops tmp
+    return directory
+
+
+def update_meta(directory: str | Path, changes: dict[str, Any]) -> Path:
+    """Change fields of a checkpoint's meta.json without rewriting its weights: the file is replaced
+    atomically (write_atomic: a reader sees the old meta or the new one), the weights and so the fingerprint
+    stay as they are. Used to mark a best checkpoint written earlier in the run as the run's finished result
+    (experiments/lib/training.py). The reserved fields (format, step, fingerprint, ...) describe the weights
+    and may not change."""
+    directory = Path(directory)
+    clash = RESERVED_META_KEYS & changes.keys()
+    if clash:
+        raise ValueError(f"meta fields {sorted(clash)} describe the weights and cannot be updated in place")
+    _recover(directory)  # a swap a crash interrupted: the complete checkpoint back under its name first
+    meta = read_meta(directory)
+    write_atomic(directory / META_FILE, json.dumps({**meta, **changes}, indent=2, sort_keys=True) + "\n")
     return directory
 
 
