@@ -8,9 +8,10 @@ draft-model and prompt-lookup speculative decoding on held-out pairs (experiment
 
 `run(cfg)` is a plain function (tests call it through Hydra's compose API); `main` only wraps it. The
 run directory gets target/ and draft/, each a training run of the shared loop (experiments/lib/training.py:
-checkpoint/ written every train.checkpoint_every steps, metrics.jsonl), and the benchmark's results.md /
+checkpoint/ the weights of the lowest validation loss, validated every train.eval_every steps; last/ the
+latest, written every train.checkpoint_every steps; metrics.jsonl), and the benchmark's results.md /
 results.json. Rerun with the same run directory after a crash: a finished model is reused, an unfinished
-one resumes exactly where its last checkpoint left it.
+one resumes exactly where last/ left it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from experiments.lib.settings import (
     resolve_device,
 )
 from experiments.lib.training import (
+    CHECKPOINT_DIRS,
     SEED_STRIDE,
     LoopSettings,
     LoopState,
@@ -55,6 +57,7 @@ from experiments.lib.training import (
     make_logger,
     make_optimizer,
     prepare_run_dir,
+    resume_point,
 )
 from verify.numerics import is_finite_number
 from verify.sampling import SamplingConfig
@@ -117,8 +120,18 @@ def validate_config(cfg: DictConfig) -> None:
         check_int(f"pairs.{key}", cfg.pairs[key], minimum=low)
     t = cfg.train
     check_bool("resume", cfg.resume)
-    for key in ("batch_size", "target_steps", "draft_steps", "log_every", "eval_pairs", "checkpoint_every"):
+    for key in (
+        "batch_size",
+        "target_steps",
+        "draft_steps",
+        "log_every",
+        "eval_every",
+        "eval_pairs",
+        "checkpoint_every",
+    ):
         check_int(f"train.{key}", t[key])
+    check_int("train.patience", t.patience, allow_null=True)
+    check_number("train.min_delta", t.min_delta, "a finite number >= 0", lambda x: x >= 0)
     check_int("train.warmup_steps", t.warmup_steps, minimum=0)
     check_number("train.lr", t.lr, "a finite number > 0", lambda x: x > 0)
     for key in ("target_minutes", "draft_minutes"):
@@ -213,15 +226,16 @@ def train_model(
     """Train (or resume, or reuse when finished) one model in out_dir/<name>/ with the shared loop: AdamW,
     warm-up and cosine decay for the step or time budget, whichever ends first."""
     run_dir, t = out_dir / name, cfg.train
-    ckpt_dir, expected = run_dir / "checkpoint", recipe(cfg, config)
+    ckpt_dir, expected = run_dir / CHECKPOINT_DIRS["best"], recipe(cfg, config)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     model = build_seq2seq(**config).to(device)
     optimizer = make_optimizer(model, lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     state = LoopState()
-    if cfg.resume and checkpoint_exists(ckpt_dir):  # finished with the same budgets: the loop has nothing to do
-        ckpt = load_checkpoint(ckpt_dir, expected_config=config)
-        check_recipe(ckpt_dir, ckpt.meta.get("recipe"), expected)
+    resume_dir = resume_point(run_dir) if cfg.resume else None  # last/, or checkpoint/ in an older run directory
+    if resume_dir is not None:  # finished with the same budgets: the loop has nothing to do
+        ckpt = load_checkpoint(resume_dir, expected_config=config)
+        check_recipe(resume_dir, ckpt.meta.get("recipe"), expected)
         model.load_state_dict(ckpt.state_dict, strict=True)
         optimizer.load_state_dict(ckpt.optimizer_state)
         state = LoopState.from_meta(ckpt.meta, "pairs")
@@ -231,11 +245,13 @@ def train_model(
         max_steps=steps,
         max_minutes=minutes,
         log_every=t.log_every,
-        eval_every=steps,
+        eval_every=t.eval_every,
         checkpoint_every=t.checkpoint_every,
         seed=cfg.seed,
         grad_accum=1,
         optim=OmegaConf.create({"lr": t.lr, "min_lr": t.lr / 10, "warmup_steps": t.warmup_steps, "grad_clip": 1.0}),
+        patience=t.patience,
+        min_delta=float(t.min_delta),
     )
 
     def batch(step: int) -> PairBatch:  # a pure function of (seed, step): resuming needs no sampler state
@@ -247,7 +263,15 @@ def train_model(
         val_loss = evaluate(model, val, count=t.eval_pairs, batch_size=t.batch_size, bos_id=bos_id, device=device)
         return {"val_loss": val_loss, "val_ppl": math.exp(val_loss)}
 
-    def save(state: LoopState, metrics: dict, *, finished: bool, elapsed_s: float) -> Path:
+    def save(
+        state: LoopState,
+        metrics: dict,
+        *,
+        finished: bool,
+        elapsed_s: float,
+        directory: Path,
+        selection: dict[str, Any],
+    ) -> Path:
         result = {
             "model": name,
             "steps": state.step,
@@ -264,9 +288,10 @@ def train_model(
             "finished": finished,
             "pairs_seen": state.units,
             "elapsed_s": elapsed_s,
+            **selection,
         }
         return save_checkpoint(
-            ckpt_dir,
+            directory,
             model=model,
             model_config=config,
             tokenizer_json=tokenizer_json,
@@ -317,7 +342,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     device = resolve_device(cfg.device)
     out_dir = prepare_run_dir(cfg.out_dir, Dist(), device)
     for name in ("target", "draft"):
-        check_checkpoint_dir(out_dir / name / "checkpoint")
+        for directory in CHECKPOINT_DIRS.values():
+            check_checkpoint_dir(out_dir / name / directory)
     with RunLock(out_dir):
         return _run(cfg, out_dir=out_dir, device=device, benchmark=benchmark)
 

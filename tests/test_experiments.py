@@ -317,6 +317,8 @@ def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path
         "elapsed_s",
         "parameters",
         "checkpoint",
+        "last_checkpoint",
+        "best_step",
         "out_dir",
         "precision",
         "positions",
@@ -346,9 +348,11 @@ def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "val"] == [2, 4]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
-    meta = load_checkpoint(result["checkpoint"]).meta
+    meta = load_checkpoint(result["checkpoint"]).meta  # the best validation's drafter
     base_meta = load_checkpoint(tiny_base).meta
-    assert meta["kind"] == "drafter" and meta["step"] == 4
+    assert load_checkpoint(result["last_checkpoint"]).meta["step"] == 4  # the latest
+    assert meta["kind"] == "drafter" and meta["step"] == result["best_step"] and meta["selected"] == "best"
+    assert meta["best_value"] == result["best_mean_agree"] == max(r["mean_agree"] for r in rows if r["kind"] == "val")
     assert meta["base_fingerprint"] == base_meta["fingerprint"]
     assert meta["model_config"]["package"] == family and meta["base_checkpoint"] == str(tiny_base)
     assert meta["precision"]["used"] in ("bf16", "fp32") and meta["precision"]["requested"] == "auto"

@@ -542,6 +542,10 @@ def seq2seq_cfg(*overrides: str):
         ("bench.temperatures=[1e-30]", r"^temperature=1e-30: must be a number >= 0, and 0 or at least 1e-06"),
         ("train.lr=inf", r"^train.lr=inf: must be a finite number > 0$"),
         ("train.checkpoint_every=0", r"^train.checkpoint_every=0: must be an integer >= 1$"),
+        ("train.eval_every=0", r"^train.eval_every=0: must be an integer >= 1$"),
+        ("train.patience=-1", r"^train.patience=-1: must be null or an integer >= 1$"),
+        ("train.patience=2.5", r"^train.patience=2.5: must be null or an integer >= 1$"),
+        ("train.min_delta=-1", r"^train.min_delta=-1: must be a finite number >= 0$"),
         ("data=files", r"^data.source='files': the function -> docstring task reads the stdlib only"),
     ],
 )
@@ -610,9 +614,7 @@ def test_a_crash_during_the_draft_keeps_the_target_and_resumes_the_draft(tmp_pat
         run(crashed)
     monkeypatch.undo()
     target_before = load_checkpoint(tmp_path / "crashed" / "target" / "checkpoint").meta
-    assert (
-        target_before["finished"] and load_checkpoint(tmp_path / "crashed" / "draft" / "checkpoint").meta["step"] == 2
-    )
+    assert target_before["finished"] and load_checkpoint(tmp_path / "crashed" / "draft" / "last").meta["step"] == 2
     run(crashed)
     target_after = load_checkpoint(tmp_path / "crashed" / "target" / "checkpoint").meta
     assert target_after["provenance"]["time"] == target_before["provenance"]["time"]  # reused, not retrained

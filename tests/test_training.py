@@ -61,7 +61,7 @@ def test_drafter_crash_and_resume_equals_uninterrupted(
     with pytest.raises(RuntimeError, match="killed"):
         drafter_trainer.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "crashed", *common))
     monkeypatch.undo()
-    meta = load_checkpoint(tmp_path / "crashed" / "checkpoint").meta
+    meta = load_checkpoint(tmp_path / "crashed" / "last").meta  # the periodic checkpoint of the latest weights
     assert meta["step"] == 4 and meta["finished"] is False and meta["has_optimizer"]
     resumed = drafter_trainer.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "crashed", *common))
     assert resumed["start_step"] == 4 and resumed["step"] == 6
@@ -79,10 +79,12 @@ def test_drafter_crash_and_resume_equals_uninterrupted(
     steps = [r["step"] for r in MetricsFile.read(tmp_path / "crashed" / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == list(range(1, 7))  # no repeats, no gaps
     assert load_checkpoint(tmp_path / "crashed" / "checkpoint").meta["finished"] is True
+    assert load_checkpoint(tmp_path / "crashed" / "last").meta["finished"] is True
+    assert meta_of(tmp_path / "crashed" / "last")["fingerprint"] == meta_of(tmp_path / "clean" / "last")["fingerprint"]
 
 
 def _wait_for_checkpoint(out_dir: Path, proc: subprocess.Popen, *, step: int, timeout: float) -> int:
-    meta = out_dir / "checkpoint" / "meta.json"
+    meta = out_dir / "last" / "meta.json"  # the periodic checkpoint
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         if meta.is_file():
@@ -114,7 +116,7 @@ def test_drafter_survives_kill_9(tiny_base: Path, cache_dir: str, tmp_path: Path
     finally:
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    meta = load_checkpoint(tmp_path / "killed" / "checkpoint").meta  # complete and verified (fingerprint)
+    meta = load_checkpoint(tmp_path / "killed" / "last").meta  # complete and verified (fingerprint)
     assert 3 <= meta["step"] < 150 and meta["finished"] is False
     resumed = drafter_trainer.train(cfg)
     clean = drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path / "clean", *args))
@@ -274,7 +276,7 @@ def test_drafter_resume_refuses_a_base_checkpoint_in_its_directory(
     tiny_base: Path, cache_dir: str, tmp_path: Path
 ) -> None:
     base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=2"))  # a base's run directory, given as a drafter's
-    with pytest.raises(ValueError, match=r"checkpoint is not a drafter checkpoint \(kind='base_lm'\)"):
+    with pytest.raises(ValueError, match=r"/last is not a drafter checkpoint \(kind='base_lm'\)"):
         drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
 
 
@@ -321,7 +323,7 @@ def test_torchrun_two_ranks_train_identical_replicas(tmp_path: Path, cache_dir: 
     common = [*BASE, *FP32, f"data.cache_dir={cache_dir}", "max_steps=4", "eval_every=2", "checkpoint_every=2"]
     result = _torchrun("experiments.train_base", *common, f"hydra.run.dir={tmp_path / 'ddp'}")
     assert result["world_size"] == 2 and result["step"] == 4
-    meta = load_checkpoint(Path(result["checkpoint"])).meta
+    meta = load_checkpoint(Path(result["last_checkpoint"])).meta  # the final weights
     assert result["replica_fingerprints"] == [meta["fingerprint"]] * 2  # both ranks end on the saved weights
     assert meta["world_size"] == 2 and result["train_tokens"] == 4 * 4 * 64  # the global batch, counted once
     single = base_trainer.train(
@@ -329,7 +331,8 @@ def test_torchrun_two_ranks_train_identical_replicas(tmp_path: Path, cache_dir: 
     )
     # data sharded by rank and gradients averaged: the same training as one process on the whole batch
     assert _close(
-        load_checkpoint(Path(result["checkpoint"])).state_dict, load_checkpoint(Path(single["checkpoint"])).state_dict
+        load_checkpoint(Path(result["last_checkpoint"])).state_dict,
+        load_checkpoint(Path(single["last_checkpoint"])).state_dict,
     )
 
 
@@ -349,11 +352,12 @@ def test_torchrun_two_ranks_train_a_drafter(family: str, tiny_base: Path, cache_
         f"features.root={cache_dir}/features",
     ]
     result = _torchrun("experiments.train_drafter", *common, f"hydra.run.dir={tmp_path / 'ddp'}")
-    meta = load_checkpoint(Path(result["checkpoint"])).meta
+    meta = load_checkpoint(Path(result["last_checkpoint"])).meta  # the final weights
     assert result["world_size"] == 2 and result["replica_fingerprints"] == [meta["fingerprint"]] * 2
     single = drafter_trainer.train(drafter_cfg(family, tiny_base, cache_dir, tmp_path / "single", *FP32))
     assert _close(
-        load_checkpoint(Path(result["checkpoint"])).state_dict, load_checkpoint(Path(single["checkpoint"])).state_dict
+        load_checkpoint(Path(result["last_checkpoint"])).state_dict,
+        load_checkpoint(Path(single["last_checkpoint"])).state_dict,
     )
 
 
@@ -511,3 +515,172 @@ def test_metrics_file_with_a_row_that_is_not_a_metrics_row_is_one_error(tmp_path
     path.write_text('{"kind": "train", "step": 1}\n[1, 2]\n')
     with pytest.raises(ValueError, match="line 2 is not a metrics row"):
         MetricsFile.read(path)
+
+
+# ------------------------------------------------------------------- best checkpoint and early stopping
+
+
+def scripted_val_losses(monkeypatch: pytest.MonkeyPatch, losses: list[float]) -> list[int]:
+    """Make the base's validation return `losses` in order (the model still trains for real); returns the list
+    the number of each call is appended to, so a test can see how many validations ran."""
+    calls: list[int] = []
+
+    def evaluate(model, blocks, *, batch_size, device):
+        calls.append(len(calls))
+        return losses[len(calls) - 1]
+
+    monkeypatch.setattr(base_trainer, "evaluate", evaluate)
+    return calls
+
+
+def meta_of(directory: Path) -> dict:
+    return load_checkpoint(directory).meta
+
+
+def test_the_best_checkpoint_is_kept_when_validation_gets_worse(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scripted_val_losses(monkeypatch, [3.0, 2.0, 2.5, 2.0])  # steps 2, 4, 6, 8: a tie keeps the earlier
+    result = base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=8", "eval_every=2", "checkpoint_every=2"))
+    best, last = meta_of(tmp_path / "checkpoint"), meta_of(tmp_path / "last")
+    assert result["checkpoint"] == str(tmp_path / "checkpoint") and result["best_step"] == 4
+    assert (best["step"], best["selected"], best["best_step"], best["best_value"]) == (4, "best", 4, 2.0)
+    assert best["metrics"]["val_loss"] == 2.0 and best["metrics"]["step"] == 4  # the figure of these weights
+    assert best["finished"] is True and best["last_step"] == 8 and best["stopped_by"] == "max_steps"
+    assert (last["step"], last["selected"], last["best_step"], last["last_step"]) == (8, "last", 4, 8)
+    assert last["finished"] is True and last["has_optimizer"] and best["fingerprint"] != last["fingerprint"]
+    assert result["val_loss"] == 2.0 and result["step"] == 8  # the final validation is still reported
+
+
+def test_last_holds_the_latest_while_training(tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    scripted_val_losses(monkeypatch, [2.0, 3.0, 3.0])  # steps 2, 4, 6: the best is the first
+    crash_at(monkeypatch, 5)
+    with pytest.raises(RuntimeError, match="killed"):
+        base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=6", "eval_every=2", "checkpoint_every=2"))
+    best, last = meta_of(tmp_path / "checkpoint"), meta_of(tmp_path / "last")
+    assert (best["step"], best["finished"]) == (2, False)
+    assert (last["step"], last["selected"], last["best_step"], last["finished"]) == (4, "last", 2, False)
+
+
+def test_resume_restores_the_best_figure(tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resumed run's best (2.2) is worse than the first session's (2.0): checkpoint/ keeps the first's."""
+    scripted_val_losses(monkeypatch, [3.0, 2.0])  # steps 2, 4
+    base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=4", "eval_every=2", "checkpoint_every=2"))
+    before = meta_of(tmp_path / "checkpoint")
+    calls = scripted_val_losses(monkeypatch, [2.5, 2.2])  # steps 6, 8
+    result = base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=8", "eval_every=2", "checkpoint_every=2"))
+    assert result["start_step"] == 4 and len(calls) == 2 and result["best_step"] == 4
+    best = meta_of(tmp_path / "checkpoint")
+    assert best["fingerprint"] == before["fingerprint"] and best["best_value"] == 2.0
+    assert best["finished"] is True and best["last_step"] == 8 and meta_of(tmp_path / "last")["step"] == 8
+
+
+def test_resume_beats_the_best_on_disk_not_the_older_record(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A best written after last/ (validated every 2 steps, last/ every 4): the resumed run retraces from last/
+    and must not replace that best with a worse figure that only beats last/'s older record."""
+    scripted_val_losses(monkeypatch, [3.0, 2.5, 1.0])  # steps 2, 4, 6
+    crash_at(monkeypatch, 7)
+    with pytest.raises(RuntimeError, match="killed"):
+        base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=8", "eval_every=2", "checkpoint_every=4"))
+    monkeypatch.undo()
+    assert meta_of(tmp_path / "last")["best_value"] == 2.5 and meta_of(tmp_path / "checkpoint")["step"] == 6
+    scripted_val_losses(monkeypatch, [1.5, 1.8])  # steps 6, 8 again: better than 2.5, worse than 1.0
+    result = base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=8", "eval_every=2", "checkpoint_every=4"))
+    assert result["start_step"] == 4
+    best = meta_of(tmp_path / "checkpoint")
+    assert (best["step"], best["best_value"], best["metrics"]["val_loss"], best["finished"]) == (6, 1.0, 1.0, True)
+    assert meta_of(tmp_path / "last")["best_value"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "losses, extra, stop_step, best_step",
+    [
+        ([3.0, 2.0, 2.1, 2.05, 1.0, 1.0], [], 4, 2),  # two validations without improvement after step 2
+        ([3.0, 2.99, 2.98, 2.97, 2.96, 2.95], ["min_delta=0.05"], 3, 3),  # improving, but by less than 0.05
+    ],
+)
+def test_early_stopping_after_patience_validations_without_improvement(
+    losses: list[float],
+    extra: list[str],
+    stop_step: int,
+    best_step: int,
+    tmp_path: Path,
+    cache_dir: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    calls = scripted_val_losses(monkeypatch, losses)
+    cfg = base_cfg(tmp_path, cache_dir, "max_steps=6", "eval_every=1", "checkpoint_every=1", "patience=2", *extra)
+    with caplog.at_level("INFO", logger="experiments.lib.training"):
+        result = base_trainer.train(cfg)
+    assert result["stopped_by"] == "patience" and result["step"] == stop_step and len(calls) == stop_step
+    assert [r.message for r in caplog.records if "early stop" in r.message] == [
+        f"early stop at step {stop_step}: val_loss did not improve by min_delta={0.05 if extra else 0:g} in 2 "
+        f"validations (patience 2); best {losses[best_step - 1]:.4f} at step {best_step}"
+    ]
+    best, last = meta_of(tmp_path / "checkpoint"), meta_of(tmp_path / "last")
+    assert best["step"] == best_step and best["stopped_by"] == last["stopped_by"] == "patience"
+    assert last["step"] == stop_step and last["early_stopping"]["stale"] == 2 and last["finished"] is True
+    stops = [r for r in MetricsFile.read(tmp_path / "metrics.jsonl") if r["kind"] == "stop"]
+    assert [(r["step"], r["stopped_by"], r["best_step"]) for r in stops] == [(stop_step, "patience", best_step)]
+    again = base_trainer.train(cfg)  # started again: the patience is still spent, nothing trains or is added
+    assert again["stopped_by"] == "patience" and again["step"] == stop_step and len(calls) == stop_step
+    assert len([r for r in MetricsFile.read(tmp_path / "metrics.jsonl") if r["kind"] == "stop"]) == 1
+
+
+def test_without_patience_training_runs_to_its_budget(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scripted_val_losses(monkeypatch, [3.0, 2.0, 2.1, 2.2, 2.3, 2.4])
+    result = base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=6", "eval_every=1", "checkpoint_every=3"))
+    assert result["stopped_by"] == "max_steps" and result["step"] == 6 and result["best_step"] == 2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("patience=-1", "patience must be a positive integer or null, got -1"),
+        ("patience=0", "patience must be a positive integer or null, got 0"),
+        ("patience=1.5", "patience must be a positive integer or null, got 1.5"),
+        ("patience=soon", "patience must be a positive integer or null, got 'soon'"),
+        ("min_delta=-0.1", "min_delta must be a number >= 0, got -0.1"),
+        ("min_delta=nan", "min_delta must be a number >= 0, got nan"),
+    ],
+)
+def test_bad_early_stopping_settings_are_refused_before_work(
+    override: str, message: str, tmp_path: Path, cache_dir: str, tiny_base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(base_trainer, "prepare_data", lambda **kw: pytest.fail("worked before refusing"))
+    with pytest.raises(ValueError) as excinfo:
+        base_trainer.train(base_cfg(tmp_path / "base", cache_dir, override))
+    assert str(excinfo.value) == message
+    monkeypatch.setattr(drafter_trainer, "load_lm", lambda *a, **k: pytest.fail("worked before refusing"))
+    with pytest.raises(ValueError) as excinfo:
+        drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path / "drafter", override))
+    assert str(excinfo.value) == message
+    assert not (tmp_path / "base").exists() and not (tmp_path / "drafter").exists()
+
+
+def test_a_run_directory_without_last_still_resumes(
+    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run directory written before last/ existed: checkpoint/ holds the latest weights and no selection."""
+    base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=4", "eval_every=2", "checkpoint_every=2"))
+    shutil.rmtree(tmp_path / "last")
+    meta_file = tmp_path / "checkpoint" / "meta.json"
+    old = json.loads(meta_file.read_text())
+    for key in ("selected", "best_metric", "best_step", "best_value", "last_step", "early_stopping", "stopped_by"):
+        del old[key]
+    meta_file.write_text(json.dumps(old))
+    before = meta_of(tmp_path / "checkpoint")["fingerprint"]
+    again = base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=4", "eval_every=2", "checkpoint_every=2"))
+    assert again["start_step"] == again["step"] == 4  # finished: nothing to do, nothing rewritten
+    assert not (tmp_path / "last").exists() and "selected" not in json.loads(meta_file.read_text())
+    scripted_val_losses(monkeypatch, [9.0, 9.5])  # steps 6, 8: worse than any real loss, the best of this session
+    result = base_trainer.train(base_cfg(tmp_path, cache_dir, "max_steps=8", "eval_every=2", "checkpoint_every=2"))
+    assert result["start_step"] == 4 and result["step"] == 8
+    best, last = meta_of(tmp_path / "checkpoint"), meta_of(tmp_path / "last")
+    assert best["fingerprint"] != before and (best["step"], best["selected"], best["best_value"]) == (6, "best", 9.0)
+    assert (last["step"], last["selected"], last["finished"]) == (8, "last", True)

@@ -1,9 +1,10 @@
 """Train a base LM from scratch: the frozen target that every drafter is later trained on and verified by.
 The library side of `python -m experiments.train_base` and of the artifact cache (same `train(cfg)`).
 
-Everything the run writes goes into `out_dir`: `checkpoint/` (see experiments/lib/checkpoint.py),
-`metrics.jsonl` (one JSON row per log and per validation) and the logger's files. The loop itself
-(schedule, checkpoints, exact resume, DDP) is experiments/lib/training.py's, shared with the drafters.
+Everything the run writes goes into `out_dir`: `checkpoint/` (the weights of the lowest validation loss; see
+experiments/lib/checkpoint.py for the format), `last/` (the latest weights, resumed from), `metrics.jsonl` (one
+JSON row per log and per validation) and the logger's files. The loop itself (schedule, best and latest
+checkpoints, early stopping, exact resume, DDP) is experiments/lib/training.py's, shared with the drafters.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from omegaconf.errors import OmegaConfBaseException
 from tokenizers import Tokenizer
 
 from experiments.lib.checkpoint import (
-    checkpoint_exists,
     load_checkpoint,
     read_meta,
     save_checkpoint,
@@ -42,6 +42,7 @@ from experiments.lib.training import (
     launch,
     make_logger,
     make_optimizer,
+    resume_point,
     validation_blocks,
 )
 
@@ -151,13 +152,21 @@ def saver(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     data: PreparedData,
-    out_dir: Path,
     precision: dict[str, str],
     ctx: Dist,
 ):
-    """The loop's save_fn: the checkpoint with its optimizer, loop state, recipe and provenance."""
+    """The loop's save_fn: a checkpoint (checkpoint/ or last/, as the loop says) with its optimizer, loop state,
+    recipe and provenance."""
 
-    def save(state: LoopState, metrics: dict[str, Any], *, finished: bool, elapsed_s: float) -> Path:
+    def save(
+        state: LoopState,
+        metrics: dict[str, Any],
+        *,
+        finished: bool,
+        elapsed_s: float,
+        directory: Path,
+        selection: dict[str, Any],
+    ) -> Path:
         extra = {
             "kind": "base_lm",
             "tokens_seen": state.units,
@@ -185,9 +194,10 @@ def saver(
                 "max_steps": cfg.max_steps,
                 "optim": OmegaConf.to_container(cfg.optim, resolve=True),
             },
+            **selection,
         }
         return save_checkpoint(
-            out_dir / "checkpoint",
+            directory,
             model=model,
             model_config=model_config(cfg),
             tokenizer_json=data.tokenizer.to_str(),
@@ -211,8 +221,8 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    ckpt_dir = out_dir / "checkpoint"
-    if cfg.resume and checkpoint_exists(ckpt_dir):  # another recipe is refused now, before the corpus is tokenized
+    ckpt_dir = resume_point(out_dir) if cfg.resume else None  # last/, or checkpoint/ in an older run directory
+    if ckpt_dir is not None:  # another recipe is refused now, before the corpus is tokenized
         check_recipe(ckpt_dir, read_meta(ckpt_dir).get("recipe"), recipe(cfg))
     with main_first(ctx):  # rank 0 tokenizes and caches the corpus; the others read its cache
         data = prepare_data(**OmegaConf.to_container(cfg.data, resolve=True))
@@ -225,8 +235,8 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
         model, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay
     )
     state = LoopState()
-    if cfg.resume and checkpoint_exists(out_dir / "checkpoint"):
-        state = resume(out_dir / "checkpoint", cfg, model=model, optimizer=optimizer, data=data)
+    if ckpt_dir is not None:
+        state = resume(ckpt_dir, cfg, model=model, optimizer=optimizer, data=data)
     blocks = validation_blocks(data.val_ids, seq_len=cfg.seq_len, eval_blocks=cfg.eval_blocks)  # (n, T+1)
 
     def validate() -> dict[str, float]:
@@ -248,7 +258,7 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
         batch_fn=batch,
         count_fn=lambda b, _: b[:, 1:].numel(),
         validate_fn=validate,
-        save_fn=saver(cfg, model=model, optimizer=optimizer, data=data, out_dir=out_dir, precision=precision, ctx=ctx),
+        save_fn=saver(cfg, model=model, optimizer=optimizer, data=data, precision=precision, ctx=ctx),
         optimizer=optimizer,
         settings=LoopSettings.from_config(cfg),
         precision=precision["used"],
@@ -280,7 +290,10 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
         "elapsed_s": loop.elapsed(),
         "precision": precision,
         "parameters": count_parameters(model),
-        "checkpoint": str(out_dir / "checkpoint"),
+        "checkpoint": str(out_dir / "checkpoint"),  # the best: lowest val_loss
+        "best_step": result["best_step"],
+        "best_val_loss": result["best_value"],
+        "last_checkpoint": str(out_dir / "last"),
         "out_dir": str(out_dir),
         "world_size": ctx.world,
         "rank": ctx.rank,

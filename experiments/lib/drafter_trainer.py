@@ -9,6 +9,11 @@ the base on every step. The loop (optimiser, schedule, precision, periodic check
 DDP under torchrun) is experiments/lib/training.py's, shared with the base; this file supplies the
 drafter's loss, batches and validation. A drafter checkpoint records the base's fingerprint;
 families.load_drafter refuses any other base.
+
+`checkpoint/` holds the drafter of the best validation: the highest `mean_agree`, the mean over draft
+positions of how often the drafter's top-1 is the base's top-1. That is the figure drafter validation has
+always measured, and the one acceptance (and so speed) follows; the training loss is a surrogate for it
+(the prophet's is mostly feature regression). `last/` holds the latest, which a resumed run continues from.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
 from experiments.lib.checkpoint import (
-    checkpoint_exists,
     load_checkpoint,
     load_lm,
     read_meta,
@@ -42,16 +46,19 @@ from experiments.lib.settings import check_loop_config, check_positive_int, chec
 from experiments.lib.training import (
     LoopSettings,
     LoopState,
+    Monitor,
     TrainLoop,
     batch_for_step,
     launch,
     make_logger,
     make_optimizer,
+    resume_point,
     validation_blocks,
 )
 from verify.vocab import frequent_tokens
 
 log = logging.getLogger(__name__)
+MONITOR = Monitor("mean_agree", lower_is_better=False)  # what picks checkpoint/ (see the module docstring)
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -138,7 +145,9 @@ def layers_needed(cfg: DictConfig) -> tuple[int, ...]:
 def validate(
     family: Family, module: nn.Module, base: nn.Module, batches: list[FeatureBatch], *, vocab: Tensor | None
 ) -> dict[str, float]:
-    """Drafter metrics over the fixed validation batches, averaged with weights by batch size."""
+    """Drafter metrics over the fixed validation batches, averaged with weights by batch size, and
+    `mean_agree`: the mean of the per-position agreements (`agree`, `head{k}_agree`, `step{j}_agree`), the
+    figure the best checkpoint is picked by."""
     module.eval()
     totals: dict[str, float] = {}
     rows = sum(b.tokens.shape[0] for b in batches)
@@ -146,11 +155,15 @@ def validate(
         for key, value in family.evaluate(module, base, batch, vocab=vocab).items():
             totals[key] = totals.get(key, 0.0) + float(value) * batch.tokens.shape[0]
     module.train()
-    return {key: value / rows for key, value in totals.items()}
+    metrics = {key: value / rows for key, value in totals.items()}
+    agree = [value for key, value in metrics.items() if key == "agree" or key.endswith("_agree")]
+    if not agree:
+        raise ValueError(f"the drafter's evaluate reports no agreement figure (got {sorted(metrics)})")
+    return {**metrics, MONITOR.metric: sum(agree) / len(agree)}
 
 
 def save(
-    out_dir: Path,
+    directory: Path,
     cfg: DictConfig,
     module: nn.Module,
     base_meta: dict,
@@ -168,7 +181,7 @@ def save(
         **extra,
     }
     return save_checkpoint(
-        out_dir / "checkpoint",
+        directory,
         model=module,
         model_config=config,
         tokenizer_json=None,
@@ -276,8 +289,8 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
         raise ValueError(f"seq_len={seq_len} exceeds the base's context max_seq_len={base.max_seq_len}")
     batch_size = cfg.batch_size or cfg.drafter.batch_size
     expected_recipe = recipe(cfg, base_meta=base_meta, seq_len=seq_len, batch_size=batch_size)
-    ckpt_dir = out_dir / "checkpoint"
-    if cfg.resume and checkpoint_exists(ckpt_dir):  # another recipe is refused now, before data and feature cache
+    ckpt_dir = resume_point(out_dir) if cfg.resume else None  # last/, or checkpoint/ in an older run directory
+    if ckpt_dir is not None:  # another recipe is refused now, before data and feature cache
         found = read_meta(ckpt_dir)
         require(
             found.get("kind") == "drafter",
@@ -327,10 +340,18 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
         module, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay
     )
     state = LoopState()
-    if cfg.resume and checkpoint_exists(out_dir / "checkpoint"):
-        state = resume(out_dir / "checkpoint", cfg, module=module, optimizer=optimizer, expected_recipe=expected_recipe)
+    if ckpt_dir is not None:
+        state = resume(ckpt_dir, cfg, module=module, optimizer=optimizer, expected_recipe=expected_recipe)
 
-    def save_fn(state: LoopState, metrics: dict, *, finished: bool, elapsed_s: float) -> Path:
+    def save_fn(
+        state: LoopState,
+        metrics: dict,
+        *,
+        finished: bool,
+        elapsed_s: float,
+        directory: Path,
+        selection: dict[str, Any],
+    ) -> Path:
         extra = {
             "metrics": metrics,
             "precision": precision,
@@ -342,8 +363,9 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
             "recipe": expected_recipe,
             "finished": finished,
             "world_size": ctx.world,
+            **selection,
         }
-        return save(out_dir, cfg, module, base_meta, step=state.step, extra=extra, optimizer=optimizer)
+        return save(directory, cfg, module, base_meta, step=state.step, extra=extra, optimizer=optimizer)
 
     logger = make_logger(cfg, out_dir, ctx)
     loop = TrainLoop(
@@ -362,6 +384,7 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
         logger=logger,
         state=state,
         unit="positions",
+        monitor=MONITOR,
         after_backward=lambda: check_base_frozen(base),
         find_unused=True,
     )
@@ -376,7 +399,10 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
         "stopped_by": result["stopped_by"],
         "elapsed_s": loop.elapsed(),
         "parameters": count_parameters(module),
-        "checkpoint": str(out_dir / "checkpoint"),
+        "checkpoint": str(out_dir / "checkpoint"),  # the best: highest mean_agree
+        "best_step": result["best_step"],
+        "best_mean_agree": result["best_value"],
+        "last_checkpoint": str(out_dir / "last"),
         "out_dir": str(out_dir),
         "precision": precision["used"],
         "positions": loop.state.units,

@@ -113,6 +113,12 @@ def check_loop_config(cfg: Any) -> None:
     )
     require(isinstance(cfg.resume, bool), f"resume must be true or false, got {cfg.resume!r}")
     check_positive_int("threads", cfg.threads, allow_null=True)
+    # early stopping: validations without improvement before stopping (null: never); 0 would stop at once
+    check_positive_int("patience", cfg.patience, allow_null=True)
+    require(
+        is_finite_number(cfg.min_delta) and cfg.min_delta >= 0,
+        f"min_delta must be a number >= 0, got {cfg.min_delta!r}",
+    )
     check_optim(cfg.optim, cfg.max_steps)
     require(isinstance(cfg.device, str), f"device must be auto, cpu or cuda[:N], got {cfg.device!r}")
     resolve_device(cfg.device)

@@ -6,7 +6,23 @@ accumulation, clipping, the optimizer step, validation, metrics.jsonl and the lo
 and resume, time budgets, and DistributedDataParallel under torchrun (experiments/lib/distributed.py). The
 caller (base_trainer, drafter_trainer, train_seq2seq) supplies the model being trained, `loss_fn(model, batch)
 -> (loss, metrics)`, `batch_fn(step)` (this rank's rows of the step's batch), `count_fn` (tokens, positions
-or pairs in a batch), `validate_fn()`, `save_fn` and optionally `after_backward` (a check after each backward).
+or pairs in a batch), `validate_fn()`, `save_fn`, the `Monitor` (which validation figure is better) and
+optionally `after_backward` (a check after each backward).
+
+Two checkpoints live in the run directory. `checkpoint/` holds the best weights so far: those of the validation
+with the best figure (the base and the encoder-decoders: the lowest val_loss; drafters: the highest mean
+agreement with the base, what their validation measures). Every later stage (cache_features, a drafter's
+base_checkpoint, benchmark, generate, the artifact cache) reads `checkpoint/`, so it always gets the best
+weights. `last/` holds the latest: written every checkpoint_every steps and at the end, it is what a resumed
+run continues from. Both are written by save_fn in the same format (weights, optimizer, loop state), and
+their meta.json says which they are ("selected": "best" or "last", best_step, best_value, last_step). The best
+is written at the validation that found it (the weights move on after it), so a step that is both a new best
+and a periodic checkpoint is written twice, once to each: the simplest way for `last/` to be right.
+Validations compare like with like: every trainer validates on the same fixed blocks or pairs each time.
+
+Early stopping (optional, `patience`): training stops after `patience` validations in a row without an
+improvement of at least `min_delta` over the figure of the last validation that improved (Keras' rule: many
+small gains that add up to min_delta still count).
 
 Exact resume needs no loader or RNG state: the batch of step s is drawn from a generator seeded with
 (seed, s), and torch's global RNG is reseeded the same way before every step, so a resumed run retraces the
@@ -36,7 +52,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch import Tensor, nn
 
-from experiments.lib.checkpoint import fingerprint
+from experiments.lib.checkpoint import checkpoint_exists, fingerprint, read_meta, update_meta
 from experiments.lib.cli import write_atomic
 from experiments.lib.data import sample_batch
 from experiments.lib.distributed import (
@@ -58,6 +74,9 @@ from experiments.lib.settings import check_batch_split, require, resolve_device
 
 log = logging.getLogger(__name__)
 SEED_STRIDE = 1_000_003  # seed * stride + step: distinct streams for every (seed, step) in practice
+# The run directory's two checkpoints, by what they hold. checkpoint/ keeps its name for the best: every stage
+# after training reads it, and run directories written before last/ existed keep working.
+CHECKPOINT_DIRS = {"best": "checkpoint", "last": "last"}
 
 
 # ------------------------------------------------------------------------------------------- settings
@@ -125,10 +144,43 @@ class LoopState:
     step: int = 0
     units: int = 0  # tokens (base), positions (drafters) or pairs (seq2seq) trained on, over every rank
     elapsed_s: float = 0.0  # wall time of earlier sessions (resumes add up): max_minutes budgets it all
+    best_step: int | None = None  # the step of the best validation so far: its weights are checkpoint/
+    best_value: float | None = None  # ... and its figure (Monitor.metric)
+    stale: int = 0  # validations in a row without an improvement of min_delta (early stopping)
+    reference: float | None = None  # the figure of the last validation that improved: what stale counts against
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any], unit: str) -> LoopState:
-        return cls(step=meta["step"], units=meta[f"{unit}_seen"], elapsed_s=meta["elapsed_s"])
+        """The state a checkpoint was saved in. One written before best-checkpoint training (no "selected")
+        knows no best: the first validation after resuming writes checkpoint/ anew."""
+        state = cls(step=meta["step"], units=meta[f"{unit}_seen"], elapsed_s=meta["elapsed_s"])
+        if "selected" in meta:
+            stopping = meta["early_stopping"]
+            state.best_step, state.best_value = meta["best_step"], meta["best_value"]
+            state.stale, state.reference = stopping["stale"], stopping["reference"]
+        return state
+
+
+@dataclass(frozen=True)
+class Monitor:
+    """The validation figure that picks the best checkpoint and drives early stopping: a key of validate_fn's
+    result, and whether lower is better."""
+
+    metric: str = "val_loss"
+    lower_is_better: bool = True
+
+    def gain(self, value: float, reference: float) -> float:
+        """How much better `value` is than `reference` (> 0: better)."""
+        return reference - value if self.lower_is_better else value - reference
+
+
+def resume_point(out_dir: Path) -> Path | None:
+    """The checkpoint a resumed run continues from: `last/`, the latest weights; in a run directory written
+    before `last/` existed, `checkpoint/` (there it holds the latest); None when there is neither."""
+    for name in (CHECKPOINT_DIRS["last"], CHECKPOINT_DIRS["best"]):
+        if checkpoint_exists(out_dir / name):
+            return out_dir / name
+    return None
 
 
 class MetricsFile:
@@ -220,7 +272,8 @@ def prepare_run_dir(out_dir: str | Path, ctx: Dist, device: torch.device) -> Pat
     if ctx.main:
         check_writable(out_dir, "out_dir")
         out_dir.mkdir(parents=True, exist_ok=True)
-        check_checkpoint_dir(out_dir / "checkpoint")
+        for name in CHECKPOINT_DIRS.values():
+            check_checkpoint_dir(out_dir / name)
     return out_dir
 
 
@@ -237,6 +290,8 @@ class LoopSettings:
     seed: int
     grad_accum: int
     optim: Any  # the optim group: lr, min_lr, warmup_steps, grad_clip, ...
+    patience: int | None = None  # early stopping: validations without improvement; None: never stop early
+    min_delta: float = 0.0  # the improvement that counts, in the units of the monitored figure
 
     @classmethod
     def from_config(cls, cfg: Any) -> LoopSettings:
@@ -249,6 +304,8 @@ class LoopSettings:
             seed=cfg.seed,
             grad_accum=cfg.grad_accum,
             optim=cfg.optim,
+            patience=cfg.patience,
+            min_delta=float(cfg.min_delta),
         )
 
 
@@ -256,7 +313,11 @@ LossFn = Callable[[nn.Module, Any], "tuple[Tensor, dict[str, float]]"]
 
 
 class TrainLoop:
-    """One optimizer step per `step()`; `run()` is the loop with its logging, validation and checkpoints."""
+    """One optimizer step per `step()`; `run()` is the loop with its logging, validation and checkpoints.
+
+    `save_fn(state, metrics, *, finished, elapsed_s, directory, selection) -> Path` writes one checkpoint of
+    the model and optimizer into `directory` (checkpoint/ or last/), with `selection`'s fields (which one it
+    is, the best step and figure, early stopping) added to its meta.json."""
 
     def __init__(
         self,
@@ -276,6 +337,7 @@ class TrainLoop:
         logger: Any,
         state: LoopState,
         unit: str = "tokens",
+        monitor: Monitor = Monitor(),
         after_backward: Callable[[], None] | None = None,
         find_unused: bool = False,
     ) -> None:
@@ -284,6 +346,7 @@ class TrainLoop:
         self.batch_fn, self.count_fn, self.validate_fn, self.save_fn = batch_fn, count_fn, validate_fn, save_fn
         self.precision, self.device, self.ctx, self.out_dir = precision, device, ctx, out_dir
         self.logger, self.state, self.unit, self.after_backward = logger, state, unit, after_backward
+        self.monitor = monitor
         self.budget_s = settings.max_minutes * 60 if settings.max_minutes is not None else math.inf
         self.log_values: list[dict[str, float]] = []  # loss and metrics of each step since the last "train" row
         self.val_losses: list[float] = []  # ... since the last "val" row
@@ -394,7 +457,102 @@ class TrainLoop:
         values = self.validate_fn() if self.ctx.main else {}  # the other ranks go on to the next all-reduce
         if self.ctx.main:
             log.info("step %d | %s", self.state.step, " | ".join(f"{k} {v:.4f}" for k, v in values.items()))
-        return self.row("val", {**train_loss, **values})
+        row = self.row("val", {**train_loss, **values})
+        if self.ctx.main:  # only rank 0 has the figures, and only it writes
+            self.track(row)
+        return row
+
+    # -- best checkpoint and early stopping
+
+    def track(self, row: dict[str, Any]) -> None:
+        """Count this validation for early stopping, and write checkpoint/ when it is the best so far (now:
+        the weights move on after it). A NaN or infinite figure is never an improvement."""
+        if self.monitor.metric not in row:
+            raise ValueError(f"validation returned no {self.monitor.metric!r} to pick the best checkpoint by")
+        value, s = float(row[self.monitor.metric]), self.state
+        finite = math.isfinite(value)
+        gain = None if s.reference is None else self.monitor.gain(value, s.reference)
+        if finite and (gain is None or (gain > 0 and gain >= self.s.min_delta)):
+            s.reference, s.stale = value, 0
+        else:
+            s.stale += 1
+        if finite and (s.best_value is None or self.monitor.gain(value, s.best_value) > 0):  # ties keep the earlier
+            s.best_step, s.best_value = s.step, value
+            self.save("best", row, finished=False)
+
+    def patience_spent(self) -> bool:
+        """`patience` validations in a row without improvement: rank 0 decides (it alone validates) and every
+        rank learns it, so they stop together."""
+        if self.s.patience is None:
+            return False
+        spent = self.ctx.main and self.state.stale >= self.s.patience
+        return broadcast_float(float(spent), self.ctx, self.device) == 1.0
+
+    def selection(self, which: str, stopped_by: str | None) -> dict[str, Any]:
+        """The meta.json fields that say which checkpoint this is and how the run chose and stopped."""
+        s = self.state
+        return {
+            "selected": which,
+            "best_metric": self.monitor.metric,
+            "best_step": s.best_step,
+            "best_value": s.best_value,
+            "last_step": s.step,
+            "early_stopping": {
+                "patience": self.s.patience,
+                "min_delta": self.s.min_delta,
+                "stale": s.stale,
+                "reference": s.reference,
+            },
+            "stopped_by": stopped_by,
+        }
+
+    def save(
+        self,
+        which: str,
+        metrics: dict[str, Any],
+        *,
+        finished: bool,
+        stopped_by: str | None = None,
+        selected: str | None = None,
+    ) -> Path:
+        """Write checkpoint/ (which="best") or last/ (which="last") through save_fn; rank 0 only."""
+        return self.save_fn(
+            self.state,
+            metrics,
+            finished=finished,
+            elapsed_s=self.elapsed(),
+            directory=self.out_dir / CHECKPOINT_DIRS[which],
+            selection=self.selection(selected or which, stopped_by),
+        )
+
+    def restore_best(self) -> None:
+        """The best figure a resumed run must beat is the one of the weights in checkpoint/, read from its
+        meta: it may be newer than the record in last/ (a best written after last/), and a run that beat it
+        again only by a worse figure would replace better weights. A checkpoint/ that holds no best (missing,
+        or written before best-checkpoint training) is replaced at the next validation."""
+        if self.state.best_step is None:  # nothing validated in this run yet: an old checkpoint/ is not ours
+            return
+        directory = self.out_dir / CHECKPOINT_DIRS["best"]
+        meta = read_meta(directory) if checkpoint_exists(directory) else None
+        if meta is not None and meta.get("selected") == "best" and meta.get("best_metric") == self.monitor.metric:
+            self.state.best_step, self.state.best_value = meta["best_step"], meta["best_value"]
+        else:
+            log.warning("%s holds no best checkpoint: the next validation writes one", directory)
+            self.state.best_step = self.state.best_value = None
+
+    def finish(self, last_val: dict[str, Any], stopped_by: str) -> None:
+        """The end of the run (rank 0): last/ with the final weights, then checkpoint/ marked as the finished
+        result. In that order: checkpoint/ finished means the run is done (the artifact cache reuses it),
+        so it is marked only once last/ is complete; a crash in between is finished again on restart."""
+        self.save("last", last_val, finished=True, stopped_by=stopped_by)
+        best = self.out_dir / CHECKPOINT_DIRS["best"]
+        if self.state.best_step is None:  # no finite validation figure to choose by: the final weights
+            self.save("best", last_val, finished=True, stopped_by=stopped_by, selected="last")
+        else:
+            selection = self.selection("best", stopped_by)
+            update_meta(
+                best, {"finished": True, **{k: selection[k] for k in ("last_step", "early_stopping", "stopped_by")}}
+            )
 
     def log_train(self) -> None:
         mean = {k: sum(v[k] for v in self.log_values) / len(self.log_values) for k in self.log_values[-1]}
@@ -409,9 +567,13 @@ class TrainLoop:
         self.session_start = time.perf_counter()
         if self.ctx.main:
             self.metrics_file = MetricsFile(self.out_dir / "metrics.jsonl", resume_step=start_step)
+            self.restore_best()
+        # resumed after an early stop (or with a smaller patience): stop again at once; a run that already reached
+        # max_steps is not reported as stopped early
+        stop_early = state.step < s.max_steps and self.patience_spent()
         with progress_bar(enabled=self.ctx.main) as progress:
             task = progress.add_task("train", total=s.max_steps, completed=state.step, info="")
-            while state.step < s.max_steps:
+            while state.step < s.max_steps and not stop_early:
                 elapsed = self.shared_elapsed()
                 if elapsed >= self.budget_s:
                     stopped_by = "max_minutes"
@@ -422,19 +584,57 @@ class TrainLoop:
                     self.log_train()
                 if state.step % s.eval_every == 0 and state.step < s.max_steps:
                     last_val = self.validate()
+                    stop_early = self.patience_spent()
                 if state.step % s.checkpoint_every == 0 and state.step < s.max_steps and self.ctx.main:
-                    self.save_fn(self.state, last_val or {}, finished=False, elapsed_s=self.elapsed())
+                    self.save("last", last_val or {}, finished=False)
+        if stop_early:
+            stopped_by = "patience"
+            self.log_stop()
         if last_val is None or last_val["step"] != state.step:
             # nothing trained this session (a finished run started again): its last validation stands
             last_val = (self.previous_val() if state.step == start_step else None) or self.validate()
         if self.ctx.main and (state.step > start_step or not self.checkpoint_complete()):
-            self.save_fn(self.state, last_val, finished=True, elapsed_s=self.elapsed())
+            self.finish(last_val, stopped_by)
         return {
             "start_step": start_step,
             "stopped_by": stopped_by,
             "last_val": last_val,
+            "best_step": state.best_step,
+            "best_value": state.best_value,
             "replica_fingerprints": self.replica_fingerprints(),
         }
+
+    def log_stop(self) -> None:
+        """One line in the log and a "stop" row in metrics.jsonl (rank 0; one row per step, so a stopped run
+        started again adds none)."""
+        if not self.ctx.main:
+            return
+        s = self.state
+        log.info(
+            "early stop at step %d: %s did not improve by min_delta=%g in %d validations (patience %d); "
+            "best %.4f at step %s",
+            s.step,
+            self.monitor.metric,
+            self.s.min_delta,
+            s.stale,
+            self.s.patience,
+            s.best_value if s.best_value is not None else math.nan,
+            s.best_step,
+        )
+        if any(r["kind"] == "stop" and r["step"] == s.step for r in MetricsFile.read(self.metrics_file.path)):
+            return
+        self.metrics_file.write(
+            {
+                "kind": "stop",
+                "step": s.step,
+                "stopped_by": "patience",
+                "stale": s.stale,
+                "patience": self.s.patience,
+                "min_delta": self.s.min_delta,
+                "best_step": s.best_step,
+                f"best_{self.monitor.metric}": s.best_value,
+            }
+        )
 
     def previous_val(self) -> dict[str, Any] | None:
         """The last "val" row already written at this step (rank 0; the others validate nothing anyway)."""
@@ -446,8 +646,15 @@ class TrainLoop:
         return rows[-1] if rows else None
 
     def checkpoint_complete(self) -> bool:
-        meta = self.out_dir / "checkpoint" / "meta.json"
-        return meta.is_file() and json.loads(meta.read_text()).get("finished", False)
+        """The run's end is written: checkpoint/ and last/ finished (a run directory from before last/
+        existed: checkpoint/ alone)."""
+
+        def finished(name: str) -> bool:
+            meta = self.out_dir / name / "meta.json"
+            return meta.is_file() and json.loads(meta.read_text()).get("finished", False)
+
+        last_exists = (self.out_dir / CHECKPOINT_DIRS["last"] / "meta.json").is_file()
+        return finished(CHECKPOINT_DIRS["best"]) and (finished(CHECKPOINT_DIRS["last"]) or not last_exists)
 
     def replica_fingerprints(self) -> list[str] | None:
         """Each rank's weight fingerprint: DDP keeps the replicas bit-identical, and this shows it."""
