@@ -57,7 +57,8 @@ def recipe_key(cfg) -> str:
     """Hash of everything that changes the trained weights (not where they are written, not logging).
 
     A drafter's base enters by the fingerprint of its weights, not only its path: a base retrained at
-    the same path gets new drafters."""
+    the same path gets new drafters. eval_every, patience and min_delta stay in: checkpoint/ holds the weights
+    of the best validation, so how often a run validates and when it stops decide which weights it keeps."""
     recipe = OmegaConf.to_container(cfg, resolve=False)
     for key in (
         "out_dir",
@@ -68,7 +69,6 @@ def recipe_key(cfg) -> str:
         "resume",
         "checkpoint_every",
         "log_every",
-        "eval_every",
         "grad_accum",
     ):  # where and how often it reports, not what it trains
         recipe.pop(key, None)

@@ -198,12 +198,16 @@ def make_methods(
 
 
 def loaded_record(directory: str, meta: dict) -> dict[str, Any]:
-    """What results.json records of a loaded checkpoint: where, which (fingerprint, step) and its recipe."""
+    """What results.json records of a loaded checkpoint: where, which (fingerprint, step; "selected": "best" for
+    the best validation of its run, "last" for the latest, null for one written before runs kept both, with the
+    run's last step) and its recipe."""
     return {
         "checkpoint": str(directory),
         "kind": meta.get("kind"),
         "fingerprint": meta["fingerprint"],
         "step": meta.get("step"),
+        "selected": meta.get("selected"),
+        "last_step": meta.get("last_step"),
         **checkpoint_recipe(meta),
     }
 
