@@ -193,3 +193,76 @@ def test_deterministic_candidates_match_one_hot_q():
     want = tree_sampling_accept(p, tokens, parents, F.one_hot(tokens, vocab).float(), torch.Generator().manual_seed(5))
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+# ------------------------------------------------------------------ siblings drawn without replacement
+
+
+def test_sibling_draws_are_distinct_successive_draws_with_their_q():
+    """sample_siblings: 200,000 rows of 3 draws from p over 5 ids (one of probability 0). The draws are
+    distinct, draw j's q is p without draws < j, renormalised, and the pairs (x0, x1) follow
+    p(x0) p(x1) / (1 - p(x0)) (chi-square); the id of probability 0 is never drawn while others are left."""
+    from verify.sampling import sample_siblings
+
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    rows = 200_000
+    index, q = sample_siblings(p.expand(rows, -1), 3, torch.Generator().manual_seed(0))
+    assert index.shape == (rows, 3) and q.shape == (rows, 3, 5)
+    assert bool((index.sort(-1).values.diff(dim=-1) > 0).all())  # distinct
+    assert not bool((index == 4).any())
+    want = p.expand(rows, 3, -1).clone()
+    for j in range(1, 3):
+        want[:, j:].scatter_(2, index[:, j - 1, None, None].expand(-1, 3 - j, 1), 0.0)
+    torch.testing.assert_close(q, want / want.sum(-1, keepdim=True))
+    pairs = torch.bincount(index[:, 0] * 5 + index[:, 1], minlength=25).float().reshape(5, 5)
+    expected = p[:, None] * p[None, :] / (1 - p[:, None])
+    expected.fill_diagonal_(0)
+    stat, critical = chi_square(pairs.flatten()[None], expected.flatten()[None])
+    assert stat < critical, (stat, critical)
+
+
+def test_draws_past_the_mass_are_deterministic_with_one_hot_q():
+    """Fewer ids with probability than draws (a top-k transform, a trimmed vocabulary): the draws past them are
+    the remaining ids in id order, each with q one-hot on itself (a deterministic pick), never a q of no mass."""
+    from verify.sampling import sample_siblings
+
+    p = torch.tensor([0.0, 0.7, 0.0, 0.3, 0.0])
+    index, q = sample_siblings(p.expand(1000, -1), 4, torch.Generator().manual_seed(1))
+    assert set(map(tuple, index[:, :2].sort(-1).values.tolist())) == {(1, 3)}
+    assert index[:, 2:].tolist() == [[0, 2]] * 1000
+    torch.testing.assert_close(q[:, 2:], F.one_hot(index[:, 2:], 5).float())
+    torch.testing.assert_close(q.sum(-1), torch.ones(1000, 4))
+
+
+def siblings_at_the_root(rows: int, *, seed: int, wrong_q: bool):
+    """One parent, three children drawn without replacement from q; returns the token the rule emits after the
+    root. wrong_q records every sibling's q as the undepleted q (the draws' real law ignored)."""
+    from verify.sampling import sample_siblings
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 5
+    p_root = torch.softmax(1.5 * torch.randn(vocab, generator=gen), -1)
+    q_root = torch.softmax(1.5 * torch.randn(vocab, generator=gen), -1)
+    index, q = sample_siblings(q_root.expand(rows, -1), 3, gen)  # (rows, 3), (rows, 3, V)
+    if wrong_q:
+        q = q_root.expand(rows, 3, -1)
+    tokens = torch.cat((torch.zeros(rows, 1, dtype=torch.long), index), dim=1)
+    parents = torch.tensor([-1, 0, 0, 0]).expand(rows, -1)
+    p = p_root.expand(rows, 4, -1).contiguous()  # p after a child is never used: every child is a leaf
+    q = torch.cat((torch.zeros(rows, 1, vocab), q), dim=1)
+    accepted, path, nxt = tree_sampling_accept(p, tokens, parents, q, torch.Generator().manual_seed(seed + 1))
+    first = torch.where(accepted > 0, tokens.gather(1, path[:, 1:2])[:, 0], nxt)
+    return torch.bincount(first, minlength=vocab).float(), p_root, accepted
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_siblings_without_replacement_are_lossless_and_a_wrong_q_is_caught(seed):
+    """200,000 rows: the first emitted token follows p with sibling draws without replacement and their q;
+    recording the undepleted q for every sibling (the bug this guards against) is rejected by the same test."""
+    counts, p_root, accepted = siblings_at_the_root(200_000, seed=seed, wrong_q=False)
+    stat, critical = chi_square(counts[None], p_root[None])
+    assert stat < critical, (counts / counts.sum(), p_root, stat, critical)
+    assert 0.2 < float((accepted > 0).float().mean()) < 1
+    counts, p_root, _ = siblings_at_the_root(200_000, seed=seed, wrong_q=True)
+    stat, critical = chi_square(counts[None], p_root[None])
+    assert stat > critical, f"a wrong q passed: chi2 {stat:.1f} < {critical:.1f}; the test has no power"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from verify.numerics import is_finite_number
@@ -83,6 +84,33 @@ def sample_from_probs(probs: Tensor, generator: torch.Generator | None = None) -
     """
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / noise).argmax(dim=-1)
+
+
+def sample_siblings(probs: Tensor, width: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """(..., V) probabilities -> `width` distinct ids drawn WITHOUT replacement, in draw order (..., width), and
+    q (..., width, V): the distribution each draw came from, `probs` without the draws before it, renormalised.
+
+    The tree rule (verify.tree.tree_sampling_accept) tries siblings in turn and, on a rejection, removes the
+    sibling's q from the residual: each try is a valid rejection step whatever distribution the sibling came
+    from, as long as q is that distribution given the earlier siblings. So siblings may be distinct draws,
+    which never waste a try on a token already rejected.
+
+    The same exponential race as `sample_from_probs`: the first `width` arrivals (largest p / E) are
+    successive draws, each from what is left. Ids of probability 0 arrive only after every other, lowest id
+    first (a fixed order, not the noise's): when fewer than `width` ids have mass, the extra draws are
+    deterministic picks and their q is one-hot on them, which the rules treat like any deterministic candidate.
+    """
+    vocab = probs.shape[-1]
+    if not 1 <= width <= vocab:
+        raise ValueError(f"width={width}: must be between 1 and the vocabulary size {vocab}")
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    last = -1.0 - torch.arange(vocab, device=probs.device, dtype=probs.dtype)  # below every p / E: id order
+    index = torch.where(probs > 0, probs / noise, last).topk(width, dim=-1).indices  # (..., width)
+    drawn = F.one_hot(index, vocab).to(probs.dtype)  # (..., width, V)
+    before = drawn.cumsum(dim=-2) - drawn  # 1 at the ids drawn before each draw
+    left = probs.unsqueeze(-2) * (1 - before)  # (..., width, V)
+    mass = left.sum(-1, keepdim=True)
+    return index, torch.where(mass > 0, left / mass.clamp(min=1e-30), drawn)
 
 
 def sample_token(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> Tensor:

@@ -24,6 +24,16 @@ from verify.sampling import sample_from_probs
 
 Path = tuple[int, ...]
 
+# How a tree drafter picks a node's children at temperature > 0: "sampled" draws them without replacement from
+# its distribution and reports q (the default); "ranked" takes its top-ranked guesses (q None, as at T = 0).
+CANDIDATES = ("sampled", "ranked")
+
+
+def check_candidates(candidates: str) -> str:
+    if candidates not in CANDIDATES:
+        raise ValueError(f"candidates={candidates!r}: must be one of {', '.join(CANDIDATES)}")
+    return candidates
+
 
 def sort_paths(paths: list[Path]) -> list[Path]:
     """Sort rank paths by (length, path), checking that each path's prefix is also in the tree."""
@@ -53,6 +63,27 @@ def verify_parents(parents: Tensor) -> Tensor:
     """Draft parents (b, k) -> verify-indexed parents (b, k + 1) with the root at index 0."""
     root = torch.full_like(parents[:, :1], -1)
     return torch.cat((root, parents + 1), dim=1)
+
+
+def sibling_groups(parents: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Draft parents (k,) -> sources (G,), the nodes that have children in node order (-1 = the pending token),
+    group (k,), the index in sources of each node's parent, and sibling (k,), how many earlier siblings each
+    node has (0 = its parent's first child).
+
+    A sampled tree gives node i its parent's draw number sibling[i] (draws without replacement): the rule tries
+    a node's children in node order, so the j-th child tried is the j-th draw, and its q (the distribution
+    without draws < j) is the one it came from. A node's rank in a static tree only orders its siblings: ranks
+    {0, 2} under one parent take draws 0 and 1 (skipping a draw would stay lossless, but waste it).
+    """
+    par = parents.tolist()
+    sources = sorted(set(par))
+    group = [sources.index(p) for p in par]
+    sibling = [par[:i].count(p) for i, p in enumerate(par)]
+    return (
+        torch.tensor(sources, dtype=torch.long, device=parents.device),
+        torch.tensor(group, dtype=torch.long, device=parents.device),
+        torch.tensor(sibling, dtype=torch.long, device=parents.device),
+    )
 
 
 def grow_tree(accuracies: list[list[float]], budget: int) -> list[Path]:
