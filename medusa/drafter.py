@@ -7,11 +7,16 @@ last accepted node of the verification forward at `commit`. The drafter never ru
 
 A step is one batched computation of all heads on (b, d) (`MedusaHeads.stacked`) and one top-k; the
 tree's shape (which head and rank each node reads, and its parent) is a table computed once per depth
-limit, so proposing has no Python loop over heads, tokens or rows. Tree picks are deterministic (q = None):
-the loop's lossless rules treat q as one-hot, and its tree sampling tries siblings in turn, so a static
-tree stays lossless at any temperature. A chain at T > 0 samples token k from head k's distribution (the
-shared sampling transform) and returns q: speculative sampling then accepts it with probability
-min(1, p / q) instead of only as often as the base samples the head's top guess.
+limit, so proposing has no Python loop over heads, tokens or rows. At T = 0 a node of rank r is head d's
+rank-r guess (q None). At T > 0 a chain samples token k from head k's distribution (the shared sampling
+transform) and returns q: speculative sampling then accepts it with probability min(1, p / q) instead of
+only as often as the base samples the head's top guess. A tree at T > 0 keeps its shape and samples too
+(`candidates="sampled"`, the default): the children of a node at depth d - 1 are distinct draws without
+replacement from head d's distribution, the j-th child in node order the j-th draw, with q that draw's
+distribution (head d's without the earlier siblings, renormalised; verify.sampling.sample_siblings). Head d
+reads no path, so every parent at depth d - 1 draws its own children from the same distribution,
+independently. The tree rule tries siblings in order and removes each rejected one's q from the residual,
+so this is lossless; `candidates="ranked"` keeps the top-ranked guesses at T > 0 too.
 
 `vocab` (sorted ids (N,), see verify/vocab.py) trims the heads' projections to the N most frequent
 tokens: argmax and top-k run over the subset and map back to full ids, so drafts never leave it.
@@ -26,10 +31,10 @@ from torch import Tensor
 from medusa.heads import MedusaHeads
 from medusa.trees import RANKS, default_tree, node_table
 from verify.drafter import Draft, Verdict
-from verify.sampling import SamplingConfig, draft_from_logits
+from verify.sampling import SamplingConfig, draft_from_logits, probs_from_logits, sample_siblings
 from verify.target import TargetOutput
-from verify.tree import Path, sort_paths
-from verify.vocab import check_vocab, full_ids
+from verify.tree import Path, check_candidates, sibling_groups, sort_paths
+from verify.vocab import check_vocab, expand_probs, full_ids
 
 MODES = ("chain", "tree")
 
@@ -61,12 +66,15 @@ class MedusaDrafter:
         tree_nodes: int = 16,
         vocab: Tensor | None = None,
         accuracies: list[list[float]] | None = None,
+        candidates: str = "sampled",
     ):
         """`accuracies[k][r]`: how often head k + 1's rank-r guess was the base's choice (measured on
         validation, medusa.trees.accuracies_from_metrics): the default tree (tree None) is grown from them,
-        else from typical Medusa accuracies."""
+        else from typical Medusa accuracies. `candidates`: a tree's children at T > 0, "sampled" (drawn
+        without replacement, with q) or "ranked" (the top guesses, q None); see the module docstring."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
+        self.candidates = check_candidates(candidates)
         if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
             raise ValueError(f"tree_nodes={tree_nodes!r}: must be an integer >= 1")
         self.heads, self.mode = heads, mode
@@ -76,6 +84,7 @@ class MedusaDrafter:
         self.dtype = next(heads.parameters()).dtype
         self.stacked = heads.stacked(self.vocab)  # built once: hidden (b, d) -> logits (b, K, N)
         self._tables: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self._groups: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         if mode == "chain":
             if tree is not None:
                 raise ValueError("tree is given but mode='chain': a tree needs mode='tree'")
@@ -99,9 +108,21 @@ class MedusaDrafter:
                 logits[:, :depth], sampling, generator, vocab=self.vocab, vocab_size=self.vocab_size
             )
             return Draft(tokens=tokens, q=q)
+        parents, head, rank = self._table(depth, logits.device)
+        if not sampling.greedy and self.candidates == "sampled":
+            return self._sampled_tree(logits[:, :depth], parents, depth, sampling, generator)
         top = logits.topk(self.ranks, dim=-1).indices  # (b, K, R) positions in the subset
-        parents, head, rank = self._table(depth, top.device)
         return Draft(tokens=full_ids(top[:, head, rank], self.vocab), parents=parents)  # (b, k), (k,)
+
+    def _sampled_tree(
+        self, logits: Tensor, parents: Tensor, depth: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Draft:
+        """logits (b, depth, N) of heads 1..depth -> the tree's nodes as draws without replacement, with q."""
+        head, group, sibling = self._sibling_table(depth, logits.device)
+        probs = probs_from_logits(logits, sampling)[:, head]  # (b, G, N): the head that fills each parent's children
+        index, q = sample_siblings(probs, int(sibling.max()) + 1, generator)  # (b, G, W), (b, G, W, N)
+        tokens = full_ids(index[:, group, sibling], self.vocab)  # (b, k)
+        return Draft(tokens=tokens, q=expand_probs(q[:, group, sibling], self.vocab, self.vocab_size), parents=parents)
 
     def commit(self, verdict: Verdict) -> None:
         # path[:, a] is the verify index of the last accepted node (the old pending token when a = 0)
@@ -115,6 +136,18 @@ class MedusaDrafter:
             self._tables[depth] = tuple(t.to(device) for t in node_table(self.paths, depth))
         return self._tables[depth]
 
+    def _sibling_table(self, depth: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+        """For a sampled tree no deeper than `depth`, built once per depth: head (G,), the head (0-based) that
+        draws the children of each node with children (the pending token's: head 0), and each node's group (k,)
+        and draw number among its siblings (k,) (verify.tree.sibling_groups)."""
+        if depth not in self._groups:
+            parents, head, _ = node_table(self.paths, depth)
+            sources, group, sibling = sibling_groups(parents)
+            # a node's children are one level deeper: the root's come from head 0, node s's from head[s] + 1
+            source_head = torch.where(sources >= 0, head[sources.clamp(min=0)] + 1, torch.zeros_like(sources))
+            self._groups[depth] = (source_head.to(device), group.to(device), sibling.to(device))
+        return self._groups[depth]
+
 
 def make_drafter(
     module: MedusaHeads,
@@ -125,8 +158,11 @@ def make_drafter(
     tree_nodes: int = 16,
     vocab: Tensor | None = None,
     accuracies: list[list[float]] | None = None,
+    candidates: str = "sampled",
 ) -> MedusaDrafter:
     """The drafter for decoding (decode kwargs from conf/drafter/medusa.yaml `decode:`); `vocab` the sorted
     token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary;
     `accuracies` the heads' measured rank accuracies, to grow the default tree from (see MedusaDrafter)."""
-    return MedusaDrafter(module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies)
+    return MedusaDrafter(
+        module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies, candidates=candidates
+    )

@@ -14,9 +14,13 @@ every parent of that level (one head call, one top-k); which parent, rank and an
 is a table computed once per depth limit, so proposing loops over levels only, never over rows or nodes.
 A chain is the tree of rank-0 paths [(0,), (0, 0), ..] returned without parents.
 
-Tree picks are deterministic (q = None): the loop's lossless rules treat q as one-hot, and its tree
-sampling tries siblings in turn, so drafting stays lossless at any temperature. A chain at T > 0 samples
-each head's token given the path sampled before it and returns q (as MedusaDrafter's chain does).
+At T = 0 the picks are the ranked guesses (q = None). At T > 0 a chain samples each head's token given the
+path sampled before it and returns q (as MedusaDrafter's chain does), and a tree (`candidates="sampled"`,
+the default) keeps its shape and samples too: under each parent, head d's distribution given that parent's
+path, and the parent's children are distinct draws without replacement from it, the j-th child in node
+order the j-th draw, with q that draw's distribution (without the earlier siblings, renormalised). The
+tree rule tries siblings in that order, so this is lossless (see MedusaDrafter). `candidates="ranked"`
+keeps the ranked guesses at T > 0.
 
 `vocab` (sorted ids (N,)) trims the heads' projections: top-k runs over the subset and maps back to full
 ids, which is also what the next head's embedding reads.
@@ -37,10 +41,10 @@ from medusa.drafter import MedusaDrafter
 from medusa.sequential import SequentialHeads
 from medusa.trees import node_table
 from verify.drafter import Draft, Verdict
-from verify.sampling import SamplingConfig, draft_from_logits
+from verify.sampling import SamplingConfig, draft_from_logits, probs_from_logits, sample_siblings
 from verify.target import TargetOutput
 from verify.tree import Path
-from verify.vocab import full_ids
+from verify.vocab import expand_probs, full_ids
 
 
 @dataclass
@@ -51,6 +55,8 @@ class Level:
     slot: Tensor  # (C,) for each node of depth d, in node order: the row of `reads` it is a child of
     rank: Tensor  # (C,) its rank among head d's guesses under that parent
     width: int  # top-k width: the largest rank read at this depth, plus one
+    sibling: Tensor  # (C,) sampled trees: its draw number under that parent (earlier siblings in node order)
+    draws: int  # sampled trees: draws per parent, the most children any parent of this depth has
 
 
 def level_table(paths: list[Path], max_depth: int) -> tuple[Tensor, list[Level]]:
@@ -74,12 +80,15 @@ def level_table(paths: list[Path], max_depth: int) -> tuple[Tensor, list[Level]]
         nodes = [i for i, di in enumerate(depth) if di == d]
         sources = sorted({par[i] for i in nodes})  # parents with children, in node order (-1, the root, first)
         ranks = rank[nodes]
+        sibling = [[par[j] for j in nodes[:n]].count(par[i]) for n, i in enumerate(nodes)]
         levels.append(
             Level(
                 reads=torch.tensor([path_of(s) for s in sources]),
                 slot=torch.tensor([sources.index(par[i]) for i in nodes]),
                 rank=ranks,
                 width=int(ranks.max()) + 1,
+                sibling=torch.tensor(sibling),
+                draws=max(sibling) + 1,
             )
         )
     return parents, levels
@@ -95,9 +104,16 @@ class SequentialDrafter(MedusaDrafter):
         tree_nodes: int = 16,
         vocab: Tensor | None = None,
         accuracies: list[list[float]] | None = None,
+        candidates: str = "sampled",
     ):
         super().__init__(
-            heads, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies
+            heads,
+            mode=mode,
+            tree=tree,
+            tree_nodes=tree_nodes,
+            vocab=vocab,
+            accuracies=accuracies,
+            candidates=candidates,
         )  # self.stacked: DecodeHeads
         if mode == "chain":  # the chain is the tree of top-1 guesses, drafted the same way
             self.paths = [(0,) * d for d in range(1, heads.num_heads + 1)]
@@ -113,18 +129,25 @@ class SequentialDrafter(MedusaDrafter):
         parents, levels = self._table(depth, self.hidden.device)
         hidden = self.hidden.to(self.dtype)  # (b, d)
         tokens = self.pending[:, None]  # (b, 1) verify-indexed: the root, then each level's nodes appended
-        sample, qs = self.mode == "chain" and not sampling.greedy, []
+        sample = not sampling.greedy and (self.mode == "chain" or self.candidates == "sampled")
+        qs = []  # sampled: each level's q (b, C, V), zero outside the subset
         for d, level in enumerate(levels, start=1):  # head d fills depth d: one call over all rows and parents
             p = level.reads.shape[0]
             reads = rearrange(tokens[:, level.reads], "b p k -> (b p) k")  # (b P, d) full ids of each parent's path
             logits = self.stacked(d, repeat(hidden, "b d -> (b p) d", p=p), reads)  # (b P, N)
-            if sample:  # a chain at T > 0: one node per level, sampled from head d given the sampled path, with q
+            if sample and self.mode == "chain":  # one node per level, sampled from head d given the sampled path
                 token, q = draft_from_logits(logits, sampling, generator, vocab=self.vocab, vocab_size=self.vocab_size)
-                tokens, qs = torch.cat((tokens, token[:, None]), dim=1), qs + [q]
+                tokens, qs = torch.cat((tokens, token[:, None]), dim=1), qs + [q[:, None]]
+                continue
+            if sample:  # a tree at T > 0: each parent's children drawn without replacement from head d given its path
+                probs = rearrange(probs_from_logits(logits, sampling), "(b p) n -> b p n", p=p)
+                index, q = sample_siblings(probs, level.draws, generator)  # (b, P, W), (b, P, W, N)
+                tokens = torch.cat((tokens, full_ids(index[:, level.slot, level.sibling], self.vocab)), dim=1)
+                qs.append(expand_probs(q[:, level.slot, level.sibling], self.vocab, self.vocab_size))
                 continue
             top = rearrange(logits.topk(level.width, dim=-1).indices, "(b p) r -> b p r", p=p)  # subset positions
             tokens = torch.cat((tokens, full_ids(top[:, level.slot, level.rank], self.vocab)), dim=1)
-        q = torch.stack(qs, dim=1) if qs else None  # (b, depth, V)
+        q = torch.cat(qs, dim=1) if qs else None  # (b, k, V) in node order
         return Draft(tokens=tokens[:, 1:], q=q, parents=None if self.mode == "chain" else parents)
 
     def commit(self, verdict: Verdict) -> None:
@@ -138,7 +161,10 @@ class SequentialDrafter(MedusaDrafter):
             move = lambda t: t.to(device)  # noqa: E731
             self._levels[depth] = (
                 move(parents),
-                [Level(move(lv.reads), move(lv.slot), move(lv.rank), lv.width) for lv in levels],
+                [
+                    Level(move(lv.reads), move(lv.slot), move(lv.rank), lv.width, move(lv.sibling), lv.draws)
+                    for lv in levels
+                ],
             )
         return self._levels[depth]
 
@@ -152,8 +178,11 @@ def make_drafter(
     tree_nodes: int = 16,
     vocab: Tensor | None = None,
     accuracies: list[list[float]] | None = None,
+    candidates: str = "sampled",
 ) -> SequentialDrafter:
     """The drafter for decoding (decode kwargs from conf/drafter/sequential.yaml `decode:`); `vocab` the sorted
     token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary;
     `accuracies` the heads' measured rank accuracies, to grow the default tree from (see MedusaDrafter)."""
-    return SequentialDrafter(module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies)
+    return SequentialDrafter(
+        module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies, candidates=candidates
+    )

@@ -15,11 +15,13 @@ from medusa.heads import MedusaHeads, ResBlock
 from medusa.trees import default_tree, node_table, tree_from_accuracies
 from tests.test_lossless import run as run_lossless
 from tests.test_lossless import sharp_lm
+from tests.test_tree import check_sampled_siblings
 from verify.plain import plain_generate
-from verify.sampling import SamplingConfig
+from verify.sampling import SamplingConfig, probs_from_logits
 from verify.speculative import SpecConfig, speculative_generate
 from verify.target import Target, TargetOutput
 from verify.tree import sort_paths
+from verify.vocab import expand_probs, full_ids, subset_logits
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4]]
 SMALL_TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
@@ -329,14 +331,50 @@ def test_tree_covering_every_rank_always_accepts_two_tokens():
     assert out.stats.forwards.tolist() == [8, 8]  # prefill, then 7 steps of 3 tokens: 1 + 21 = 22
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_medusa_sampling_reproduces_the_target_distribution(mode):
+# (mode, tree candidates at T > 0, temperature) of the chi-square tests, Medusa's and the sequential heads'
+LOSSLESS = {
+    "chain": ("chain", "sampled", 1.0),
+    "sampled_tree": ("tree", "sampled", 1.0),
+    "sampled_tree_t07": ("tree", "sampled", 0.7),
+    "ranked_tree": ("tree", "ranked", 1.0),
+}
+LOSSLESS_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]
+
+
+@pytest.mark.parametrize("case", list(LOSSLESS))
+def test_medusa_sampling_reproduces_the_target_distribution(case):
     # perturbed heads on the chi-square test's own target; their picks are accepted 30-45% of the time
+    mode, candidates, temperature = LOSSLESS[case]
     heads = perturb(MedusaHeads.from_base(sharp_lm(0), num_heads=2, num_layers=1), seed=0, scale=0.3)
-    tree = [[0], [1], [2], [0, 0], [0, 1], [1, 0]] if mode == "tree" else None
-    (stat, critical), stats = run_lossless(MedusaDrafter(heads, mode=mode, tree=tree), SamplingConfig(temperature=1.0))
+    tree = LOSSLESS_TREE if mode == "tree" else None
+    drafter = MedusaDrafter(heads, mode=mode, tree=tree, candidates=candidates)
+    (stat, critical), stats = run_lossless(drafter, SamplingConfig(temperature=temperature))
     assert 0.2 < stats.alpha < 1  # acceptance and rejection both exercised, at depth 1 and 2
-    assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}: Medusa {mode} is not lossless"
+    assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}: Medusa {case} is not lossless"
+
+
+@pytest.mark.parametrize("vocab", [None, torch.arange(1, 97, 3)])
+def test_sampled_tree_keeps_its_shape_and_draws_children_from_the_next_head(vocab):
+    """At T > 0 the static tree keeps its nodes and parents; each parent's children are distinct draws from
+    head d's distribution (the sampling transform of its logits over the subset), without replacement in node
+    order, with their q (tests/test_tree.py's check); at T = 0 the same drafter drafts the ranked guesses."""
+    heads = perturb(MedusaHeads.from_base(make_base(), num_heads=2, num_layers=1), seed=0)
+    drafter = MedusaDrafter(heads, mode="tree", tree=[list(p) for p in SMALL_TREE], vocab=vocab)
+    prefill, sampling = fake_prefill(), SamplingConfig(temperature=0.7, top_k=40)
+    drafter.begin([[1], [2]], prefill, torch.zeros(2, dtype=torch.long))
+    draft = drafter.propose(4, sampling, torch.Generator().manual_seed(0))
+    parents, head, _ = node_table(SMALL_TREE, 2)
+    assert draft.parents.tolist() == parents.tolist()
+    check_sampled_siblings(draft, 97, vocab)
+    logits = heads(prefill.hidden[:, -1:])[:, 0]  # (b, K, V)
+    probs = expand_probs(probs_from_logits(subset_logits(logits, vocab), sampling), vocab, 97)  # (b, K, V)
+    first = [i for i, p in enumerate(parents.tolist()) if p not in parents.tolist()[:i]]  # each parent's first child
+    torch.testing.assert_close(draft.q[:, first], probs[:, head[first]])
+    ranked = drafter.propose(4, SamplingConfig(), None)
+    top = subset_logits(logits, vocab).topk(3, dim=-1).indices  # (b, K, 3)
+    kept = [p for p in SMALL_TREE if len(p) <= 2]
+    assert ranked.q is None
+    assert ranked.tokens.tolist() == [[int(full_ids(top[i, len(p) - 1, p[-1]], vocab)) for p in kept] for i in range(2)]
 
 
 # ------------------------------------------------------------------------------------------- errors

@@ -16,6 +16,8 @@ from medusa.trees import node_table
 from tests.test_lossless import run as run_lossless
 from tests.test_lossless import sharp_lm
 from tests.test_medusa import (
+    LOSSLESS,
+    LOSSLESS_TREE,
     PROMPTS,
     SMALL_TREE,
     HiddenSpy,
@@ -27,9 +29,11 @@ from tests.test_medusa import (
     random_batch,
     spec,
 )
+from tests.test_tree import check_sampled_siblings
 from verify.plain import plain_generate
-from verify.sampling import SamplingConfig
+from verify.sampling import SamplingConfig, probs_from_logits
 from verify.target import Target
+from verify.vocab import expand_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -301,16 +305,42 @@ def test_tree_covering_every_rank_always_accepts_two_tokens():
     assert out.stats.forwards.tolist() == [8, 8]  # prefill, then 7 steps of 3 tokens: 1 + 21 = 22
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_sampling_reproduces_the_target_distribution(mode):
-    # perturbed heads on the chi-square test's own target; measured acceptance 0.30 (chain), 0.50 (tree)
+@pytest.mark.parametrize("case", list(LOSSLESS))
+def test_sampling_reproduces_the_target_distribution(case):
+    # perturbed heads on the chi-square test's own target; measured acceptance 0.30 (chain), 0.50 (ranked tree)
+    mode, candidates, temperature = LOSSLESS[case]
     heads = perturb(SequentialHeads.from_base(sharp_lm(0), num_heads=2, num_layers=1), seed=0, scale=0.3)
-    tree = [[0], [1], [2], [0, 0], [0, 1], [1, 0]] if mode == "tree" else None
-    (stat, critical), stats = run_lossless(
-        SequentialDrafter(heads, mode=mode, tree=tree), SamplingConfig(temperature=1.0)
-    )
+    tree = LOSSLESS_TREE if mode == "tree" else None
+    drafter = SequentialDrafter(heads, mode=mode, tree=tree, candidates=candidates)
+    (stat, critical), stats = run_lossless(drafter, SamplingConfig(temperature=temperature))
     assert 0.2 < stats.alpha < 1  # acceptance and rejection both exercised, at depth 1 and 2
-    assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}: sequential {mode} is not lossless"
+    assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}: sequential {case} is not lossless"
+
+
+@pytest.mark.parametrize("vocab", [None, torch.arange(1, 97, 3)])
+def test_sampled_tree_draws_each_parents_children_given_its_path(vocab):
+    """At T > 0 the static tree keeps its nodes and parents; a parent's children are distinct draws without
+    replacement, in node order, from head d's distribution given [pending, the parent's path] as sampled
+    (tests/test_tree.py's check of the siblings and their q, and each parent's first child against the head
+    run on its path alone)."""
+    heads = heads_on(make_base(), num_heads=3, seed=0)
+    prefill, pending = fake_prefill(), torch.tensor([4, 60])
+    sampling = SamplingConfig(temperature=0.7, top_k=40)
+    drafter = SequentialDrafter(heads, mode="tree", tree=[list(p) for p in SMALL_TREE], vocab=vocab)
+    drafter.begin([[1], [2]], prefill, pending)
+    draft = drafter.propose(3, sampling, torch.Generator().manual_seed(0))
+    kept = [p for p in SMALL_TREE if len(p) <= 3]
+    parents = node_table(SMALL_TREE, 3)[0].tolist()
+    assert draft.parents.tolist() == parents
+    check_sampled_siblings(draft, 97, vocab)
+    for row, (h, x) in enumerate(zip(prefill.hidden[:, -1], pending.tolist())):
+        token = {(): x, **{p: int(t) for p, t in zip(kept, draft.tokens[row])}}
+        for i, p in enumerate(kept):
+            if parents[i] in parents[:i]:
+                continue  # not its parent's first child: its q is checked against the first's
+            reads = torch.tensor([token[p[:j]] for j in range(len(p))])
+            probs = probs_from_logits(heads.head_logits(len(p), h, reads, vocab), sampling)  # (N,)
+            torch.testing.assert_close(draft.q[row, i], expand_probs(probs, vocab, 97))
 
 
 # ------------------------------------------------------------------------------------------- errors
@@ -392,9 +422,10 @@ def test_grow_tree_reads_sequential_checkpoints_and_refuses_others(package, tmp_
 
 
 @pytest.mark.parametrize("family", ["medusa", "sequential"])
-def test_chain_at_t1_samples_with_q_and_trees_stay_deterministic(family):
-    """A head chain at T > 0 returns the distribution each token was drawn from (zero outside the trimmed
-    vocabulary, positive at the token); a tree's candidates stay deterministic (q None)."""
+def test_chains_and_trees_at_t1_sample_with_q(family):
+    """A head chain or tree at T > 0 returns the distribution each token was drawn from (zero outside the
+    trimmed vocabulary, positive at the token; a tree's siblings distinct, each q without the earlier
+    siblings); a tree with candidates="ranked", and everything at T = 0, drafts deterministically (q None)."""
     from medusa.drafter import MedusaDrafter
     from medusa.heads import MedusaHeads
     from tests.conftest import make_lm
@@ -406,16 +437,18 @@ def test_chain_at_t1_samples_with_q_and_trees_stay_deterministic(family):
     make = SequentialDrafter if family == "sequential" else MedusaDrafter
     prefill = Target(base).prefill([[1, 2, 3], [4, 5]])
     sampling, gen = SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0)
-    for mode in ("chain", "tree"):
-        drafter = make(heads, mode=mode, vocab=vocab)
+    for mode, candidates in (("chain", "sampled"), ("tree", "sampled"), ("tree", "ranked")):
+        drafter = make(heads, mode=mode, vocab=vocab, candidates=candidates)
         drafter.begin([[1, 2, 3], [4, 5]], prefill, torch.tensor([6, 8]))
         draft = drafter.propose(3, sampling, gen)
-        if mode == "tree":
+        assert drafter.propose(3, SamplingConfig(), None).q is None
+        if candidates == "ranked":
             assert draft.q is None
+            continue
+        if mode == "tree":
+            check_sampled_siblings(draft, 97, vocab)
             continue
         assert draft.q.shape == (2, 3, 97)
         torch.testing.assert_close(draft.q.sum(-1), torch.ones(2, 3))
         assert not draft.q[..., 1::2].any()  # nothing outside the subset
         assert (draft.q.gather(2, draft.tokens[..., None]) > 0).all() and (draft.tokens % 2 == 0).all()
-        greedy = drafter.propose(3, SamplingConfig(), None)
-        assert greedy.q is None

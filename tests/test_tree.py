@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.test_lossless import NEW, PROMPT, TRIALS, VOCAB, chi_square, exact_joint, sharp_lm
 from verify.cache import tree_attention
@@ -34,6 +35,31 @@ def leaf_paths(parents: torch.Tensor) -> list[list[int]]:
             cur = int(parents[cur])
         out.append(path)
     return sorted(out, key=lambda p: (-len(p), p))
+
+
+def check_sampled_siblings(draft: Draft, vocab_size: int, inside: torch.Tensor | None = None) -> None:
+    """A tree drafted with sampled candidates: siblings are distinct; every q is a distribution over the full
+    vocabulary, positive at its own token, zero outside the trimmed vocabulary `inside` (ids) if given; and a
+    sibling's q is its parent's distribution (the first sibling's q) without the earlier siblings' tokens,
+    renormalised: the law of draws without replacement in node order."""
+    b, k = draft.tokens.shape
+    parents, q, tokens = draft.parents.expand(b, -1), draft.q, draft.tokens
+    assert q is not None and q.shape == (b, k, vocab_size)
+    torch.testing.assert_close(q.sum(-1), torch.ones(b, k))
+    assert bool((q.gather(2, tokens[..., None]) > 0).all()), "a token its own q gives no probability"
+    if inside is not None:
+        outside = torch.ones(vocab_size, dtype=torch.bool)
+        outside[inside] = False
+        assert not bool(q[..., outside].any()), "q is not zero outside the subset"
+    same = parents[:, :, None] == parents[:, None, :]  # (b, i, j) i and j are siblings
+    earlier = same & torch.ones(k, k, dtype=torch.bool).tril(-1)  # j is an earlier sibling of i
+    same_token = tokens[:, :, None] == tokens[:, None, :]
+    assert not bool((same & same_token & ~torch.eye(k, dtype=torch.bool)).any()), "duplicate siblings"
+    removed = torch.einsum("bij,bjv->biv", earlier.float(), F.one_hot(tokens, vocab_size).float())  # (b, k, V)
+    assert not bool((q * removed).any()), "a sibling's q gives probability to an earlier sibling's token"
+    first = (same & torch.ones(k, k, dtype=torch.bool).tril()).float().argmax(-1)  # (b, k) the first sibling
+    want = q.gather(1, first[..., None].expand(-1, -1, vocab_size)) * (1 - removed)
+    torch.testing.assert_close(q, want / want.sum(-1, keepdim=True))
 
 
 def test_six_path_example():
@@ -204,8 +230,8 @@ def test_vectorised_greedy_tree_walk_equals_the_sibling_walk():
             assert torch.equal(w, g), (trial, name, parents, tokens, w, g)
 
 
-def medusa_tree_on(base, seed=0):
-    """Medusa heads near fresh ones on `base`, drafting a static tree (deterministic candidates)."""
+def medusa_tree_on(base, seed=0, candidates="sampled"):
+    """Medusa heads near fresh ones on `base`, drafting a static tree (at T > 0 sampled candidates by default)."""
     from medusa.drafter import MedusaDrafter
     from medusa.heads import MedusaHeads
 
@@ -214,7 +240,7 @@ def medusa_tree_on(base, seed=0):
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(0.2 * torch.randn(p.shape, generator=g))
-    return MedusaDrafter(heads, mode="tree", tree=[[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+    return MedusaDrafter(heads, mode="tree", tree=[[0], [1], [2], [0, 0], [0, 1], [1, 0]], candidates=candidates)
 
 
 def run_options(make_drafter, rows=200, **spec):
