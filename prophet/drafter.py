@@ -11,8 +11,12 @@ cycle that also yields the next first draft token.
 
 Modes. "chain": gamma tokens, gamma - 1 one-entry forwards; at temperature > 0 each token is sampled
 from the prophet's distribution after the shared sampling transform and q is returned, else argmax.
-"tree": EAGLE-2's dynamic tree with deterministic candidates (q None), one forward per level over the
-whole frontier of every row; growth stops early once no deeper node can make the final cut.
+"tree": EAGLE-2's dynamic tree, one forward per level over the whole frontier of every row; growth stops
+early once no deeper node can make the final cut. At T = 0 its candidates are each node's top-k tokens
+(q None). At T > 0 (`candidates="sampled"`, the default) each frontier node's k children are distinct draws
+without replacement from the prophet's distribution after the sampling transform, with q, and the tree is
+cut by values fixed before the draws, so the cut never favours a likely token (see `_children` for why that
+keeps it lossless); `candidates="ranked"` keeps the top-k candidates at T > 0.
 Per-step Python work is kept small: no per-row or per-node loops anywhere.
 
 A prophet with `fuse_layers` reads the target's residual states after those blocks too: the drafter
@@ -22,7 +26,7 @@ names them in `target_layers`, the loop asks the target for them, and every true
 `vocab` (sorted ids (N,), see verify/vocab.py) trims the frozen output layer to the N most frequent
 tokens, once, at construction: every draft step projects onto N rows instead of V (the prophet's
 largest matmul at a real vocabulary). Argmax, sampling and the tree's top-k run over the subset and map
-back to full ids; a sampled chain's q is zero outside the subset, so sampling stays lossless.
+back to full ids; a sampled chain's or tree's q is zero outside the subset, so sampling stays lossless.
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ from torch import Tensor
 from prophet.model import Prophet, check_same_base
 from verify.drafter import Draft, Verdict
 from verify.numerics import check_int
-from verify.sampling import SamplingConfig, draft_from_logits
+from verify.sampling import SamplingConfig, draft_from_logits, probs_from_logits, sample_siblings
 from verify.target import TargetOutput, left_to_right, pad_prompts
-from verify.vocab import check_vocab, full_ids, trim_linear
+from verify.tree import check_candidates
+from verify.vocab import check_vocab, expand_probs, full_ids, trim_linear
 
 MODES = ("chain", "tree")
 
@@ -53,9 +58,13 @@ class ProphetDrafter:
         tree_nodes: int = 16,
         compile: bool = False,
         vocab: Tensor | None = None,
+        candidates: str = "sampled",
     ):
+        """`candidates`: the tree's children at T > 0, "sampled" (drawn without replacement, with q) or
+        "ranked" (each node's top-k, q None); see the module docstring."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: must be one of {', '.join(MODES)}")
+        self.candidates = check_candidates(candidates)
         for name, value in dict(top_k=top_k, depth=depth, tree_nodes=tree_nodes).items():
             check_int(name, value)
         self.vocab = check_vocab(vocab, prophet.vocab_size)  # (N,) or None = all V
@@ -100,7 +109,7 @@ class ProphetDrafter:
         self.commit_width = max(self.commit_width, (gamma if self.mode == "chain" else min(self.depth, gamma)) + 1)
         if self.mode == "chain":
             return self._chain(gamma, sampling, generator)
-        return self._tree(min(self.depth, gamma))
+        return self._tree(min(self.depth, gamma), sampling, generator)
 
     @torch.inference_mode()
     def commit(self, verdict: Verdict) -> None:
@@ -162,17 +171,18 @@ class ProphetDrafter:
         self.drafted = gamma - 1
         return Draft(tokens=torch.stack(tokens, dim=1), q=torch.stack(qs, dim=1) if qs else None)
 
-    def _tree(self, levels: int) -> Draft:
-        """EAGLE-2's dynamic tree: grow `levels` levels of top-k children from the best k frontier nodes,
-        scoring each node by its path's cumulative log-probability; keep the best `tree_nodes` of all.
+    def _tree(self, levels: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        """EAGLE-2's dynamic tree: grow `levels` levels of k children per frontier node, the next frontier the k
+        best-scoring new nodes; keep the `tree_nodes` nodes of highest value of all.
 
-        The pool lists every expanded node in level order: scores, tokens and parents (pool-indexed,
-        -1 = child of the pending token), each (b, P). Candidates are deterministic (q None).
+        The pool lists every grown node in level order, each node's children together in draw order: values,
+        tokens and parents (pool-indexed, -1 = child of the pending token), each (b, P), and with sampled
+        candidates q (b, P, N). Ranked candidates (T = 0) have q None, and value = score = the path's
+        cumulative log-probability (EAGLE-2 itself); sampled ones are `_children`'s.
         """
         b, k = self.feature.shape[0], self.top_k
-        score, token = self._logits(self.feature).float().log_softmax(-1).topk(k, dim=-1)  # (b, k)
-        token = full_ids(token, self.vocab)  # tokens are full ids from here on: the prophet embeds them
-        pool = [(score, token, torch.full_like(token, -1))]
+        value, score, token, q = self._children(self._logits(self.feature), None, sampling, generator)  # (b, k)
+        pool, qs = [(value, token, torch.full_like(token, -1))], [] if q is None else [q]
         frontier = dict(
             score=score,
             token=token,
@@ -191,12 +201,11 @@ class ProphetDrafter:
             if self.compile:  # every level one program: its window over the drafted entries at the deepest level's size
                 allow = F.pad(allow, ((self.depth - 1) * k - allow.shape[-1], 0), value=True)
             feature = self._step(frontier["feature"], frontier["token"], self.cache, allow=allow, pos=pos)  # (b, k, d)
-            logp, child = self._logits(feature).float().log_softmax(-1).topk(k, dim=-1)  # (b, k, k)
-            child = full_ids(child, self.vocab)
-            cand_score = rearrange(frontier["score"][..., None] + logp, "b p c -> b (p c)")
-            cand_token = rearrange(child, "b p c -> b (p c)")
+            value, score, child, q = self._children(self._logits(feature), frontier["score"], sampling, generator)
+            cand_value, cand_score, cand_token = (rearrange(x, "b p c -> b (p c)") for x in (value, score, child))
             cand_parent = repeat(frontier["pool"], "b p -> b (p c)", c=k)
-            pool.append((cand_score, cand_token, cand_parent))
+            pool.append((cand_value, cand_token, cand_parent))
+            qs += [] if q is None else [rearrange(q, "b p c n -> b (p c) n")]
             best = cand_score.topk(k, dim=-1).indices  # (b, k): the next frontier among k * k candidates
             parent = best // k  # which frontier node (= which entry of this forward) each one extends
             frontier = dict(
@@ -208,8 +217,49 @@ class ProphetDrafter:
             )
             size += k * k
         self.drafted = ancestors.shape[1]
-        scores, tokens, parents = (torch.cat(x, dim=1) for x in zip(*pool))
-        return _best_subtree(scores, tokens, parents, self.tree_nodes)
+        values, tokens, parents = (torch.cat(x, dim=1) for x in zip(*pool))
+        draft = _best_subtree(values, tokens, parents, self.tree_nodes, torch.cat(qs, dim=1) if qs else None)
+        if draft.q is not None:
+            draft.q = expand_probs(draft.q, self.vocab, self.vocab_size)  # (b, n, V), zero outside the subset
+        return draft
+
+    def _children(
+        self, logits: Tensor, parent: Tensor | None, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """k children for each frontier node: its logits (..., N) and score (...) (None at the pending token: 0)
+        -> value (..., k), what the final cut keeps nodes by; score (..., k), what picks the next frontier;
+        tokens (..., k), full ids; q (..., k, N), the distribution each was drawn from, or None.
+
+        Ranked (T = 0, or candidates="ranked"): the top-k tokens; value = score = the path's cumulative
+        log-probability, EAGLE-2's own. Sampled: k draws without replacement from the node's distribution
+        q_X (the sampling transform), draw j with q_X less draws < j, renormalised (sample_siblings).
+
+        Why sampled trees stay lossless. The rule tries a node's children in node order and accepts child c
+        with min(1, r(c) / q_c(c)); that is a valid rejection step only if, given everything before it, c
+        follows q_c. A cut that looked at c's own token would break it: keeping the likely draws and dropping
+        the unlikely ones makes the kept ones likelier than q_c says (e.g. keep the better of two draws from
+        q = (0.9, 0.1): a target r = (0.5, 0.5) then emits the first token 55% of the time). So the value a
+        node is kept by is fixed before it is drawn: its parent's score plus the log of the j-th largest
+        probability of q_X for draw j (what the j-th child is worth in the ranked tree). Its score, which only
+        decides whether its own children are grown, may use its token: the parent's score plus log q_X(token),
+        capped at its value. Then every node a node's token can change (its descendants, its later siblings
+        and theirs, the nodes grown instead of them) has value and score at most its value: none outranks it
+        in the final cut (the `tree_nodes` highest values, ties to the earlier node), and none takes a
+        frontier place from a node whose children could. Whether a node is kept is settled by nodes its
+        token does not change. The cut keeps a node's earlier siblings whenever it keeps the node (values fall
+        with j), so the children the rule tries are draws 0, 1, .. in order, each with its q. (Checked by
+        tests/test_prophet.py: chi-square at T = 1 and 0.7, and a cut by the drawn tokens' log q is rejected.)
+        """
+        if sampling.greedy or self.candidates == "ranked":
+            logp, index = logits.float().log_softmax(-1).topk(self.top_k, dim=-1)
+            score = logp if parent is None else parent[..., None] + logp
+            return score, score, full_ids(index, self.vocab), None
+        probs = probs_from_logits(logits, sampling)  # (..., N)
+        index, q = sample_siblings(probs, self.top_k, generator)  # (..., k), (..., k, N)
+        before = torch.zeros_like(probs[..., :1]) if parent is None else parent[..., None]  # (..., 1)
+        value = before + probs.topk(self.top_k, dim=-1).values.log()  # log 0 = -inf: a pick of no probability
+        score = torch.minimum(value, before + probs.gather(-1, index).log())
+        return value, score, full_ids(index, self.vocab), q
 
 
 def pad_block(features: Tensor, tokens: Tensor, width: int) -> tuple[Tensor, Tensor]:
@@ -225,8 +275,9 @@ def pad_block(features: Tensor, tokens: Tensor, width: int) -> tuple[Tensor, Ten
 def _settled(pool: list[tuple[Tensor, Tensor, Tensor]], frontier_score: Tensor, budget: int) -> bool:
     """True when, in every row, no descendant of the frontier (b, k) can enter the best `budget` pool nodes.
 
-    Descendants never outscore their frontier ancestor, and a tie loses to the earlier pool node, so
-    once the best frontier score is at most the budget-th best score, growing further changes nothing.
+    Descendants never outscore their frontier ancestor (a sampled tree: a pool node's value never exceeds
+    its frontier ancestor's score), and a tie loses to the earlier pool node, so once the best frontier
+    score is at most the budget-th best pool score, growing further changes nothing.
     Costs one host sync per level, against a prophet forward saved when a row's drafts are unsure.
     """
     scores = torch.cat([score for score, _, _ in pool], dim=1)  # (b, P)
@@ -262,10 +313,11 @@ def _level_attention(parent: Tensor, ancestors: Tensor, length0: Tensor) -> tupl
     return torch.cat((old, new), dim=-1), pos, grown
 
 
-def _best_subtree(scores: Tensor, tokens: Tensor, parents: Tensor, budget: int) -> Draft:
-    """Keep the best `budget` pool nodes per row, in topological order, as a draft tree.
+def _best_subtree(scores: Tensor, tokens: Tensor, parents: Tensor, budget: int, q: Tensor | None = None) -> Draft:
+    """Keep the best `budget` pool nodes per row, in topological order, as a draft tree; q (b, P, N) of the pool
+    nodes, or None, is kept alike.
 
-    A child's score is its parent's plus a log-probability <= 0, so it never beats its parent; the
+    A child's score (a sampled tree: value) is at most its parent's, so it never beats its parent; the
     stable sort breaks ties by pool order, where parents come first. So the kept set is a tree.
     """
     n = min(budget, scores.shape[1])
@@ -276,13 +328,15 @@ def _best_subtree(scores: Tensor, tokens: Tensor, parents: Tensor, budget: int) 
     )
     parent = parents.gather(1, keep)
     parent = torch.where(parent >= 0, draft_index.gather(1, parent.clamp(min=0)), parent)
-    return Draft(tokens=tokens.gather(1, keep), parents=parent)
+    if q is not None:
+        q = q.gather(1, repeat(keep, "b n -> b n v", v=q.shape[-1]))
+    return Draft(tokens=tokens.gather(1, keep), q=q, parents=parent)
 
 
 def make_drafter(
     module: Prophet, base: torch.nn.Module, *, vocab: Tensor | None = None, **decode_kwargs
 ) -> ProphetDrafter:
-    """decode_kwargs: `decode:` of conf/drafter/prophet.yaml (mode, top_k, depth, tree_nodes); `vocab` the
+    """decode_kwargs: `decode:` of conf/drafter/prophet.yaml (mode, top_k, depth, tree_nodes, candidates); `vocab` the
     sorted token ids (N,) the drafts may use (verify.vocab.frequent_tokens), None for the full vocabulary."""
     check_same_base(module, base)
     return ProphetDrafter(module, vocab=vocab, **decode_kwargs)

@@ -22,6 +22,7 @@ from prophet import train
 from prophet.drafter import ProphetDrafter, _settled, make_drafter
 from prophet.model import Prophet, base_features
 from tests.test_lossless import run, sharp_lm
+from tests.test_tree import check_sampled_siblings
 from verify.cache import tree_attention
 from verify.plain import plain_generate
 from verify.sampling import SamplingConfig
@@ -314,12 +315,15 @@ def test_greedy_equals_plain(trained, mode, gamma, rows):
     assert out.tokens == ref
 
 
-@pytest.mark.parametrize("mode, tree", [("chain", {}), ("tree", TREE), ("tree", PRUNED)])
-def test_compiled_steps_take_one_shape_each(trained, monkeypatch, mode, tree):
+@pytest.mark.parametrize(
+    "mode, tree, temperature",
+    [("chain", {}, 0.0), ("tree", TREE, 0.0), ("tree", PRUNED, 0.0), ("tree", TREE, 1.0), ("tree", PRUNED, 1.0)],
+)
+def test_compiled_steps_take_one_shape_each(trained, monkeypatch, mode, tree, temperature):
     """Compiled, every commit is padded to the widest block a propose planned and every tree level's window to
     the deepest level's: one program per kind of step, so a shorter block (a tree that stopped early, a budget's
-    last step) never compiles inside a timed run. Run on the eager step with the shapes recorded, the padded
-    decode must still equal plain decoding, batched and ragged."""
+    last step) never compiles inside a timed run; sampled trees (T > 0) take the same shapes. Run on the eager
+    step with the shapes recorded, the padded decode must still equal plain decoding, batched and ragged."""
     base, prophet = trained
     shapes, step = set(), prophet.step
 
@@ -330,8 +334,11 @@ def test_compiled_steps_take_one_shape_each(trained, monkeypatch, mode, tree):
     monkeypatch.setattr(prophet, "step", recording)
     ref = plain_generate(Target(base), PROMPTS, max_new_tokens=23).tokens
     drafter = ProphetDrafter(prophet, mode=mode, compile=True, **tree)
-    out = speculative_generate(Target(base), drafter, PROMPTS, max_new_tokens=23, spec=SpecConfig(gamma=4))
-    assert out.tokens == ref
+    sampling, gen = SamplingConfig(temperature=temperature), torch.Generator().manual_seed(0)
+    out = speculative_generate(
+        Target(base), drafter, PROMPTS, max_new_tokens=23, spec=SpecConfig(gamma=4), sampling=sampling, generator=gen
+    )
+    assert out.tokens == ref or temperature > 0
     shapes.discard((max(len(p) for p in PROMPTS), None))  # `begin` runs eagerly, at the prompts' width
     if mode == "chain":
         assert shapes == {(1, None), (5, None)}  # draft steps; commits of gamma + 1
@@ -387,14 +394,73 @@ def test_dynamic_trees_are_valid(trained, top_k, depth, tree_nodes):
 # ---------------------------------------------------------------- losslessness
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_sampling_reproduces_the_target_distribution(mode):
+# (mode, tree candidates at T > 0, temperature, tree, gamma): a sampled tree of 3 children per node, cut to
+# 8 of its 12 nodes (there, recording every sibling with its parent's whole q gave chi2 328 against a
+# critical 173), to 4 (a cut that looks at the sampled tokens gave 885, see below), and 3 levels deep.
+LOSSLESS = {
+    "chain": ("chain", "sampled", 1.0, {}, 2),
+    "sampled_tree": ("tree", "sampled", 1.0, dict(top_k=3, depth=2, tree_nodes=8), 2),
+    "sampled_tree_cut_t07": ("tree", "sampled", 0.7, dict(top_k=3, depth=2, tree_nodes=4), 2),
+    "sampled_tree_deep": ("tree", "sampled", 1.0, dict(top_k=3, depth=3, tree_nodes=6), 3),
+    "ranked_tree": ("tree", "ranked", 1.0, dict(top_k=2, depth=2, tree_nodes=4), 2),
+}
+
+
+def lossless_prophet(mode: str, candidates: str, tree: dict) -> ProphetDrafter:
     torch.manual_seed(0)
     prophet = Prophet.from_base(sharp_lm(0), dim=16, depth=1, heads=2)  # sharp_lm(0) is the target `run` builds
-    drafter = ProphetDrafter(prophet, mode=mode, top_k=2, depth=2, tree_nodes=4)
-    (stat, critical), stats = run(drafter, SamplingConfig(temperature=1.0))
+    return ProphetDrafter(prophet, mode=mode, candidates=candidates, **tree)
+
+
+@pytest.mark.parametrize("case", list(LOSSLESS))
+def test_sampling_reproduces_the_target_distribution(case):
+    mode, candidates, temperature, tree, gamma = LOSSLESS[case]
+    (stat, critical), stats = run(
+        lossless_prophet(mode, candidates, tree), SamplingConfig(temperature=temperature), gamma=gamma
+    )
     assert 0 < stats.alpha < 1
     assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}"
+
+
+def test_negative_control_a_cut_by_the_sampled_tokens_is_detected(monkeypatch):
+    """Keeping the sampled nodes whose own tokens are likeliest (value = score, which reads the drawn token's
+    log q, as EAGLE-2 ranks its candidates) makes the kept ones likelier than their q says: the test rejects it
+    (measured: chi2 885 against a critical 173)."""
+    children = ProphetDrafter._children
+
+    def token_valued(self, logits, parent, sampling, generator):
+        _, score, tokens, q = children(self, logits, parent, sampling, generator)
+        return score, score, tokens, q
+
+    monkeypatch.setattr(ProphetDrafter, "_children", token_valued)
+    _, _, _, tree, gamma = LOSSLESS["sampled_tree_cut_t07"]  # the cut to 4 of 12 nodes, here at T = 1
+    (stat, critical), _ = run(lossless_prophet("tree", "sampled", tree), SamplingConfig(temperature=1.0), gamma=gamma)
+    assert stat > critical, f"a cut by the sampled tokens passed: chi2 {stat:.1f} < {critical:.1f}"
+
+
+@pytest.mark.parametrize("vocab", [None, torch.arange(1, V, 3)])
+def test_sampled_trees_draw_distinct_siblings_with_their_q(trained, vocab):
+    """At T > 0 every node's children are distinct draws in node order with their q (tests/test_tree.py's
+    check), within the budget, and the cut keeps a node's earlier siblings whenever it keeps the node: each
+    parent's first kept child is its first draw, whose q is the parent's whole distribution (positive on the
+    whole subset at T = 0.8), not one with a dropped draw's token removed."""
+    base, prophet = trained
+    drafter = ProphetDrafter(prophet, mode="tree", top_k=3, depth=4, tree_nodes=10, vocab=vocab)
+    inside = torch.arange(V) if vocab is None else vocab
+    drafter.begin(PROMPTS, Target(base).prefill(PROMPTS), torch.tensor([4, 60, 7]))
+    sampling, gen = SamplingConfig(temperature=0.8), torch.Generator().manual_seed(0)
+    shapes = set()
+    for _ in range(10):  # proposals from the same state: only the draws differ
+        draft = drafter.propose(4, sampling, gen)
+        drafter.cache.commit(torch.zeros(3, drafter.drafted, dtype=torch.bool))  # drop the drafted entries
+        assert draft.tokens.shape == (3, 10) and bool((draft.parents < torch.arange(10)).all())
+        check_sampled_siblings(draft, V, vocab)
+        earlier = draft.parents[:, :, None] == draft.parents[:, None, :]  # (b, i, j) siblings
+        first = ~(earlier & torch.ones(10, 10, dtype=torch.bool).tril(-1)).any(-1)  # (b, n) no earlier sibling
+        assert bool((draft.q[..., inside][first] > 0).all()), "a first kept child whose earlier draw was cut"
+        shapes.add(tuple(draft.parents.flatten().tolist()))
+    assert len(shapes) > 1  # the trees differ in shape: which parents grow children depends on the draws
+    assert drafter.propose(4, SamplingConfig(), None).q is None
 
 
 # ---------------------------------------------------------------- config and arguments
