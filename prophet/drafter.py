@@ -119,7 +119,9 @@ class ProphetDrafter:
         draft token, or the new pending token at i = a. Rows that have finished get placeholder entries
         that nothing reads."""
         if self.drafted:
-            self.cache.commit(torch.zeros(verdict.accepted.shape[0], self.drafted, dtype=torch.bool))
+            self.cache.commit(
+                torch.zeros(verdict.accepted.shape[0], self.drafted, dtype=torch.bool, device=verdict.accepted.device)
+            )
             self.drafted = 0
         width = verdict.path.shape[1]  # rows accept different counts: feed the padded block, keep a + 1
         features, tokens = self._seed_features(verdict), verdict.tokens[:, :width]

@@ -325,7 +325,7 @@ def test_sampled_candidates_accept_more_than_ranked_ones_at_t1(family):
     distribution with their q are accepted more often than its top-ranked guesses (the behaviour before
     sampled trees), which the target keeps only as often as it samples exactly them. Measured with 1000
     rows, seeds 0-2, tau ranked -> sampled: Medusa 1.28-1.30 -> 1.50-1.51, sequential 1.28-1.29 -> 1.38-1.39,
-    prophet 1.22-1.23 -> 1.47-1.47; over seeds tau moved by < 0.02."""
+    prophet 1.22-1.23 -> 1.47; over seeds tau moved by < 0.02."""
     make = FAMILY_TREES[family]
     ranked, _ = run_options(lambda lm: make(lm, candidates="ranked"), rows=1000)
     sampled, _ = run_options(lambda lm: make(lm, candidates="sampled"), rows=1000)
