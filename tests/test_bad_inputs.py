@@ -290,6 +290,7 @@ BENCHMARK = [
     ("prophet.decode.top_k=0", "prophet.decode.top_k=0"),
     ("prophet.decode.depth=two", "prophet.decode.depth='two'"),
     ("early_exit.decode.share_cache=maybe", "early_exit.decode.share_cache='maybe'"),
+    ("prophet.decode.candidates=top", "prophet.decode.candidates='top': must be one of sampled, ranked"),
     ("medusa.decode.tree=[]", "medusa.decode.tree=[]: must be null (the default tree) or a non-empty list"),
     ("sequential.decode.tree=[[0],[-1]]", "sequential.decode.tree=[[0], [-1]]"),
     ("out_dir={a_file}", "out_dir="),

@@ -37,6 +37,7 @@ from verify.acceptance import RULES, check_rule, is_lossless
 from verify.prompt_lookup import PromptLookupDrafter
 from verify.sampling import SamplingConfig
 from verify.speculative import SpecConfig
+from verify.tree import CANDIDATES
 
 # budget=auto's tree candidates (budget_search.<family>_trees): a head tree's size and depth; a grown tree
 # (prophet's, expanded from its own top-k at each level) also takes the children per node.
@@ -197,6 +198,8 @@ def check_family_decode(cfg: DictConfig) -> None:
                 check_int(name, value)
             elif key == "share_cache":
                 check_bool(name, value)
+            elif key == "candidates" and value not in CANDIDATES:
+                raise ValueError(f"{name}={value!r}: must be one of {', '.join(CANDIDATES)} (a tree's nodes at T > 0)")
             elif key == "tree" and value is not None:
                 paths = value if isinstance(value, ListConfig) else None
                 if not paths or not all(
