@@ -21,9 +21,11 @@ from verify.target import TargetOutput
 @dataclass
 class Draft:
     tokens: Tensor  # (b, k) proposed tokens, k >= 0
-    q: Tensor | None = (
-        None  # (b, k, V) distribution each token was drawn from; None = chosen deterministically (q one-hot)
-    )
+    # (b, k, V) distribution each token was drawn from; None = chosen deterministically (q one-hot). A tree
+    # node's q is its distribution given its earlier siblings (the rule tries siblings in node order), e.g. the
+    # parent's without them for draws without replacement (verify.sampling.sample_siblings); whether a node is
+    # in the tree at all must not depend on its own token, or the kept tokens no longer follow their q.
+    q: Tensor | None = None
     parents: Tensor | None = None  # (k,) or (b, k) tree parents, -1 = child of the pending token; None = a chain
 
     @property

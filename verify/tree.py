@@ -130,8 +130,9 @@ def tree_sampling_accept(
     `verify.acceptance.speculative_accept`; greedy when p is one-hot and delta = 0.
 
     p (b, n, V) target distributions at the verify nodes; tokens (b, n) verify tokens (root first);
-    parents (b, n) verify-indexed; q (b, n, V) the distribution each node was drawn from, or None for
-    deterministic candidates (q one-hot). At a node, try its children in order: accept child c with
+    parents (b, n) verify-indexed; q (b, n, V) the distribution each node was drawn from given its earlier
+    siblings (draws without replacement: verify.sampling.sample_siblings), or None for deterministic candidates
+    (q one-hot). At a node, try its children in order: accept child c with
     probability min(1, p(c)/q(c) + delta); on rejection p <- norm(max(0, p - q)); if all fail, sample
     from what is left, and the walk stops there for good; at a leaf, sample the bonus token from p. The path
     is always a walk from the root that repeats its last node once it stops. Loops run over depth and
