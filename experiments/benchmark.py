@@ -262,6 +262,8 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         "calibration_s": {mode(s): s["calibration_s"] for s in setups if "calibration_s" in s},
         "base_checkpoint": base_ckpt,
         "base_fingerprint": base_meta["fingerprint"],
+        # its step, and whether it is its run's best validation or its latest
+        "base_record": {"checkpoint": base_ckpt, **{k: base_meta.get(k) for k in ("step", "selected", "last_step")}},
         "cpu": cpu_model(),
         "prompts": len(prompts),
         "batch_size": cfg.decode.batch_size,

@@ -136,3 +136,21 @@ def test_the_header_names_the_cpu_and_the_base() -> None:
     results = {"cpu": "AMD EPYC", "base": {"parameters": 10_500_000, "dim": 256, "depth": 8}}
     assert header_line(results) == "CPU: AMD EPYC; base: 10.5M parameters (256 x 8), float32 decoding\n\n"
     assert header_line({"cpu": "AMD EPYC"}) == "CPU: AMD EPYC\n\n" and header_line({}) == ""
+
+
+def test_the_report_says_which_checkpoint_each_row_used() -> None:
+    from experiments.lib.report import checkpoint_lines
+
+    results = {
+        "base_record": {"checkpoint": "runs/base/checkpoint", "step": 1381, "selected": None, "last_step": None},
+        "checkpoints": {
+            "medusa": {"checkpoint": "runs/medusa/checkpoint", "step": 800, "selected": "best", "last_step": 1000},
+            "prophet": {"checkpoint": "runs/prophet/checkpoint", "step": 1000, "selected": "last", "last_step": 1000},
+        },
+    }
+    lines = checkpoint_lines(results).strip().splitlines()
+    assert lines[0] == "Checkpoints:"
+    assert lines[1] == "- base: runs/base/checkpoint step 1381 (best/last not recorded)"
+    assert lines[2] == "- medusa: runs/medusa/checkpoint step 800 (best of its run, run's last step 1000)"
+    assert lines[3] == "- prophet: runs/prophet/checkpoint step 1000 (last of its run, run's last step 1000)"
+    assert checkpoint_lines({}) == ""

@@ -131,6 +131,19 @@ def verdict(results: dict) -> str:
     return f"\nVerdict: {'; '.join(parts)}.\n" if parts else ""
 
 
+def checkpoint_lines(results: dict) -> str:
+    """Which checkpoint the base and each drafter row used: its step, and whether it is its run's best validation or its
+    latest (a checkpoint written before runs kept both says neither)."""
+    out = []
+    records = {"base": results["base_record"]} if results.get("base_record") else {}
+    for family, record in {**records, **results.get("checkpoints", {})}.items():
+        selected = record.get("selected")
+        which = f"{selected} of its run" if selected else "best/last not recorded"
+        last = f", run's last step {record['last_step']}" if record.get("last_step") is not None else ""
+        out.append(f"- {family}: {record['checkpoint']} step {record.get('step')} ({which}{last})")
+    return "\nCheckpoints:\n" + "\n".join(out) + "\n" if out else ""
+
+
 def warmup_lines(results: dict) -> str:
     """Compile (warm-up) time per setting, reported apart from tokens/s."""
     out = [
@@ -205,7 +218,8 @@ def write_report(results: dict, out_dir: Path) -> None:
     write_atomic(out_dir / "results.json", json.dumps(results, indent=2, default=str))
     cpu = header_line(results)
     table = markdown_table(results) + verdict(results)
-    write_atomic(out_dir / "results.md", cpu + table + warmup_lines(results) + cost_lines(results))
+    text = cpu + table + checkpoint_lines(results) + warmup_lines(results) + cost_lines(results)
+    write_atomic(out_dir / "results.md", text)
     if results["methods"]:
         plot_speedup_tau(results, out_dir / "speedup_tau.png")
         plot_acceptance(results, out_dir / "acceptance_by_position.png")
