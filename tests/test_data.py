@@ -308,3 +308,12 @@ def test_prompts_reject_bad_input(small, tmp_path):
         heldout_prompts(small, num_prompts=1, prompt_len=0)
     with pytest.raises(ValueError, match="num_prompts=10000"):
         heldout_prompts(small, num_prompts=10000, prompt_len=512)
+
+
+def test_the_tokenizer_fix_names_the_base_s_corpus():
+    meta = {"data": {"config": {"source": "packages", "vocab_size": 8192, "max_files": None}}}
+    fix = D.base_data_fix(meta, {"source": "stdlib", "vocab_size": 8192})
+    assert fix == "the base was trained on data=packages: pass data=packages"
+    same_source = D.base_data_fix(meta, {"source": "packages", "vocab_size": 400, "max_files": None})
+    assert same_source == "use the base's data config (data.vocab_size=8192)"
+    assert D.base_data_fix({}, {"source": "stdlib"}) == "use the base's data config"

@@ -475,7 +475,10 @@ def test_train_drafter_bad_config_fails_before_work(
 
 def test_train_drafter_refuses_another_tokenizer(tiny_base: Path, cache_dir: str, tmp_path: Path) -> None:
     cfg = drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "data.vocab_size=400")
-    sizes = r"the data config uses another tokenizer than the base \(\d+ tokens against \d+\): use the base's data"
+    sizes = (
+        r"the data config uses another tokenizer than the base \(\d+ tokens against \d+\): "
+        r"use the base's data config \(data.vocab_size=\d+\)"
+    )
     with pytest.raises(ValueError, match=sizes):
         drafter_trainer.train(cfg)
 

@@ -789,6 +789,18 @@ def base_data_config(base_meta: dict, fallback: dict) -> dict:
     return config
 
 
+def base_data_fix(base_meta: dict, run_data: dict) -> str:
+    """What to pass when the run's data config does not give the base's tokenizer: the base's corpus as its
+    config group (data=stdlib|packages|files|hub) when the sources differ, else the recorded settings that
+    differ from the run's; the generic advice when the base records no data config."""
+    recorded = (base_meta.get("data") or {}).get("config") or {}
+    source = recorded.get("source")
+    if source and source != run_data.get("source"):
+        return f"the base was trained on data={source}: pass data={source}"
+    differ = [f"data.{k}={v!r}" for k, v in recorded.items() if k in run_data and run_data[k] != v]
+    return "use the base's data config" + (f" ({', '.join(differ)})" if differ else "")
+
+
 # ---------------------------------------------------------------- batches
 
 

@@ -35,7 +35,7 @@ from experiments.lib.checkpoint import (
     save_checkpoint,
     tokenizer_mismatch,
 )
-from experiments.lib.data import prepare_data, token_counts
+from experiments.lib.data import base_data_fix, prepare_data, token_counts
 from experiments.lib.distributed import Dist, main_first, shard
 from experiments.lib.families import Family, call_with_settings
 from experiments.lib.families import family as find_family
@@ -306,7 +306,9 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     with main_first(ctx):  # rank 0 tokenizes and caches the corpus; the others read its cache
         data = prepare_data(**data_cfg)
     if data.tokenizer.to_str() != tokenizer.to_str():
-        raise ValueError(tokenizer_mismatch("the data config", data.tokenizer, tokenizer, "use the base's data config"))
+        raise ValueError(
+            tokenizer_mismatch("the data config", data.tokenizer, tokenizer, base_data_fix(base_meta, data_cfg))
+        )
     vocab = frequent_tokens(token_counts(data, base.num_tokens), cfg.vocab)
     vocab = None if vocab is None else vocab.to(device)
     log.info(
