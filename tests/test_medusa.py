@@ -339,9 +339,16 @@ LOSSLESS = {
     "ranked_tree": ("tree", "ranked", 1.0),
 }
 LOSSLESS_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]
+# In the slow tier (the fast one keeps the sampled chain and tree at T = 1): the same rule at T = 0.7, and the
+# ranked candidates that are no longer the default at T > 0.
+SLOW_CASES = {"sampled_tree_t07", "ranked_tree"}
 
 
-@pytest.mark.parametrize("case", list(LOSSLESS))
+def lossless_cases(cases: dict, slow: set[str]) -> list:
+    return [pytest.param(c, marks=pytest.mark.slow) if c in slow else c for c in cases]
+
+
+@pytest.mark.parametrize("case", lossless_cases(LOSSLESS, SLOW_CASES))
 def test_medusa_sampling_reproduces_the_target_distribution(case):
     # perturbed heads on the chi-square test's own target; their picks are accepted 30-45% of the time
     mode, candidates, temperature = LOSSLESS[case]

@@ -22,6 +22,7 @@ from prophet import train
 from prophet.drafter import ProphetDrafter, _settled, make_drafter
 from prophet.model import Prophet, base_features
 from tests.test_lossless import run, sharp_lm
+from tests.test_medusa import lossless_cases
 from tests.test_tree import check_sampled_siblings
 from verify.cache import tree_attention
 from verify.plain import plain_generate
@@ -412,7 +413,12 @@ def lossless_prophet(mode: str, candidates: str, tree: dict) -> ProphetDrafter:
     return ProphetDrafter(prophet, mode=mode, candidates=candidates, **tree)
 
 
-@pytest.mark.parametrize("case", list(LOSSLESS))
+# In the slow tier (the fast one keeps the chain and the sampled tree cut to 8 of 12 nodes at T = 1): the cut
+# to 4 at T = 0.7, the 3-level tree, and the ranked candidates that are no longer the default at T > 0.
+SLOW_CASES = {"sampled_tree_cut_t07", "sampled_tree_deep", "ranked_tree"}
+
+
+@pytest.mark.parametrize("case", lossless_cases(LOSSLESS, SLOW_CASES))
 def test_sampling_reproduces_the_target_distribution(case):
     mode, candidates, temperature, tree, gamma = LOSSLESS[case]
     (stat, critical), stats = run(
@@ -422,6 +428,7 @@ def test_sampling_reproduces_the_target_distribution(case):
     assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}"
 
 
+@pytest.mark.slow
 def test_negative_control_a_cut_by_the_sampled_tokens_is_detected(monkeypatch):
     """Keeping the sampled nodes whose own tokens are likeliest (value = score, which reads the drawn token's
     log q, as EAGLE-2 ranks its candidates) makes the kept ones likelier than their q says: the test rejects it
