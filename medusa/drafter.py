@@ -56,11 +56,17 @@ def check_tree(tree: list, vocab_size: int) -> list[Path]:
     return sort_paths(paths)
 
 
-class MedusaDrafter:
+class PositionDrafter:
+    """Drafts from per-position distributions: logits (b, K, N) for the K tokens after the pending one, position
+    k's distribution reading no earlier draft token (Medusa's heads, the block prophet's slots). A chain takes
+    each position's top-1 (sampled with q at T > 0); a tree is a static tree of rank paths (see the module
+    docstring), grown from the positions' measured rank accuracies when given."""
+
     def __init__(
         self,
-        heads: MedusaHeads,
         *,
+        positions: int,
+        vocab_size: int,
         mode: str = "tree",
         tree: list | None = None,
         tree_nodes: int = 16,
@@ -68,7 +74,7 @@ class MedusaDrafter:
         accuracies: list[list[float]] | None = None,
         candidates: str = "sampled",
     ):
-        """`accuracies[k][r]`: how often head k + 1's rank-r guess was the base's choice (measured on
+        """`accuracies[k][r]`: how often position k + 1's rank-r guess was the base's choice (measured on
         validation, medusa.trees.accuracies_from_metrics): the default tree (tree None) is grown from them,
         else from typical Medusa accuracies. `candidates`: a tree's children at T > 0, "sampled" (drawn
         without replacement, with q) or "ranked" (the top guesses, q None); see the module docstring."""
@@ -77,33 +83,26 @@ class MedusaDrafter:
         self.candidates = check_candidates(candidates)
         if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
             raise ValueError(f"tree_nodes={tree_nodes!r}: must be an integer >= 1")
-        self.heads, self.mode = heads, mode
-        self.vocab_size: int = heads.vocab_size
-        self.vocab = check_vocab(vocab, heads.vocab_size)  # (N,) or None = all V
-        ranked = heads.vocab_size if self.vocab is None else self.vocab.numel()  # tokens a head can rank
-        self.dtype = next(heads.parameters()).dtype
-        self.stacked = heads.stacked(self.vocab)  # built once: hidden (b, d) -> logits (b, K, N)
+        self.mode, self.vocab_size = mode, vocab_size
+        self.vocab = check_vocab(vocab, vocab_size)  # (N,) or None = all V
+        ranked = vocab_size if self.vocab is None else self.vocab.numel()  # tokens a position can rank
         self._tables: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         self._groups: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         if mode == "chain":
             if tree is not None:
                 raise ValueError("tree is given but mode='chain': a tree needs mode='tree'")
-            self.paths, self.max_depth = [], heads.num_heads
+            self.paths, self.max_depth = [], positions
             return
         if tree is None:  # tree_nodes only sizes the default tree; a given tree is used as it is
-            tree = default_tree(heads.num_heads, tree_nodes, ranks=min(RANKS, ranked), accuracies=accuracies)
+            tree = default_tree(positions, tree_nodes, ranks=min(RANKS, ranked), accuracies=accuracies)
         self.paths = check_tree(tree, ranked)
         self.ranks = max(max(p) for p in self.paths) + 1  # top-k width: the largest rank any node reads
-        self.max_depth = min(heads.num_heads, max(map(len, self.paths)))  # deeper nodes have no head
+        self.max_depth = min(positions, max(map(len, self.paths)))  # deeper nodes have no position
 
-    def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
-        self.hidden = prefill.hidden[:, -1]  # (b, d): prompts are left-padded, so -1 is every row's last token
-
-    @torch.inference_mode()
-    def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        depth = min(gamma, self.max_depth)  # never deeper than the loop's budget or the number of heads
-        logits = self.stacked(self.hidden.to(self.dtype))  # (b, K, N)
-        if self.mode == "chain":  # (b, depth): head k's top-1 at k, or at T > 0 a sample from head k with q
+    def draft(self, logits: Tensor, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        """logits (b, K, N) over the subset (all V untrimmed) -> a chain or tree no deeper than gamma."""
+        depth = min(gamma, self.max_depth)  # never deeper than the loop's budget or the number of positions
+        if self.mode == "chain":  # (b, depth): position k's top-1 at k, or at T > 0 a sample from it with q
             tokens, q = draft_from_logits(
                 logits[:, :depth], sampling, generator, vocab=self.vocab, vocab_size=self.vocab_size
             )
@@ -117,18 +116,12 @@ class MedusaDrafter:
     def _sampled_tree(
         self, logits: Tensor, parents: Tensor, depth: int, sampling: SamplingConfig, generator: torch.Generator | None
     ) -> Draft:
-        """logits (b, depth, N) of heads 1..depth -> the tree's nodes as draws without replacement, with q."""
+        """logits (b, depth, N) of positions 1..depth -> the tree's nodes as draws without replacement, with q."""
         head, group, sibling = self._sibling_table(depth, logits.device)
-        probs = probs_from_logits(logits, sampling)[:, head]  # (b, G, N): the head that fills each parent's children
+        probs = probs_from_logits(logits, sampling)[:, head]  # (b, G, N): the position filling each parent's children
         index, q = sample_siblings(probs, int(sibling.max()) + 1, generator)  # (b, G, W), (b, G, W, N)
         tokens = full_ids(index[:, group, sibling], self.vocab)  # (b, k)
         return Draft(tokens=tokens, q=expand_probs(q[:, group, sibling], self.vocab, self.vocab_size), parents=parents)
-
-    def commit(self, verdict: Verdict) -> None:
-        # path[:, a] is the verify index of the last accepted node (the old pending token when a = 0)
-        last = verdict.path.gather(1, verdict.accepted[:, None])  # (b, 1)
-        hidden = verdict.target.hidden  # (b, k + 1, d)
-        self.hidden = hidden.gather(1, repeat(last, "b 1 -> b 1 d", d=hidden.shape[-1]))[:, 0]
 
     def _table(self, depth: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """(parents, head, rank) of the tree's nodes no deeper than `depth`, built once per depth."""
@@ -137,9 +130,9 @@ class MedusaDrafter:
         return self._tables[depth]
 
     def _sibling_table(self, depth: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        """For a sampled tree no deeper than `depth`, built once per depth: head (G,), the head (0-based) that
-        draws the children of each node with children (the pending token's: head 0), and each node's group (k,)
-        and draw number among its siblings (k,) (verify.tree.sibling_groups)."""
+        """For a sampled tree no deeper than `depth`, built once per depth: head (G,), the position (0-based) that
+        draws the children of each node with children (the pending token's: position 0), and each node's group
+        (k,) and draw number among its siblings (k,) (verify.tree.sibling_groups)."""
         if depth not in self._groups:
             parents, head, _ = node_table(self.paths, depth)
             sources, group, sibling = sibling_groups(parents)
@@ -147,6 +140,47 @@ class MedusaDrafter:
             source_head = torch.where(sources >= 0, head[sources.clamp(min=0)] + 1, torch.zeros_like(sources))
             self._groups[depth] = (source_head.to(device), group.to(device), sibling.to(device))
         return self._groups[depth]
+
+
+class MedusaDrafter(PositionDrafter):
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        *,
+        mode: str = "tree",
+        tree: list | None = None,
+        tree_nodes: int = 16,
+        vocab: Tensor | None = None,
+        accuracies: list[list[float]] | None = None,
+        candidates: str = "sampled",
+    ):
+        """Head k is position k; see PositionDrafter for the settings."""
+        super().__init__(
+            positions=heads.num_heads,
+            vocab_size=heads.vocab_size,
+            mode=mode,
+            tree=tree,
+            tree_nodes=tree_nodes,
+            vocab=vocab,
+            accuracies=accuracies,
+            candidates=candidates,
+        )
+        self.heads = heads
+        self.dtype = next(heads.parameters()).dtype
+        self.stacked = heads.stacked(self.vocab)  # built once: hidden (b, d) -> logits (b, K, N)
+
+    def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
+        self.hidden = prefill.hidden[:, -1]  # (b, d): prompts are left-padded, so -1 is every row's last token
+
+    @torch.inference_mode()
+    def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        return self.draft(self.stacked(self.hidden.to(self.dtype)), gamma, sampling, generator)  # logits (b, K, N)
+
+    def commit(self, verdict: Verdict) -> None:
+        # path[:, a] is the verify index of the last accepted node (the old pending token when a = 0)
+        last = verdict.path.gather(1, verdict.accepted[:, None])  # (b, 1)
+        hidden = verdict.target.hidden  # (b, k + 1, d)
+        self.hidden = hidden.gather(1, repeat(last, "b 1 -> b 1 d", d=hidden.shape[-1]))[:, 0]
 
 
 def make_drafter(

@@ -149,5 +149,11 @@ def evaluate(
             truth[..., :5].any(-1).float().mean(),
         ]
         names += [f"head{k}_rank{r}" for r in range(ranks)]
-        values += list((top == base_pick[..., None]).float().mean(dim=(0, 1)))
+        values += list(rank_rates(top, base_pick))
     return dict(zip(names, torch.stack(values).tolist()))  # one host sync
+
+
+def rank_rates(top: Tensor, base_pick: Tensor) -> Tensor:
+    """How often each rank's guess is the base's own choice: top (..., R) full ids, ranked; base_pick (...) -> (R,).
+    What a static tree of ranks grows from (medusa.trees.tree_from_accuracies)."""
+    return (top == base_pick[..., None]).float().flatten(0, -2).mean(dim=0)

@@ -37,6 +37,7 @@ from einops import rearrange, repeat
 from torch import Tensor
 
 from prophet.model import Prophet, check_same_base
+from verify.cache import StaticCache
 from verify.drafter import Draft, Verdict
 from verify.numerics import check_int
 from verify.sampling import SamplingConfig, draft_from_logits, probs_from_logits, sample_siblings
@@ -84,21 +85,7 @@ class ProphetDrafter:
 
     @torch.inference_mode()
     def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
-        """Seed the cache with (f_t, x_{t+1}) for every prompt position, the last pairing f_{L-1} with `pending`
-        (f_t the true features as the prophet reads them, `seed`)."""
-        tokens, lengths = pad_prompts(prompts, 0, pending.device)  # (b, W), rows from index 0
-        b, width = tokens.shape
-        rows = torch.arange(b, device=pending.device)
-        next_tokens = torch.cat((tokens[:, 1:], tokens[:, :1]), dim=1)
-        next_tokens[rows, lengths - 1] = pending
-        # A capacity that does not depend on the prompt width: a compiled step is one program per shape.
-        self.cache = self.prophet.new_cache(b, max(512, 2 * width))
-        # eager even when compiled: every prompt width would be a new program to compile
-        layers = None if prefill.layers is None else left_to_right(prefill.layers, lengths)  # (b, W, S, d_base)
-        features = self.prophet.seed(left_to_right(prefill.hidden, lengths), self._check_layers(layers))
-        out = self.prophet.step(features, next_tokens, self.cache)  # (b, W, d_base)
-        self.cache.commit(torch.arange(width, device=pending.device) < lengths[:, None])  # drop the padding entries
-        self.feature = out[rows, lengths - 1]  # (b, d_base)
+        self.cache, self.feature = prefill_cache(self.prophet, prompts, prefill, pending)  # (b, d_base)
         self.drafted = 0
 
     @torch.inference_mode()
@@ -141,23 +128,7 @@ class ProphetDrafter:
         return F.linear(features, self.weight, self.bias)
 
     def _seed_features(self, verdict: Verdict) -> Tensor:
-        """The true features at the accepted path nodes [old pending, accepted drafts...]: (b, D + 1, d_base),
-        from the base's final hidden states and, for a fused prophet, its layer states at the same nodes."""
-        hidden, layers = verdict.target.hidden, self._check_layers(verdict.target.layers)
-        hidden = hidden.gather(1, repeat(verdict.path, "b n -> b n d", d=hidden.shape[-1]))
-        if layers is not None:  # gathered like hidden: (b, k + 1, S, d) -> (b, D + 1, S, d)
-            layers = layers.gather(1, repeat(verdict.path, "b n -> b n s d", s=layers.shape[2], d=layers.shape[3]))
-        return self.prophet.seed(hidden, layers)
-
-    def _check_layers(self, layers: Tensor | None) -> Tensor | None:
-        """A fused prophet needs the target's layer states: say how to get them when they are missing."""
-        if self.target_layers and layers is None:
-            raise ValueError(
-                f"the target returned no layer states, and this prophet fuses blocks {list(self.target_layers)}: "
-                "decode with verify.speculative.speculative_generate, which asks the target for drafter.target_layers "
-                "(a wrapper around this drafter must expose target_layers too)"
-            )
-        return layers
+        return path_features(self.prophet, verdict)  # (b, D + 1, d_base)
 
     def _chain(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         """gamma autoregressive steps in feature space: gamma - 1 one-entry forwards."""
@@ -262,6 +233,48 @@ class ProphetDrafter:
         value = before + probs.topk(self.top_k, dim=-1).values.log()  # log 0 = -inf: a pick of no probability
         score = torch.minimum(value, before + probs.gather(-1, index).log())
         return value, score, full_ids(index, self.vocab), q
+
+
+def prefill_cache(
+    prophet: Prophet, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor
+) -> tuple[StaticCache, Tensor]:
+    """A new cache seeded with (f_t, x_{t+1}) for every prompt position, the last pairing f_{L-1} with `pending`
+    (f_t the true features as the prophet reads them, `seed`), and the predicted feature at the pending
+    position (b, d_base), whose logits give the first draft token."""
+    tokens, lengths = pad_prompts(prompts, 0, pending.device)  # (b, W), rows from index 0
+    b, width = tokens.shape
+    rows = torch.arange(b, device=pending.device)
+    next_tokens = torch.cat((tokens[:, 1:], tokens[:, :1]), dim=1)
+    next_tokens[rows, lengths - 1] = pending
+    # A capacity that does not depend on the prompt width: a compiled step is one program per shape.
+    cache = prophet.new_cache(b, max(512, 2 * width))
+    # eager even when compiled: every prompt width would be a new program to compile
+    layers = None if prefill.layers is None else left_to_right(prefill.layers, lengths)  # (b, W, S, d_base)
+    features = prophet.seed(left_to_right(prefill.hidden, lengths), check_target_layers(prophet, layers))
+    out = prophet.step(features, next_tokens, cache)  # (b, W, d_base)
+    cache.commit(torch.arange(width, device=pending.device) < lengths[:, None])  # drop the padding entries
+    return cache, out[rows, lengths - 1]
+
+
+def path_features(prophet: Prophet, verdict: Verdict) -> Tensor:
+    """The true features at the accepted path nodes [old pending, accepted drafts...]: (b, D + 1, d_base),
+    from the base's final hidden states and, for a fused prophet, its layer states at the same nodes."""
+    hidden, layers = verdict.target.hidden, check_target_layers(prophet, verdict.target.layers)
+    hidden = hidden.gather(1, repeat(verdict.path, "b n -> b n d", d=hidden.shape[-1]))
+    if layers is not None:  # gathered like hidden: (b, k + 1, S, d) -> (b, D + 1, S, d)
+        layers = layers.gather(1, repeat(verdict.path, "b n -> b n s d", s=layers.shape[2], d=layers.shape[3]))
+    return prophet.seed(hidden, layers)
+
+
+def check_target_layers(prophet: Prophet, layers: Tensor | None) -> Tensor | None:
+    """A fused prophet needs the target's layer states: say how to get them when they are missing."""
+    if prophet.fuse_layers and layers is None:
+        raise ValueError(
+            f"the target returned no layer states, and this prophet fuses blocks {list(prophet.fuse_layers)}: "
+            "decode with verify.speculative.speculative_generate, which asks the target for drafter.target_layers "
+            "(a wrapper around this drafter must expose target_layers too)"
+        )
+    return layers
 
 
 def pad_block(features: Tensor, tokens: Tensor, width: int) -> tuple[Tensor, Tensor]:

@@ -232,8 +232,14 @@ class Prophet(nn.Module):
         them they form a chain after each row's cached entries. The cache takes the new entries.
         `compile` runs the decoder layers through torch.compile (one program per input shape).
         """
+        return self.decode(self.fused(features, next_tokens), cache, allow=allow, pos=pos, compile=compile)
+
+    def decode(
+        self, x: Tensor, cache: StaticCache, *, allow: Tensor | None = None, pos: Tensor | None = None, compile=False
+    ) -> Tensor:
+        """`step` from decoder inputs x (b, n, dim) (fused entries, or a block prophet's slots) -> (b, n, d_base)."""
         decoder = lean(self.decoder, LeanDecoder, compile=compile)  # rebuilt only when the weights changed
-        return self.out(decoder(self.fused(features, next_tokens), cache, allow=allow, pos=pos))
+        return self.out(decoder(x, cache, allow=allow, pos=pos))
 
 
 def unroll_attention(steps: int, t: int, device: torch.device) -> tuple[Tensor, Tensor]:

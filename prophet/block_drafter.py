@@ -1,0 +1,133 @@
+"""Drafting with the block prophet: K draft positions from one prophet forward per decoding step.
+
+State. The cache holds the context entries (f_t, x_{t+1}) of every accepted position, exactly as the
+autoregressive prophet's (prophet/drafter.py), and two predictions made from them: `feature`, the predicted
+feature at the pending position (its logits are draft position 1), and `block`, the K - 1 slots' predicted
+features (positions 2..K). Neither reads a drafted token, so `propose` is only the frozen output layer
+over K features and a pick per position: no prophet forward at all.
+
+One forward per step. `commit` appends the accepted path's true pairs and, in the same forward, the K - 1
+slots after them: slot i sits at the position after the row's last accepted entry plus i - 1 and sees the
+accepted entries of its row (not the padding of rows that accepted fewer) and the slots before it. The cache
+then keeps the accepted entries only, and the outputs give the next step's `feature` and `block`. So a step
+costs the autoregressive prophet's commit forward, K - 1 entries wider, instead of that forward plus one
+forward per further draft token; the time is counted as drafting, as every drafter's commit is.
+
+Picks. A chain takes each position's top-1 at T = 0, or at T > 0 a sample from each position's distribution
+after the shared sampling transform, with that distribution as q: the lossless rule then applies unchanged
+(q may ignore the earlier draft tokens; it only has to be what the token was drawn from). A tree is a static
+tree of the positions' ranks, grown from the ranks' measured accuracies (medusa.drafter.PositionDrafter),
+with sampled siblings at T > 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange, repeat
+from torch import Tensor
+
+from medusa.drafter import PositionDrafter
+from prophet.block import BlockProphet
+from prophet.drafter import pad_block, path_features, prefill_cache
+from prophet.model import check_same_base
+from verify.drafter import Draft, Verdict
+from verify.sampling import SamplingConfig
+from verify.target import TargetOutput
+from verify.vocab import trim_linear
+
+
+class BlockProphetDrafter(PositionDrafter):
+    def __init__(
+        self,
+        prophet: BlockProphet,
+        *,
+        mode: str = "tree",
+        tree: list | None = None,
+        tree_nodes: int = 16,
+        vocab: Tensor | None = None,
+        accuracies: list[list[float]] | None = None,
+        candidates: str = "sampled",
+        compile: bool = False,
+    ):
+        """Position k of the block is head k of a static tree (see PositionDrafter for the settings);
+        `compile` runs the prophet's forwards through torch.compile (one program: every commit is padded)."""
+        super().__init__(
+            positions=prophet.block,
+            vocab_size=prophet.vocab_size,
+            mode=mode,
+            tree=tree,
+            tree_nodes=tree_nodes,
+            vocab=vocab,
+            accuracies=accuracies,
+            candidates=candidates,
+        )
+        self.prophet = prophet.eval()  # drafting is inference; a training loop switches back with .train()
+        self.weight, self.bias = trim_linear(prophet.head.to_logits, self.vocab)  # (N, d_base), (N,) or None
+        self.target_layers = prophet.fuse_layers  # blocks whose states the target hands over (verify/drafter.py)
+        self.compile = compile
+        self.cache = None
+
+    @torch.inference_mode()
+    def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
+        """Seed the cache from the prompts (as the autoregressive prophet does), then run the slots once."""
+        self.cache, self.feature = prefill_cache(self.prophet, prompts, prefill, pending)  # (b, d_base)
+        b = self.feature.shape[0]
+        self.block = self.prophet.decode(self.prophet.slot_inputs(b), self.cache, compile=self.compile)
+        self.cache.commit(torch.zeros(b, self.prophet.block - 1, dtype=torch.bool, device=self.feature.device))
+
+    @torch.inference_mode()
+    def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
+        features = torch.cat((self.feature[:, None], self.block), dim=1)  # (b, K, d_base)
+        return self.draft(F.linear(features, self.weight, self.bias), gamma, sampling, generator)  # logits (b, K, N)
+
+    @torch.inference_mode()
+    def commit(self, verdict: Verdict) -> None:
+        """One forward: the accepted path's true pairs (a + 1 per row, padded), then the K - 1 slots after each
+        row's last accepted entry; the cache keeps the a + 1 entries."""
+        features, tokens = path_features(self.prophet, verdict), verdict.tokens[:, : verdict.path.shape[1]]
+        if self.compile:  # one compiled program: the widest path a block allows (K drafts and the pending token)
+            features, tokens = pad_block(features, tokens, self.prophet.block + 1)
+        width, slots = tokens.shape[1], self.prophet.block - 1
+        b = tokens.shape[0]
+        x = torch.cat((self.prophet.fused(features, tokens), self.prophet.slot_inputs(b)), dim=1)
+        allow, pos = commit_attention(verdict.accepted, width, slots, self.cache.lengths)
+        out = self.prophet.decode(x, self.cache, allow=allow, pos=pos, compile=self.compile)  # (b, width + slots, d)
+        self.cache.commit(torch.arange(width + slots, device=out.device) < (verdict.accepted + 1)[:, None])
+        self.feature = out[torch.arange(b, device=out.device), verdict.accepted]  # predicted at the new pending
+        self.block = out[:, width:]  # (b, K - 1, d_base)
+
+
+def commit_attention(accepted: Tensor, width: int, slots: int, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention among a commit's new entries: `width` path entries (the first accepted + 1 of each row real),
+    then `slots` slots. accepted (b,), lengths (b,) the rows' cached entries before the commit.
+
+    Path entries are a chain (causal, at positions lengths + j). Slot i (1-based) sits at lengths + accepted + i
+    and sees the row's real path entries and the slots up to itself. Returns allow (b, n, n) over the new
+    entries (every cached entry stays visible) and positions (b, n), n = width + slots."""
+    device = accepted.device
+    j = torch.arange(width, device=device)
+    i = torch.arange(1, slots + 1, device=device)
+    path_sees_path = repeat(j[:, None] >= j[None, :], "q k -> b q k", b=accepted.shape[0])  # (b, W, W)
+    path_sees_slots = torch.zeros(accepted.shape[0], width, slots, dtype=torch.bool, device=device)
+    slot_sees_path = repeat(j[None, :] <= accepted[:, None], "b k -> b q k", q=slots)  # (b, slots, W)
+    slot_sees_slots = repeat(i[:, None] >= i[None, :], "q k -> b q k", b=accepted.shape[0])  # (b, slots, slots)
+    allow = torch.cat(
+        (
+            torch.cat((path_sees_path, path_sees_slots), dim=-1),
+            torch.cat((slot_sees_path, slot_sees_slots), dim=-1),
+        ),
+        dim=1,
+    )
+    pos = torch.cat((lengths[:, None] + j, rearrange(lengths + accepted, "b -> b 1") + i), dim=1)
+    return allow, pos
+
+
+def make_drafter(
+    module: BlockProphet, base: torch.nn.Module, *, vocab: Tensor | None = None, **decode_kwargs
+) -> BlockProphetDrafter:
+    """decode_kwargs: `decode:` of conf/drafter/prophet_block.yaml (mode, tree, tree_nodes, candidates) and
+    `accuracies` (the positions' measured rank accuracies); `vocab` the sorted token ids (N,) the drafts may use
+    (verify.vocab.frequent_tokens), None for the full vocabulary."""
+    check_same_base(module, base)
+    return BlockProphetDrafter(module, vocab=vocab, **decode_kwargs)

@@ -1,0 +1,135 @@
+"""The block prophet's training side, as registered in experiments/lib/families.py: `build`, `loss`, `evaluate`
+(the inference side, make_drafter, is in prophet/block_drafter.py). The batch is a FeatureBatch of the
+feature cache for inputs tokens[:, :-1]: hidden f_0 .. f_{T-1}, the base's top-k next-token distribution at
+each index, and for a fused prophet the residual states of its blocks.
+
+Positions. Draft position 1 is the context's own prediction: context entry t = (f_t, x_{t+1}) predicts
+f_{t+1}, as the autoregressive prophet's teacher-forced step. Draft position j = 1 + i is slot i of the block
+that starts after context entry s: it predicts f_{s+1+i}, whose logits are the base's distribution for token
+s + 2 + i. Each position has the prophet's loss: SmoothL1 regression of the feature plus `ce_weight` times
+the distillation loss against the base's own distribution (experiments/lib/distill.py), weighted
+decay^(j - 1).
+
+Block starts. Every index can start a block, but a block of K - 1 slots costs K - 1 entries, so a step
+trains on `starts` of them, drawn at random without replacement among the starts whose slots all have a
+target (s <= T - 1 - K), the same for every window of the batch; null draws T // (K - 1), which makes the
+forward about twice the autoregressive prophet's (2T entries instead of T). Validation takes every start.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import repeat
+from torch import Tensor, nn
+
+from experiments.lib.distill import agreement, check_target, distill_loss, subset_index
+from experiments.lib.features import FeatureBatch
+from medusa.train import rank_rates
+from medusa.trees import RANKS
+from prophet.block import BlockProphet
+from prophet.model import check_same_base
+from verify.numerics import check_int
+from verify.vocab import full_ids, trim_linear
+
+
+def build(base: nn.Module, **module_kwargs) -> BlockProphet:
+    """module_kwargs: `module:` of conf/drafter/prophet_block.yaml (block, and the prophet's dim, depth, heads,
+    attn_dim_head, ff_mult, fuse_layers)."""
+    return BlockProphet.from_base(base, **module_kwargs)
+
+
+def loss(
+    module: BlockProphet,
+    base: nn.Module,
+    batch: FeatureBatch,
+    *,
+    vocab: Tensor | None = None,
+    feature_weight: float = 1.0,
+    ce_weight: float = 0.1,
+    decay: float = 0.8,
+    starts: int | None = None,
+    target: str = "kl",
+) -> tuple[Tensor, dict[str, float]]:
+    """batch (B, T) -> (weighted loss, metrics per draft position `pos{j}_*`). `vocab` (sorted ids (N,)): logits
+    over the subset only."""
+    for name, value in dict(feature_weight=feature_weight, ce_weight=ce_weight, decay=decay).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name}={value!r}: must be a number >= 0")
+    check_target(target)
+    t = _check_batch(module, base, batch)
+    usable = t - module.block  # starts 0 .. T - 1 - K
+    if starts is not None:
+        check_int("starts", starts)
+    count = min(usable, starts if starts is not None else max(1, t // (module.block - 1)))
+    chosen = torch.randperm(usable, device=batch.hidden.device)[:count].sort().values  # (S,)
+    weight, bias = trim_linear(module.head.to_logits, vocab)  # the frozen output layer (its subset rows)
+    index = subset_index(vocab, module.vocab_size, batch.hidden.device)
+    total, parts = batch.hidden.new_zeros(()), {}
+    for j, (pred, u) in enumerate(_positions(module, batch, chosen), start=1):
+        logits = F.linear(pred, weight, bias)  # (B, n, N)
+        feature = F.smooth_l1_loss(pred.float(), batch.hidden[:, u])
+        ce = distill_loss(
+            logits.flatten(0, 1),
+            top_ids=batch.top_ids[:, u].flatten(0, 1),
+            top_logp=batch.top_logp[:, u].flatten(0, 1),
+            true_ids=batch.tokens[:, u + 1].flatten(),
+            target=target,
+            index=index,
+        )
+        total = total + decay ** (j - 1) * (feature_weight * feature + ce_weight * ce)
+        agree = agreement(logits, batch.top_ids[:, u], vocab)
+        parts.update({f"pos{j}_feature": feature, f"pos{j}_ce": ce, f"pos{j}_agree": agree})
+    parts["loss"] = total
+    values = torch.stack([v.detach().float() for v in parts.values()]).tolist()  # one host sync
+    return total, dict(zip(parts, values)) | {"starts": count}
+
+
+@torch.no_grad()
+def evaluate(
+    module: BlockProphet, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None
+) -> dict[str, float]:
+    """For each draft position j = 1..K, over every block start: `head{j}_agree`, how often its top-1 is the
+    base's own top-1 for that token given the true prefix (what greedy acceptance needs), and `head{j}_rank{r}`
+    for r < 10, how often its rank-r guess is (rank0 = agree), which a static tree grows from
+    (medusa.trees.tree_from_accuracies). Blocks run in chunks of T // (K - 1) starts, as in training."""
+    t = _check_batch(module, base, batch)
+    weight, bias = trim_linear(module.head.to_logits, vocab)
+    ranks = min(RANKS, weight.shape[0])
+    tops: dict[int, list[Tensor]] = {}
+    picks: dict[int, list[Tensor]] = {}
+    every = torch.arange(t - module.block, device=batch.hidden.device)
+    for chunk in every.split(max(1, t // (module.block - 1))):
+        for j, (pred, u) in enumerate(_positions(module, batch, chunk), start=1):
+            if j == 1 and chunk[0] > 0:
+                continue  # the context's predictions do not depend on the blocks: counted once
+            top = full_ids(F.linear(pred, weight, bias).topk(ranks, dim=-1).indices, vocab)  # (B, n, R)
+            tops.setdefault(j, []).append(top.flatten(0, 1))
+            picks.setdefault(j, []).append(batch.top_ids[:, u, 0].flatten())
+    names, values = [], []
+    for j in sorted(tops):
+        rates = rank_rates(torch.cat(tops[j]), torch.cat(picks[j]))  # (R,)
+        names += [f"head{j}_agree"] + [f"head{j}_rank{r}" for r in range(ranks)]
+        values += [rates[0], *rates]
+    return dict(zip(names, torch.stack(values).tolist()))  # one host sync
+
+
+def _positions(module: BlockProphet, batch: FeatureBatch, starts: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """(predictions (B, n, d_base), the indices u (n,) of the features f_u they predict) for draft positions 1..K:
+    position 1 the context's predictions at indices 0 .. T - 2 (u = 1 .. T - 1), position 1 + i slot i of the
+    blocks at `starts` (u = start + 1 + i)."""
+    context, slots = module.block_forward(batch.hidden, batch.tokens[:, 1:], starts, layers=batch.layers)
+    t = batch.hidden.shape[1]
+    out = [(context[:, :-1], torch.arange(1, t, device=starts.device))]
+    targets = repeat(starts, "s -> s k", k=module.block - 1) + torch.arange(2, module.block + 1, device=starts.device)
+    return out + [(slots[:, :, i], targets[:, i]) for i in range(module.block - 1)]
+
+
+def _check_batch(module: BlockProphet, base: nn.Module, batch: FeatureBatch) -> int:
+    check_same_base(module, base)
+    if not isinstance(module, BlockProphet):
+        raise ValueError(f"{type(module).__name__}: the block prophet's loss needs a BlockProphet (block_train.build)")
+    _, t = batch.check()
+    if t < module.block + 1:
+        raise ValueError(f"block={module.block} needs sequences of at least {module.block + 1} positions; got T={t}")
+    return t
