@@ -86,7 +86,7 @@ def test_gradients_reach_the_prophet_only():
     loss, metrics = block_train.loss(prophet, base, batch(base))
     loss.backward()
     assert {f"pos{j}_agree" for j in range(1, K + 1)} | {"loss", "starts"} <= set(metrics)
-    assert metrics["starts"] == 16 // (K - 1)  # T // (K - 1) starts by default
+    assert metrics["starts"] == 16 // (2 * (K - 1))  # T // (2 (K - 1)) starts by default
     for name, p in prophet.named_parameters():
         assert p.grad is not None and bool(p.grad.abs().sum() > 0), name
     assert all(p.grad is None for p in base.parameters())
