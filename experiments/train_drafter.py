@@ -1,8 +1,9 @@
-"""Train a drafter (Medusa or sequential heads, a prophet, a draft model, an early-exit head) on a frozen
-base, by self-distillation.
+"""Train a drafter (Medusa or sequential heads, a prophet or a block prophet, a draft model, an early-exit
+head) on a frozen base, by self-distillation.
 
     python -m experiments.train_drafter drafter=medusa base_checkpoint=outputs/.../checkpoint
     python -m experiments.train_drafter drafter=prophet base_checkpoint=... drafter.loss.unroll=3
+    python -m experiments.train_drafter drafter=prophet_block base_checkpoint=... drafter.module.block=6
     python -m experiments.train_drafter drafter=draft base_checkpoint=...
     torchrun --standalone --nproc_per_node 2 -m experiments.train_drafter drafter=medusa base_checkpoint=...
 

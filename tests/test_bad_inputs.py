@@ -43,6 +43,15 @@ MODULES = {  # each family's module config as its conf/drafter/*.yaml has it
     "medusa": {"num_heads": 4, "num_layers": 1, "share_base_projection": False},
     "sequential": {"num_heads": 4, "num_layers": 1},
     "prophet": {"dim": 128, "depth": 1, "heads": 4, "attn_dim_head": None, "ff_mult": 4, "fuse_layers": None},
+    "prophet_block": {
+        "block": 4,
+        "dim": 128,
+        "depth": 1,
+        "heads": 4,
+        "attn_dim_head": None,
+        "ff_mult": 4,
+        "fuse_layers": None,
+    },
     "early_exit": {"layer": 2, "num_layers": 1},
     "draft": {"dim": 128, "depth": 2, "heads": 4, "ff_mult": 4, "attn_dim_head": None},
 }
@@ -50,6 +59,7 @@ TYPED = {  # family -> a value a user types that differs from the checkpoint's (
     "medusa": ("module.num_heads", "64", "4"),
     "sequential": ("module.num_layers", "2", "1"),
     "prophet": ("loss.unroll", "3", "1"),
+    "prophet_block": ("module.block", "6", "4"),
     "early_exit": ("module.layer", "1", "2"),
     "draft": ("module.dim", "64", "128"),
 }
@@ -573,8 +583,14 @@ def test_a_drafter_setting_is_refused_before_the_base_loads_or_trains(
 @pytest.mark.parametrize(
     "base, families",
     [
-        ("base_checkpoint=null", "draft_model,medusa_chain,prophet_chain,sequential_chain,early_exit_chain"),
-        ("base_checkpoint={lm}", "draft_model,medusa_chain,prophet_chain,sequential_chain"),  # one block: no exit
+        (
+            "base_checkpoint=null",
+            "draft_model,medusa_chain,prophet_chain,prophet_block_chain,sequential_chain,early_exit_chain",
+        ),
+        (  # one block: no exit
+            "base_checkpoint={lm}",
+            "draft_model,medusa_chain,prophet_chain,prophet_block_chain,sequential_chain",
+        ),
     ],
 )
 def test_every_family_passes_the_stand_in_check_with_good_settings(base: str, families: str, files: dict) -> None:
@@ -635,7 +651,7 @@ def assert_one_line_error(status: int, stderr: str, fragments: list[str]) -> Non
             ["drafter=nosuch"],
             [
                 "error: drafter=nosuch: config group drafter is set per package, as one of drafter@draft,",
-                "the options are: draft, early_exit, medusa, prophet, sequential",
+                "the options are: draft, early_exit, medusa, prophet, prophet_block, sequential",
             ],
         ),
         (

@@ -160,7 +160,7 @@ def test_hydra_dirs_of_every_entry_point(name: str) -> None:
     ]
 
 
-DRAFTER_KINDS = ("draft", "medusa", "prophet", "sequential", "early_exit")
+DRAFTER_KINDS = ("draft", "medusa", "prophet", "prophet_block", "sequential", "early_exit")
 FAKE_BASE = (
     "/nonexistent/base/checkpoint",
     {"fingerprint": "f00d", "data": {"config": {"source": "stdlib", "vocab_size": 8192}}},

@@ -69,11 +69,12 @@ DRAFTER = [
 SMALL = {
     "medusa": [],
     "prophet": ["drafter.module.dim=32", "drafter.module.heads=2"],  # a prophet as narrow as the base
+    "prophet_block": ["drafter.module.dim=32", "drafter.module.heads=2"],
     "draft": ["drafter.module.dim=32", "drafter.module.depth=1", "drafter.module.heads=2"],
     "sequential": [],
     "early_exit": ["drafter.module.layer=1"],
 }  # the base has 2 blocks: exit after the first
-FAMILIES = ("medusa", "prophet", "draft", "sequential", "early_exit")
+FAMILIES = ("medusa", "prophet", "prophet_block", "draft", "sequential", "early_exit")
 ROW_KEYS = {
     "name",
     "tau",
@@ -156,6 +157,7 @@ def bench_overrides(tiny_base: Path, drafters: dict) -> list[str]:
         f"checkpoints.draft={tiny_base}",
         f"checkpoints.medusa={drafters['medusa']['result']['checkpoint']}",
         f"checkpoints.prophet={drafters['prophet']['result']['checkpoint']}",
+        f"checkpoints.prophet_block={drafters['prophet_block']['result']['checkpoint']}",
         f"checkpoints.sequential={drafters['sequential']['result']['checkpoint']}",
         f"checkpoints.early_exit={drafters['early_exit']['result']['checkpoint']}",
         "prompts.num_prompts=2",
@@ -340,6 +342,7 @@ def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path
     agreement = {
         "medusa": "head1_agree",
         "prophet": "step1_agree",
+        "prophet_block": "head1_agree",
         "draft": "agree",
         "sequential": "head1_agree",
         "early_exit": "agree",
@@ -375,6 +378,7 @@ DRAFTER_CLASS = {
     "draft": "DraftModelDrafter",
     "medusa": "MedusaDrafter",
     "prophet": "ProphetDrafter",
+    "prophet_block": "BlockProphetDrafter",
     "sequential": "SequentialDrafter",
     "early_exit": "EarlyExitDrafter",
 }
@@ -453,7 +457,8 @@ def test_load_drafter_refuses_a_base_checkpoint(tiny_base: Path) -> None:
         ("optim.warmup_steps=5", "optim.warmup_steps (5) must not exceed max_steps (4)"),
         (
             "drafter.package=nonexistent",
-            "drafter.package='nonexistent': must be one of draft, medusa, prophet, sequential, early_exit",
+            "drafter.package='nonexistent': must be one of "
+            "draft, medusa, prophet, prophet_block, sequential, early_exit",
         ),
         ("drafter.package=json", "drafter.package='json': must be one of"),
     ],

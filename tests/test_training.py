@@ -71,6 +71,7 @@ def test_drafter_crash_and_resume_equals_uninterrupted(
     metric = {
         "medusa": "head1_agree",
         "prophet": "step1_agree",
+        "prophet_block": "head1_agree",
         "draft": "agree",
         "sequential": "head1_agree",
         "early_exit": "agree",

@@ -24,18 +24,13 @@ from omegaconf.errors import OmegaConfBaseException
 from experiments.lib import base_trainer, drafter_trainer
 from experiments.lib.checkpoint import checkpoint_exists, read_meta
 from experiments.lib.cli import one_line, write_atomic
+from experiments.lib.families import FAMILIES
 from experiments.lib.rundir import RunDirectoryInUse, RunLock
 
 log = logging.getLogger(__name__)
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")  # experiments/lib/ -> the repository root
-ENTRY = {
-    "base": "train_base",
-    "draft": "train_drafter",
-    "medusa": "train_drafter",
-    "prophet": "train_drafter",
-    "sequential": "train_drafter",
-    "early_exit": "train_drafter",
-}
+# artifact kind -> the entry point that trains it: the base, and every drafter family (the draft model's among them)
+ENTRY = {"base": "train_base", **dict.fromkeys(FAMILIES, "train_drafter")}
 TRAINERS = {"train_base": base_trainer, "train_drafter": drafter_trainer}  # config name -> its validate_config, train
 
 

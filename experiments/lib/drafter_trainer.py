@@ -1,6 +1,6 @@
-"""Train a drafter (Medusa or sequential heads, a prophet, a draft model, an early-exit head) on a frozen
-base, by self-distillation: the library side of `python -m experiments.train_drafter` (and of the artifact
-cache, which trains missing drafters in-process through the same `train(cfg)`).
+"""Train a drafter (Medusa or sequential heads, a prophet or a block prophet, a draft model, an early-exit
+head) on a frozen base, by self-distillation: the library side of `python -m experiments.train_drafter` (and of
+the artifact cache, which trains missing drafters in-process through the same `train(cfg)`).
 
 The family (experiments/lib/families.py) supplies build, loss and evaluate; `batch` is a FeatureBatch
 (experiments/lib/features.py): the tokens and the frozen base's outputs on them, read from the feature

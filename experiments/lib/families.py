@@ -10,7 +10,11 @@ train module; the inference side (make_drafter) lives beside the drafter class i
     make_drafter(module, base, **decode)        -> a Drafter for verify.speculative.speculative_generate
 
 `conf/drafter/<name>.yaml` holds a family's module, loss and decode settings; `drafter.package` names the
-family here. Adding a family is one entry below plus that config file.
+family here. Adding a family is one entry below plus that config file; for the decoding entry points, also
+its place in conf/models/default.yaml (the drafter config, its checkpoint and its artifact recipe) and, for a
+family with a tree mode, its budget=auto candidates in conf/benchmark.yaml (budget_search.<name>_trees). Its
+methods are <name>_<mode> (experiments/lib/methods.py FAMILY_METHODS, which maps a method to its family and
+mode: a family name may contain "_", so a method name is never split).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from experiments.lib.checkpoint import CheckpointError, load_checkpoint
 from medusa import drafter as medusa_drafter
 from medusa import sequential_drafter, sequential_train
 from medusa import train as medusa_train
+from prophet import block_drafter, block_train
 from prophet import drafter as prophet_drafter
 from prophet import train as prophet_train
 from verify import draft_model, early_exit
@@ -59,6 +64,15 @@ FAMILIES: dict[str, Family] = {
         prophet_train.evaluate,
         prophet_drafter.make_drafter,
         modes=("chain", "tree"),
+        compiles=True,
+    ),
+    "prophet_block": Family(  # the prophet's network drafting K positions per forward (static trees, like Medusa's)
+        block_train.build,
+        block_train.loss,
+        block_train.evaluate,
+        block_drafter.make_drafter,
+        modes=("chain", "tree"),
+        head_tree=True,
         compiles=True,
     ),
     "sequential": Family(
