@@ -417,7 +417,7 @@ def test_grow_tree_reads_sequential_checkpoints_and_refuses_others(package, tmp_
     )
     cfg = OmegaConf.create({"checkpoint": str(tmp_path / "ckpt"), "tree_nodes": 4})
     if package == "prophet":
-        with pytest.raises(ValueError, match="not a Medusa or sequential heads checkpoint"):
+        with pytest.raises(ValueError, match="not a Medusa, sequential heads or block prophet checkpoint"):
             grow(cfg)
     else:
         assert grow(cfg) == [[0], [1], [2], [0, 0]]
