@@ -62,6 +62,8 @@ class PositionDrafter:
     each position's top-1 (sampled with q at T > 0); a tree is a static tree of rank paths (see the module
     docstring), grown from the positions' measured rank accuracies when given."""
 
+    flat_draft_cost = True  # budget=auto: the distributions are computed once per step, whatever gamma
+
     def __init__(
         self,
         *,

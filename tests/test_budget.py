@@ -208,6 +208,27 @@ def test_pilot_and_chain_budget_with_prompt_lookup(lm):
     assert len(chosen["pilot"]["acceptance"]) == 4
 
 
+class FlatLookup(PromptLookupDrafter):
+    flat_draft_cost = True  # as Medusa's heads and the block prophet: one computation per step, whatever gamma
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_a_flat_draft_cost_does_not_grow_with_gamma(lm, flat):
+    """Linear drafters (the default) pay their measured draft time per drafted token; a flat one pays all of it
+    at every gamma, so a short chain is not predicted cheaper than it is."""
+    target = Target(lm)
+    factory = lambda: (FlatLookup if flat else PromptLookupDrafter)(vocab_size=lm.num_tokens)  # noqa: E731
+    costs = measure_verify_cost(target, **QUICK)
+    chosen = choose_chain_budget(target, factory, PROMPTS, verify_cost=costs, max_gamma=4, **PILOT)
+    beyond = [r["seconds_per_step"] - interpolate_cost(costs, r["gamma"] + 1) for r in chosen["table"]]
+    pilot_result = chosen["pilot"]
+    if flat:
+        total = pilot_result["draft_seconds_per_step"] + pilot_result["overhead_seconds_per_step"]
+        assert beyond == pytest.approx([total] * 4)
+    else:
+        assert beyond[0] < beyond[-1]  # the draft part grows with gamma
+
+
 class TreeLookup:
     """A tree for tests: prompt lookup's chain of min(depth, gamma) nodes, then wrong guesses under the root."""
 

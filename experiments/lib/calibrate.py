@@ -315,10 +315,12 @@ def choose_chain_budget(
     is chosen up to that depth. The draft cost is taken as linear in gamma: seconds per drafted
     token = draft seconds per step / drafted tokens per step. That is an approximation. A chain
     drafter costs about one small forward per token, plus a part that does not grow with gamma
-    (commit's reseed on the accepted tokens for the prophet and the draft model; for Medusa nearly all
-    of it, since its heads run once per step); spreading that part over the tokens makes short chains
-    look cheaper than they are, so the choice leans short. The loop's own bookkeeping per step is the
-    fixed cost. Returns {"gamma": g, "table": best_chain's rows, "pilot": pilot's dict}."""
+    (commit's reseed on the accepted tokens for the prophet and the draft model); spreading that part
+    over the tokens makes short chains look cheaper than they are, so the choice leans short. A drafter
+    whose whole cost is per step (`flat_draft_cost = True`: Medusa's heads and the block prophet's
+    forward run once per step, whatever gamma) is costed as such: its draft seconds per step are fixed.
+    The loop's own bookkeeping per step is fixed too.
+    Returns {"gamma": g, "table": best_chain's rows, "pilot": pilot's dict}."""
     if isinstance(max_gamma, bool) or not isinstance(max_gamma, int) or max_gamma < 1:
         raise ValueError(f"max_gamma={max_gamma!r}: must be an integer >= 1")
     pilot_spec = replace(spec, gamma=max_gamma, max_gamma=max_gamma, adaptive_gamma=False)
@@ -336,12 +338,14 @@ def choose_chain_budget(
     if not result["acceptance"]:
         raise ValueError("the pilot drafted no tokens: raise max_new_tokens so that steps with drafts run")
     depth = min(max_gamma, len(result["acceptance"]))
-    per_token = result["draft_seconds_per_step"] / max(result["draft_tokens_per_step"], 1e-9)
+    draft, fixed = result["draft_seconds_per_step"], result["overhead_seconds_per_step"]
+    if getattr(drafter_factory(), "flat_draft_cost", False):
+        draft, fixed = 0.0, fixed + draft
     gamma, table = best_chain(
         result["acceptance"],
         verify_cost=verify_cost,
-        draft_step_cost=per_token,
-        draft_fixed_cost=result["overhead_seconds_per_step"],
+        draft_step_cost=draft / max(result["draft_tokens_per_step"], 1e-9),
+        draft_fixed_cost=fixed,
         max_gamma=depth,
     )
     return {"gamma": gamma, "table": table, "pilot": result}
