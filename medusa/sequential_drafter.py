@@ -96,6 +96,7 @@ def level_table(paths: list[Path], max_depth: int) -> tuple[Tensor, list[Level]]
 
 class SequentialDrafter(MedusaDrafter):
     flat_draft_cost = False  # one head call per level: the draft cost grows with the depth
+
     def __init__(
         self,
         heads: SequentialHeads,
