@@ -79,7 +79,11 @@ class BlockProphetDrafter(PositionDrafter):
     @torch.inference_mode()
     def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         features = torch.cat((self.feature[:, None], self.block), dim=1)  # (b, K, d_base)
-        return self.draft(F.linear(features, self.weight, self.bias), gamma, sampling, generator)  # logits (b, K, N)
+        return self.draft(self._logits(features), gamma, sampling, generator)
+
+    def _logits(self, features: Tensor) -> Tensor:
+        """(..., d_base) predicted features -> (..., N) logits over the subset (all V untrimmed)."""
+        return F.linear(features, self.weight, self.bias)
 
     @torch.inference_mode()
     def commit(self, verdict: Verdict) -> None:

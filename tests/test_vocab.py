@@ -16,6 +16,7 @@ from medusa import drafter as medusa_drafter
 from medusa import train as medusa_train
 from medusa.drafter import MedusaDrafter
 from medusa.heads import MedusaHeads
+from prophet import block_drafter, block_train
 from prophet import drafter as prophet_drafter
 from prophet.drafter import ProphetDrafter
 from prophet.model import Prophet
@@ -204,7 +205,16 @@ def tiny_prophet(base):
     return perturb(Prophet.from_base(base, dim=32, depth=1, heads=2), seed=3, scale=0.05)
 
 
-NAMES = ["draft_model", "draft_model_self", "medusa_chain", "medusa_tree", "prophet_chain", "prophet_tree"]
+NAMES = [
+    "draft_model",
+    "draft_model_self",
+    "medusa_chain",
+    "medusa_tree",
+    "prophet_chain",
+    "prophet_tree",
+    "prophet_block_chain",
+    "prophet_block_tree",
+]
 
 
 def drafter_factory(name: str, base):
@@ -217,6 +227,11 @@ def drafter_factory(name: str, base):
         heads = perturb(medusa_train.build(base, num_heads=3, num_layers=1), seed=2)
         tree = dict(mode="chain") if name == "medusa_chain" else dict(mode="tree", tree=SMALL_TREE)
         return lambda vocab: medusa_drafter.make_drafter(heads, base, **tree, vocab=vocab)
+    if name.startswith("prophet_block"):
+        torch.manual_seed(3)
+        block = perturb(block_train.build(base, dim=32, depth=1, heads=2, block=3), seed=3, scale=0.05)
+        tree = dict(mode="chain") if name == "prophet_block_chain" else dict(mode="tree", tree=SMALL_TREE)
+        return lambda vocab: block_drafter.make_drafter(block, base, **tree, vocab=vocab)
     prophet = tiny_prophet(base)
     tree = dict(mode="chain") if name == "prophet_chain" else dict(mode="tree", top_k=3, depth=3, tree_nodes=8)
     return lambda vocab: prophet_drafter.make_drafter(prophet, base, **tree, vocab=vocab)
