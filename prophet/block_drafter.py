@@ -18,6 +18,16 @@ after the shared sampling transform, with that distribution as q: the lossless r
 (q may ignore the earlier draft tokens; it only has to be what the token was drawn from). A tree is a static
 tree of the positions' ranks, grown from the ranks' measured accuracies (medusa.drafter.PositionDrafter),
 with sampled siblings at T > 0.
+
+Refinement (`refine=R`, chains only, a tree ignores it; 0 by default). A slot never sees the tokens drafted
+before it, which is what the autoregressive prophet's later steps gain from. A refinement pass re-reads the
+block as that prophet would: one forward of K - 1 entries (position j's predicted feature, position j's
+current guess) on top of the cache (appended, then dropped), whose entry j predicts position j + 1 again, now
+given the guesses of positions 1..j (Jacobi iteration; R passes, each from the previous pass's features and
+guesses). The chain is then drawn position by position: position i takes the refined distribution while the
+tokens drawn so far are the guesses it was conditioned on, and the slot's own distribution from the first
+mismatch on. Which one is used is settled by the earlier tokens only, so each token's q is what it was drawn
+from, and the rule stays lossless. Each pass costs one more prophet forward per step.
 """
 
 from __future__ import annotations
@@ -32,9 +42,9 @@ from prophet.block import BlockProphet
 from prophet.drafter import pad_block, path_features, prefill_cache
 from prophet.model import check_same_base
 from verify.drafter import Draft, Verdict
-from verify.sampling import SamplingConfig
+from verify.sampling import SamplingConfig, draft_from_logits
 from verify.target import TargetOutput
-from verify.vocab import trim_linear
+from verify.vocab import full_ids, trim_linear
 
 
 class BlockProphetDrafter(PositionDrafter):
@@ -49,9 +59,14 @@ class BlockProphetDrafter(PositionDrafter):
         accuracies: list[list[float]] | None = None,
         candidates: str = "sampled",
         compile: bool = False,
+        refine: int = 0,
     ):
         """Position k of the block is head k of a static tree (see PositionDrafter for the settings);
-        `compile` runs the prophet's forwards through torch.compile (one program: every commit is padded)."""
+        `compile` runs the prophet's forwards through torch.compile (one program: every commit is padded);
+        `refine`: refinement passes of a chain (see the module docstring); a tree ignores it (one setting serves
+        both methods of a config)."""
+        if isinstance(refine, bool) or not isinstance(refine, int) or refine < 0:
+            raise ValueError(f"refine={refine!r}: must be an integer >= 0 (refinement passes of a chain)")
         super().__init__(
             positions=prophet.block,
             vocab_size=prophet.vocab_size,
@@ -65,7 +80,7 @@ class BlockProphetDrafter(PositionDrafter):
         self.prophet = prophet.eval()  # drafting is inference; a training loop switches back with .train()
         self.weight, self.bias = trim_linear(prophet.head.to_logits, self.vocab)  # (N, d_base), (N,) or None
         self.target_layers = prophet.fuse_layers  # blocks whose states the target hands over (verify/drafter.py)
-        self.compile = compile
+        self.compile, self.refine = compile, refine
         self.cache = None
 
     @torch.inference_mode()
@@ -79,7 +94,32 @@ class BlockProphetDrafter(PositionDrafter):
     @torch.inference_mode()
     def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
         features = torch.cat((self.feature[:, None], self.block), dim=1)  # (b, K, d_base)
+        if self.refine and self.mode == "chain":
+            return self._refined_chain(features, min(gamma, self.max_depth), sampling, generator)
         return self.draft(self._logits(features), gamma, sampling, generator)
+
+    def _refined_chain(
+        self, features: Tensor, depth: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> Draft:
+        """features (b, K, d_base) of the block -> a chain of `depth` tokens drawn from the refined distributions
+        while the drawn tokens match the guesses they were conditioned on (module docstring)."""
+        first = self._logits(features)  # (b, K, N): the slots' own distributions, conditioned on no draft token
+        logits = first
+        for _ in range(self.refine):
+            guess = full_ids(logits.argmax(dim=-1), self.vocab)  # (b, K)
+            out = self.prophet.step(features[:, :-1], guess[:, :-1], self.cache, compile=self.compile)  # (b, K-1, d)
+            self.cache.commit(torch.zeros(guess.shape[0], guess.shape[1] - 1, dtype=torch.bool, device=guess.device))
+            features = torch.cat((features[:, :1], out), dim=1)  # position j + 1 given the guesses of 1..j
+            logits = self._logits(features)
+        tokens, qs = [], []
+        match = torch.ones(features.shape[0], dtype=torch.bool, device=features.device)  # drawn so far == guesses
+        for i in range(depth):
+            chosen = torch.where(match[:, None], logits[:, i], first[:, i])
+            token, q = draft_from_logits(chosen, sampling, generator, vocab=self.vocab, vocab_size=self.vocab_size)
+            match &= token == guess[:, i]
+            tokens.append(token)
+            qs += [] if q is None else [q]
+        return Draft(tokens=torch.stack(tokens, dim=1), q=torch.stack(qs, dim=1) if qs else None)
 
     def _logits(self, features: Tensor) -> Tensor:
         """(..., d_base) predicted features -> (..., N) logits over the subset (all V untrimmed)."""

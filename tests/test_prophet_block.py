@@ -131,6 +131,30 @@ def block_reference(base, prophet, paths=None):
     return reference
 
 
+def refined_reference(base, prophet, refine: int):
+    """A refined chain from scratch at T = 0: the block's features, then `refine` passes, each one forward of the
+    whole context followed by the entries (feature j, guess j), then the draw rule of the module docstring."""
+
+    def reference(ctx, gamma):
+        x = torch.tensor([ctx])
+        feats = true_features(base, prophet, x)[:, :-1]
+        features = scratch(prophet, feats, x[:, 1:], K - 1)[:, -K:]  # (1, K, d)
+        first = logits = prophet.logits(features)[0]
+        for _ in range(refine):
+            guess = logits.argmax(-1)
+            inputs = torch.cat((feats, features[:, :-1]), dim=1), torch.cat((x[:, 1:], guess[None, :-1]), dim=1)
+            out = prophet.out(prophet.decoder(prophet.fused(*inputs)))[:, -(K - 1) :]
+            features = torch.cat((features[:, :1], out), dim=1)
+            logits = prophet.logits(features)[0]
+        tokens, match = [], True
+        for i in range(min(gamma, K)):
+            tokens.append(int((logits[i] if match else first[i]).argmax()))
+            match = match and tokens[-1] == int(guess[i])
+        return tokens
+
+    return reference
+
+
 class Spy:
     """Compares each row's draft with the from-scratch reference on its accepted context, while the row is
     within its budget (a finished row's verdicts carry placeholders)."""
@@ -193,6 +217,15 @@ def slots_after_padding(accepted, width, slots, lengths):
     return allow, pos
 
 
+@pytest.mark.parametrize("refine, gamma", [(1, 3), (1, 4), (2, 4)])
+def test_refined_chain_follows_the_accepted_context(trained, refine, gamma):
+    base, prophet = trained
+    drafter = BlockProphetDrafter(prophet, mode="chain", refine=refine)
+    out, spy = run_spy(base, drafter, refined_reference(base, prophet, refine), gamma)
+    assert out.tokens == plain_generate(Target(base), PROMPTS, max_new_tokens=20).tokens
+    assert spy.checked > 10 and 0 < out.stats.alpha < 1
+
+
 class KeepsSlots(BlockProphetDrafter):
     def commit(self, verdict):
         commit = self.cache.commit
@@ -230,8 +263,11 @@ def test_greedy_equals_plain(trained, mode, gamma, rows):
     assert out.tokens == ref
 
 
-@pytest.mark.parametrize("mode, temperature", [("chain", 0.0), ("tree", 0.0), ("chain", 1.0), ("tree", 1.0)])
-def test_compiled_steps_take_one_shape_each(trained, monkeypatch, mode, temperature):
+@pytest.mark.parametrize(
+    "mode, temperature, refine",
+    [("chain", 0.0, 0), ("tree", 0.0, 0), ("chain", 1.0, 0), ("tree", 1.0, 0), ("chain", 0.0, 1)],
+)
+def test_compiled_steps_take_one_shape_each(trained, monkeypatch, mode, temperature, refine):
     """Compiled, every commit is padded to K + 1 path entries and K - 1 slots, and the slots after the prefill
     are one more program: two shapes in all, whatever each row accepts. Run eagerly with the shapes recorded,
     the padded decode must still equal plain decoding, batched and ragged."""
@@ -245,13 +281,13 @@ def test_compiled_steps_take_one_shape_each(trained, monkeypatch, mode, temperat
 
     monkeypatch.setattr(prophet, "decode", recording)
     ref = plain_generate(Target(base), PROMPTS, max_new_tokens=23).tokens
-    drafter = BlockProphetDrafter(prophet, mode=mode, compile=True, tree_nodes=8)
+    drafter = BlockProphetDrafter(prophet, mode=mode, compile=True, tree_nodes=8, refine=refine)
     sampling, gen = SamplingConfig(temperature=temperature), torch.Generator().manual_seed(0)
     out = speculative_generate(
         Target(base), drafter, PROMPTS, max_new_tokens=23, spec=SpecConfig(gamma=3), sampling=sampling, generator=gen
     )
     assert out.tokens == ref or temperature > 0
-    assert shapes == {(K - 1, None), (2 * K, 2 * K)}
+    assert shapes == {(K - 1, None), (2 * K, 2 * K)}  # a refinement pass is K - 1 entries too
 
 
 @pytest.mark.parametrize("mode, least", [("chain", 1.2), ("tree", 1.4)])
@@ -274,14 +310,14 @@ def test_commit_attention_is_per_row():
 # ---------------------------------------------------------------- sampling stays lossless
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_sampling_reproduces_the_target_distribution(mode):
+@pytest.mark.parametrize("mode, refine", [("chain", 0), ("tree", 0), ("chain", 1)])
+def test_sampling_reproduces_the_target_distribution(mode, refine):
     torch.manual_seed(0)
     prophet = BlockProphet.from_base(sharp_lm(0), dim=16, depth=1, heads=2, block=3)  # the target `run` builds
     with torch.no_grad():
         prophet.slots.mul_(8)  # slots far from the context: their q differs visibly from the target's p
     tree = [[0], [1], [2], [0, 0], [0, 1], [1, 0]] if mode == "tree" else None
-    drafter = BlockProphetDrafter(prophet, mode=mode, tree=tree)
+    drafter = BlockProphetDrafter(prophet, mode=mode, tree=tree, refine=refine)
     (stat, critical), stats = run(drafter, SamplingConfig(temperature=1.0), gamma=2)
     assert 0 < stats.alpha < 1
     assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}"
@@ -304,6 +340,7 @@ def test_sampling_reproduces_the_target_distribution(mode):
         (lambda b, p: make_drafter(p, b, tree_nodes=0), "tree_nodes=0"),
         (lambda b, p: make_drafter(p, b, mode="chain", tree=[[0]]), "tree is given but mode='chain'"),
         (lambda b, p: make_drafter(p, b, tree=[[V]]), "ranks must be below"),
+        (lambda b, p: make_drafter(p, b, mode="chain", refine=-1), "refine=-1"),
     ],
 )
 def test_bad_arguments_raise_one_line_errors(make, match):
