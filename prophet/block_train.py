@@ -25,12 +25,13 @@ import torch.nn.functional as F
 from einops import repeat
 from torch import Tensor, nn
 
-from experiments.lib.distill import agreement, check_target, distill_loss, subset_index
+from experiments.lib.distill import subset_index
 from experiments.lib.features import FeatureBatch
 from medusa.train import rank_rates
 from medusa.trees import RANKS
 from prophet.block import BlockProphet
 from prophet.model import check_same_base
+from prophet.train import check_loss_settings, position_loss
 from verify.numerics import check_int
 from verify.vocab import full_ids, trim_linear
 
@@ -55,10 +56,7 @@ def loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """batch (B, T) -> (weighted loss, metrics per draft position `pos{j}_*`). `vocab` (sorted ids (N,)): logits
     over the subset only."""
-    for name, value in dict(feature_weight=feature_weight, ce_weight=ce_weight, decay=decay).items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"{name}={value!r}: must be a number >= 0")
-    check_target(target)
+    check_loss_settings(feature_weight=feature_weight, ce_weight=ce_weight, decay=decay, target=target)
     t = _check_batch(module, base, batch)
     usable = t - module.block  # starts 0 .. T - 1 - K
     if starts is not None:
@@ -69,18 +67,19 @@ def loss(
     index = subset_index(vocab, module.vocab_size, batch.hidden.device)
     total, parts = batch.hidden.new_zeros(()), {}
     for j, (pred, u) in enumerate(_positions(module, batch, chosen), start=1):
-        logits = F.linear(pred, weight, bias)  # (B, n, N)
-        feature = F.smooth_l1_loss(pred.float(), batch.hidden[:, u])
-        ce = distill_loss(
-            logits.flatten(0, 1),
-            top_ids=batch.top_ids[:, u].flatten(0, 1),
-            top_logp=batch.top_logp[:, u].flatten(0, 1),
-            true_ids=batch.tokens[:, u + 1].flatten(),
-            target=target,
+        top_ids, top_logp, true_ids = batch.top_ids[:, u], batch.top_logp[:, u], batch.tokens[:, u + 1]
+        feature, ce, agree = position_loss(
+            pred,
+            batch.hidden[:, u],
+            top_ids,
+            top_logp,
+            true_ids,
+            (weight, bias),
             index=index,
+            vocab=vocab,
+            target=target,
         )
         total = total + decay ** (j - 1) * (feature_weight * feature + ce_weight * ce)
-        agree = agreement(logits, batch.top_ids[:, u], vocab)
         parts.update({f"pos{j}_feature": feature, f"pos{j}_ce": ce, f"pos{j}_agree": agree})
     parts["loss"] = total
     values = torch.stack([v.detach().float() for v in parts.values()]).tolist()  # one host sync

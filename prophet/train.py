@@ -44,33 +44,65 @@ def loss(
     target: str = "kl",
 ) -> tuple[Tensor, dict[str, float]]:
     """batch (B, T) -> (weighted loss, metrics per step). `vocab` (sorted ids (N,)): logits over the subset only."""
-    for name, value in dict(feature_weight=feature_weight, ce_weight=ce_weight, decay=decay).items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"{name}={value!r}: must be a number >= 0")
-    check_target(target)
+    check_loss_settings(feature_weight=feature_weight, ce_weight=ce_weight, decay=decay, target=target)
     _check_batch(module, base, batch, steps=unroll, name="unroll")
     weight, bias = trim_linear(module.head.to_logits, vocab)  # the frozen output layer (its subset rows)
     index = subset_index(vocab, module.vocab_size, batch.hidden.device)
     total, parts = batch.hidden.new_zeros(()), {}
     for j, pred in enumerate(module.unroll(batch.hidden, batch.tokens[:, 1:], unroll, layers=batch.layers), start=1):
         pred, truth, top_ids, top_logp = _valid(pred, batch, j)
-        logits = F.linear(pred, weight, bias)  # (B, T - j, N)
-        feature = F.smooth_l1_loss(pred.float(), truth)
-        ce = distill_loss(
-            logits.flatten(0, 1),
-            top_ids=top_ids.flatten(0, 1),
-            top_logp=top_logp.flatten(0, 1),
-            true_ids=batch.tokens[:, j + 1 :].flatten(),
-            target=target,
+        feature, ce, agree = position_loss(
+            pred,
+            truth,
+            top_ids,
+            top_logp,
+            batch.tokens[:, j + 1 :],
+            (weight, bias),
             index=index,
+            vocab=vocab,
+            target=target,
         )
         total = total + decay ** (j - 1) * (feature_weight * feature + ce_weight * ce)
-        parts.update(
-            {f"step{j}_feature": feature, f"step{j}_ce": ce, f"step{j}_agree": agreement(logits, top_ids, vocab)}
-        )
+        parts.update({f"step{j}_feature": feature, f"step{j}_ce": ce, f"step{j}_agree": agree})
     parts["loss"] = total
     values = torch.stack([v.detach().float() for v in parts.values()]).tolist()  # one host sync
     return total, dict(zip(parts, values))
+
+
+def check_loss_settings(*, target: str, **weights: float) -> None:
+    """The loss weights (numbers >= 0) and the distillation target, each with a one-line error."""
+    for name, value in weights.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name}={value!r}: must be a number >= 0")
+    check_target(target)
+
+
+def position_loss(
+    pred: Tensor,
+    truth: Tensor,
+    top_ids: Tensor,
+    top_logp: Tensor,
+    true_ids: Tensor,
+    layer: tuple[Tensor, Tensor | None],
+    *,
+    index: Tensor | None,
+    vocab: Tensor | None,
+    target: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One draft position's terms: predicted features (B, n, d) against the base's (B, n, d), and their logits
+    through the (trimmed) frozen output layer `layer` = (weight, bias) against the base's top-k (B, n, k) and the
+    corpus tokens (B, n) -> (SmoothL1 of the features, distillation loss, agreement with the base's top-1).
+    `vocab` the sorted subset ids (None: all V) and `index` their map (experiments.lib.distill.subset_index)."""
+    logits = F.linear(pred, *layer)  # (B, n, N)
+    ce = distill_loss(
+        logits.flatten(0, 1),
+        top_ids=top_ids.flatten(0, 1),
+        top_logp=top_logp.flatten(0, 1),
+        true_ids=true_ids.flatten(),
+        target=target,
+        index=index,
+    )
+    return F.smooth_l1_loss(pred.float(), truth), ce, agreement(logits, top_ids, vocab)
 
 
 @torch.no_grad()
