@@ -27,9 +27,9 @@ from experiments.lib.decode_checks import check_checkpoints, check_decode, check
 from experiments.lib.methods import checkpoint_for, get_prompts
 from experiments.lib.preflight import hydra_preflight
 from experiments.lib.settings import check_bool, check_int
-from verify.hf import HFBase
-from verify.plain import plain_generate
-from verify.target import Target
+from verify.backends.hf import HFBase
+from verify.backends.target import Target
+from verify.loop.plain import plain_generate
 
 
 def _ours(target: Target, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -14,7 +14,7 @@ and prints one JSON object as the last line of standard output.
 
 This file holds the protocol itself (timing rounds, table rows, budget=auto's choices). The methods and
 their drafters come from experiments/lib/methods.py; every setting is checked first by
-experiments/lib/decode_checks.py (check_benchmark); the figures of a round are verify/stats.py's
+experiments/lib/decode_checks.py (check_benchmark); the figures of a round are verify/loop/stats.py's
 DecodeStats pooled over the round's batches; the report is experiments/lib/report.py's.
 """
 
@@ -59,12 +59,13 @@ from experiments.lib.methods import (
 from experiments.lib.preflight import hydra_preflight
 from experiments.lib.report import mode, repeated_ngram_share, write_report
 from experiments.lib.settings import resolve_device
-from verify.numerics import EosId
-from verify.plain import plain_generate
-from verify.sampling import SamplingConfig
-from verify.speculative import SpecConfig, speculative_generate
-from verify.stats import DecodeStats
-from verify.target import Target, make_target
+from verify.backends.choose import make_target
+from verify.backends.target import Target
+from verify.common.numerics import EosId
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig
+from verify.loop.speculative import SpecConfig, speculative_generate
+from verify.loop.stats import DecodeStats
 
 log = logging.getLogger(__name__)
 

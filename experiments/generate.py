@@ -57,12 +57,13 @@ from experiments.lib.methods import (
 from experiments.lib.preflight import hydra_preflight
 from experiments.lib.prompts import check_prompt_text
 from experiments.lib.settings import check_bool, check_int
-from verify.drafter import Draft, Verdict
-from verify.numerics import EosId
-from verify.plain import Generation, plain_generate
-from verify.sampling import SamplingConfig
-from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target, TargetOutput, make_target
+from verify.backends.choose import make_target
+from verify.backends.target import Target, TargetOutput
+from verify.common.numerics import EosId
+from verify.loop.drafter import Draft, Verdict
+from verify.loop.plain import Generation, plain_generate
+from verify.loop.sampling import SamplingConfig
+from verify.loop.speculative import SpecConfig, speculative_generate
 
 ACCEPTED_STYLE = "green"
 
@@ -250,7 +251,7 @@ def generate_one(s: Session, text: str) -> dict[str, Any]:
 
 
 def stats_of(plain: Generation, spec: Generation, **extra: Any) -> dict[str, Any]:
-    """The view's figures of one prompt (verify/stats.py's DecodeStats of each decoder), and `extra`."""
+    """The view's figures of one prompt (verify/loop/stats.py's DecodeStats of each decoder), and `extra`."""
     p, q = plain.stats, spec.stats
     return {
         **extra,

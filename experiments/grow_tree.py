@@ -5,7 +5,7 @@
 
 train_drafter stores the heads' final validation metrics in the checkpoint, among them
 `head{k}_rank{r}`: how often head k's rank-r guess equals the base's own choice. The tree keeps the
-nodes whose paths are most likely to be accepted (verify.tree.grow_tree). Prints the rank paths as one
+nodes whose paths are most likely to be accepted (verify.loop.tree.grow_tree). Prints the rank paths as one
 JSON list, ready for `medusa.decode.tree=...` / `sequential.decode.tree=...` / `prophet_block.decode.tree=...`.
 Sequential heads' rank rates are conditional on an accepted path (they read it), which is what a node's value
 multiplies; a block prophet's positions, like Medusa's heads, read no drafted token.

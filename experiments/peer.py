@@ -41,12 +41,12 @@ from experiments.lib.preflight import hydra_preflight
 from experiments.lib.prompts import heldout_prompts
 from experiments.lib.rundir import check_writable
 from experiments.lib.settings import check_bool, check_int
-from verify.draft_model import DraftModelDrafter
-from verify.hf import HFBase
-from verify.plain import Generation, plain_generate
-from verify.prompt_lookup import PromptLookupDrafter
-from verify.speculative import SpecConfig, speculative_generate
-from verify.target import ENGINES, make_target
+from verify.backends.choose import ENGINES, make_target
+from verify.backends.hf import HFBase
+from verify.drafters.draft_model import DraftModelDrafter
+from verify.drafters.prompt_lookup import PromptLookupDrafter
+from verify.loop.plain import Generation, plain_generate
+from verify.loop.speculative import SpecConfig, speculative_generate
 
 log = logging.getLogger(__name__)
 PAIRS = ("plain", "draft", "prompt_lookup")

@@ -59,8 +59,8 @@ from experiments.lib.training import (
     prepare_run_dir,
     resume_point,
 )
-from verify.numerics import is_finite_number
-from verify.sampling import SamplingConfig
+from verify.common.numerics import is_finite_number
+from verify.loop.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)
 MODES = ("train", "bench", "all")

@@ -13,12 +13,12 @@ transform) and returns q: speculative sampling then accepts it with probability 
 only as often as the base samples the head's top guess. A tree at T > 0 keeps its shape and samples too
 (`candidates="sampled"`, the default): the children of a node at depth d - 1 are distinct draws without
 replacement from head d's distribution, the j-th child in node order the j-th draw, with q that draw's
-distribution (head d's without the earlier siblings, renormalised; verify.sampling.sample_siblings). Head d
+distribution (head d's without the earlier siblings, renormalised; verify.loop.sampling.sample_siblings). Head d
 reads no path, so every parent at depth d - 1 draws its own children from the same distribution,
 independently. The tree rule tries siblings in order and removes each rejected one's q from the residual,
 so this is lossless; `candidates="ranked"` keeps the top-ranked guesses at T > 0 too.
 
-`vocab` (sorted ids (N,), see verify/vocab.py) trims the heads' projections to the N most frequent
+`vocab` (sorted ids (N,), see verify/common/vocab.py) trims the heads' projections to the N most frequent
 tokens: argmax and top-k run over the subset and map back to full ids, so drafts never leave it.
 """
 
@@ -30,11 +30,11 @@ from torch import Tensor
 
 from medusa.heads import MedusaHeads
 from medusa.trees import RANKS, default_tree, node_table
-from verify.drafter import Draft, Verdict
-from verify.sampling import SamplingConfig, draft_from_logits, probs_from_logits, sample_siblings
-from verify.target import TargetOutput
-from verify.tree import Path, check_candidates, sibling_groups, sort_paths
-from verify.vocab import check_vocab, expand_probs, full_ids
+from verify.backends.target import TargetOutput
+from verify.common.vocab import check_vocab, expand_probs, full_ids
+from verify.loop.drafter import Draft, Verdict
+from verify.loop.sampling import SamplingConfig, draft_from_logits, probs_from_logits, sample_siblings
+from verify.loop.tree import Path, check_candidates, sibling_groups, sort_paths
 
 MODES = ("chain", "tree")
 
@@ -134,7 +134,7 @@ class PositionDrafter:
     def _sibling_table(self, depth: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """For a sampled tree no deeper than `depth`, built once per depth: head (G,), the position (0-based) that
         draws the children of each node with children (the pending token's: position 0), and each node's group
-        (k,) and draw number among its siblings (k,) (verify.tree.sibling_groups)."""
+        (k,) and draw number among its siblings (k,) (verify.loop.tree.sibling_groups)."""
         if depth not in self._groups:
             parents, head, _ = node_table(self.paths, depth)
             sources, group, sibling = sibling_groups(parents)
@@ -197,7 +197,7 @@ def make_drafter(
     candidates: str = "sampled",
 ) -> MedusaDrafter:
     """The drafter for decoding (decode kwargs from conf/drafter/medusa.yaml `decode:`); `vocab` the sorted
-    token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary;
+    token ids (N,) its heads may propose (verify.common.vocab.frequent_tokens), None for the full vocabulary;
     `accuracies` the heads' measured rank accuracies, to grow the default tree from (see MedusaDrafter)."""
     return MedusaDrafter(
         module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies, candidates=candidates

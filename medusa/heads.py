@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import Tensor, nn
 
-from verify.vocab import check_vocab, subset_linear, trim_linear
+from verify.common.vocab import check_vocab, subset_linear, trim_linear
 
 
 def check_head_sizes(*, num_heads: int, num_layers: int) -> None:
@@ -33,6 +33,29 @@ def check_head_sizes(*, num_heads: int, num_layers: int) -> None:
     for name, value in (("num_heads", num_heads), ("num_layers", num_layers)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+
+
+@dataclass(eq=False)
+class FrozenHead:
+    """The base's token embedding and output layer, borrowed: used frozen, never registered, never saved."""
+
+    embedding: nn.Embedding
+    to_logits: nn.Linear
+    depth: int | None = (
+        None  # blocks of the base's decoder (see verify.backends.engine.block_depth): what fuse_layers may name
+    )
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """(..., n) ids -> (..., n, d_base) embeddings; detached weights keep the base out of autograd."""
+        return F.embedding(tokens, self.embedding.weight.detach())
+
+    def logits(self, features: Tensor) -> Tensor:
+        """(..., d_base) features -> (..., V) logits through the base's own output layer."""
+        bias = None if self.to_logits.bias is None else self.to_logits.bias.detach()
+        return F.linear(features, self.to_logits.weight.detach(), bias)
+
+    def __deepcopy__(self, memo: dict) -> FrozenHead:
+        return self  # borrowed: a copy of the prophet (e.g. an EMA) shares the base, never clones it
 
 
 class ResBlock(nn.Module):

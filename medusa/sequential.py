@@ -29,9 +29,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from medusa.heads import ResBlock, check_head_sizes, copy_linear
-from prophet.model import FrozenHead
-from verify.vocab import check_vocab, subset_linear, trim_linear
+from medusa.heads import FrozenHead, ResBlock, check_head_sizes, copy_linear
+from verify.common.vocab import check_vocab, subset_linear, trim_linear
 
 
 class SequentialHeads(nn.Module):

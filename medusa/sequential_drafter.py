@@ -40,11 +40,11 @@ from torch import Tensor
 from medusa.drafter import MedusaDrafter
 from medusa.sequential import SequentialHeads
 from medusa.trees import node_table
-from verify.drafter import Draft, Verdict
-from verify.sampling import SamplingConfig, draft_from_logits, probs_from_logits, sample_siblings
-from verify.target import TargetOutput
-from verify.tree import Path
-from verify.vocab import expand_probs, full_ids
+from verify.backends.target import TargetOutput
+from verify.common.vocab import expand_probs, full_ids
+from verify.loop.drafter import Draft, Verdict
+from verify.loop.sampling import SamplingConfig, draft_from_logits, probs_from_logits, sample_siblings
+from verify.loop.tree import Path
 
 
 @dataclass
@@ -183,7 +183,7 @@ def make_drafter(
     candidates: str = "sampled",
 ) -> SequentialDrafter:
     """The drafter for decoding (decode kwargs from conf/drafter/sequential.yaml `decode:`); `vocab` the sorted
-    token ids (N,) its heads may propose (verify.vocab.frequent_tokens), None for the full vocabulary;
+    token ids (N,) its heads may propose (verify.common.vocab.frequent_tokens), None for the full vocabulary;
     `accuracies` the heads' measured rank accuracies, to grow the default tree from (see MedusaDrafter)."""
     return SequentialDrafter(
         module, mode=mode, tree=tree, tree_nodes=tree_nodes, vocab=vocab, accuracies=accuracies, candidates=candidates

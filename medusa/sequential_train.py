@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from experiments.lib.features import FeatureBatch
 from medusa import train as medusa_train
 from medusa.sequential import SequentialHeads
 from medusa.train import check_batch, heads_loss, sample_positions
+from verify.training.features import FeatureBatch
 
 __all__ = ["build", "loss", "evaluate"]
 

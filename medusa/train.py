@@ -25,11 +25,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from experiments.lib.distill import check_target, distill_loss, subset_index
-from experiments.lib.features import FeatureBatch
 from medusa.heads import MedusaHeads
 from medusa.trees import RANKS
-from verify.vocab import full_ids
+from verify.common.vocab import full_ids
+from verify.training.distill import check_target, distill_loss, subset_index
+from verify.training.features import FeatureBatch
 
 __all__ = ["build", "loss", "evaluate"]
 

@@ -1,7 +1,7 @@
 """Static Medusa trees: rank paths grown from head accuracies, and their node tables.
 
 A tree is a list of rank paths: node (r1, .., rd) carries head d's rank-rd guess, under the node
-(r1, .., r_{d-1}). `verify.tree.grow_tree` adds nodes greedily by the product of their rank accuracies,
+(r1, .., r_{d-1}). `verify.loop.tree.grow_tree` adds nodes greedily by the product of their rank accuracies,
 accuracies[d][r] = how often head d + 1's rank-r guess is the base's own next-next.. token.
 
 Before any measurement there is `default_tree`, grown from a fixed table of typical accuracies:
@@ -22,8 +22,8 @@ import math
 import torch
 from torch import Tensor
 
-from verify.numerics import check_int
-from verify.tree import Path, grow_tree, sort_paths, tree_from_paths
+from verify.common.numerics import check_int
+from verify.loop.tree import Path, grow_tree, sort_paths, tree_from_paths
 
 MEDUSA_TOP1 = (0.56, 0.32, 0.20, 0.15, 0.12)  # heads 1..5, Vicuna-7B (Cai et al. 2024)
 RANKS = 10  # ranks per head considered when growing a tree (evaluate() measures ranks 0..9)

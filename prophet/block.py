@@ -26,7 +26,7 @@ from einops import rearrange, repeat
 from torch import Tensor, nn
 
 from prophet.model import Prophet
-from verify.numerics import check_int
+from verify.common.numerics import check_int
 
 
 class BlockProphet(Prophet):

@@ -41,10 +41,10 @@ from medusa.drafter import PositionDrafter
 from prophet.block import BlockProphet
 from prophet.drafter import pad_block, path_features, prefill_cache
 from prophet.model import check_same_base
-from verify.drafter import Draft, Verdict
-from verify.sampling import SamplingConfig, draft_from_logits
-from verify.target import TargetOutput
-from verify.vocab import full_ids, trim_linear
+from verify.backends.target import TargetOutput
+from verify.common.vocab import full_ids, trim_linear
+from verify.loop.drafter import Draft, Verdict
+from verify.loop.sampling import SamplingConfig, draft_from_logits
 
 
 class BlockProphetDrafter(PositionDrafter):
@@ -79,7 +79,7 @@ class BlockProphetDrafter(PositionDrafter):
         )
         self.prophet = prophet.eval()  # drafting is inference; a training loop switches back with .train()
         self.weight, self.bias = trim_linear(prophet.head.to_logits, self.vocab)  # (N, d_base), (N,) or None
-        self.target_layers = prophet.fuse_layers  # blocks whose states the target hands over (verify/drafter.py)
+        self.target_layers = prophet.fuse_layers  # blocks whose states the target hands over (verify/loop/drafter.py)
         self.compile, self.refine = compile, refine
         self.cache = None
 
@@ -172,6 +172,6 @@ def make_drafter(
 ) -> BlockProphetDrafter:
     """decode_kwargs: `decode:` of conf/drafter/prophet_block.yaml (mode, tree, tree_nodes, candidates) and
     `accuracies` (the positions' measured rank accuracies); `vocab` the sorted token ids (N,) the drafts may use
-    (verify.vocab.frequent_tokens), None for the full vocabulary."""
+    (verify.common.vocab.frequent_tokens), None for the full vocabulary."""
     check_same_base(module, base)
     return BlockProphetDrafter(module, vocab=vocab, **decode_kwargs)

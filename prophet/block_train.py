@@ -7,7 +7,7 @@ Positions. Draft position 1 is the context's own prediction: context entry t = (
 f_{t+1}, as the autoregressive prophet's teacher-forced step. Draft position j = 1 + i is slot i of the block
 that starts after context entry s: it predicts f_{s+1+i}, whose logits are the base's distribution for token
 s + 2 + i. Each position has the prophet's loss: SmoothL1 regression of the feature plus `ce_weight` times
-the distillation loss against the base's own distribution (experiments/lib/distill.py), weighted
+the distillation loss against the base's own distribution (verify/training/distill.py), weighted
 decay^(j - 1).
 
 Block starts. Every index can start a block, but a block of K - 1 slots costs K - 1 entries, so a step
@@ -25,15 +25,15 @@ import torch.nn.functional as F
 from einops import repeat
 from torch import Tensor, nn
 
-from experiments.lib.distill import subset_index
-from experiments.lib.features import FeatureBatch
 from medusa.train import rank_rates
 from medusa.trees import RANKS
 from prophet.block import BlockProphet
 from prophet.model import check_same_base
 from prophet.train import check_loss_settings, position_loss
-from verify.numerics import check_int
-from verify.vocab import full_ids, trim_linear
+from verify.common.numerics import check_int
+from verify.common.vocab import full_ids, trim_linear
+from verify.training.distill import subset_index
+from verify.training.features import FeatureBatch
 
 
 def build(base: nn.Module, **module_kwargs) -> BlockProphet:

@@ -23,7 +23,7 @@ A prophet with `fuse_layers` reads the target's residual states after those bloc
 names them in `target_layers`, the loop asks the target for them, and every true pair is made from
 `prophet.seed(hidden, layers)` of the accepted positions (predicted features stay as they are).
 
-`vocab` (sorted ids (N,), see verify/vocab.py) trims the frozen output layer to the N most frequent
+`vocab` (sorted ids (N,), see verify/common/vocab.py) trims the frozen output layer to the N most frequent
 tokens, once, at construction: every draft step projects onto N rows instead of V (the prophet's
 largest matmul at a real vocabulary). Argmax, sampling and the tree's top-k run over the subset and map
 back to full ids; a sampled chain's or tree's q is zero outside the subset, so sampling stays lossless.
@@ -37,13 +37,13 @@ from einops import rearrange, repeat
 from torch import Tensor
 
 from prophet.model import Prophet, check_same_base
-from verify.cache import StaticCache
-from verify.drafter import Draft, Verdict
-from verify.numerics import check_int
-from verify.sampling import SamplingConfig, draft_from_logits, probs_from_logits, sample_siblings
-from verify.target import TargetOutput, left_to_right, pad_prompts
-from verify.tree import check_candidates
-from verify.vocab import check_vocab, expand_probs, full_ids, trim_linear
+from verify.backends.cache import StaticCache
+from verify.backends.target import TargetOutput, left_to_right, pad_prompts
+from verify.common.numerics import check_int
+from verify.common.vocab import check_vocab, expand_probs, full_ids, trim_linear
+from verify.loop.drafter import Draft, Verdict
+from verify.loop.sampling import SamplingConfig, draft_from_logits, probs_from_logits, sample_siblings
+from verify.loop.tree import check_candidates
 
 MODES = ("chain", "tree")
 
@@ -75,7 +75,7 @@ class ProphetDrafter:
         # The frozen base's output rows for the subset, copied once: (N, d_base), (N,) or None.
         self.weight, self.bias = trim_linear(prophet.head.to_logits, self.vocab)
         self.prophet = prophet.eval()  # drafting is inference; a training loop switches back with .train()
-        self.target_layers = prophet.fuse_layers  # blocks whose states the target hands over (verify/drafter.py)
+        self.target_layers = prophet.fuse_layers  # blocks whose states the target hands over (verify/loop/drafter.py)
         self.vocab_size = prophet.vocab_size
         self.mode, self.top_k, self.depth, self.tree_nodes = mode, top_k, depth, tree_nodes
         self.cache = None
@@ -271,7 +271,7 @@ def check_target_layers(prophet: Prophet, layers: Tensor | None) -> Tensor | Non
     if prophet.fuse_layers and layers is None:
         raise ValueError(
             f"the target returned no layer states, and this prophet fuses blocks {list(prophet.fuse_layers)}: "
-            "decode with verify.speculative.speculative_generate, which asks the target for drafter.target_layers "
+            "decode with verify.loop.speculative.speculative_generate, which asks the target for drafter.target_layers "
             "(a wrapper around this drafter must expose target_layers too)"
         )
     return layers
@@ -352,6 +352,6 @@ def make_drafter(
     module: Prophet, base: torch.nn.Module, *, vocab: Tensor | None = None, **decode_kwargs
 ) -> ProphetDrafter:
     """decode_kwargs: `decode:` of conf/drafter/prophet.yaml (mode, top_k, depth, tree_nodes, candidates); `vocab` the
-    sorted token ids (N,) the drafts may use (verify.vocab.frequent_tokens), None for the full vocabulary."""
+    sorted token ids (N,) the drafts may use (verify.common.vocab.frequent_tokens), None for the full vocabulary."""
     check_same_base(module, base)
     return ProphetDrafter(module, vocab=vocab, **decode_kwargs)

@@ -18,26 +18,26 @@ Three forwards share one network:
 - `forward(features, next_tokens, layers=None)`: teacher forcing on true features (training step 1);
 - `unroll(features, next_tokens, steps, layers=None)`: EAGLE-3's training-time test, step j reading the
   prophet's own predictions of the j - 1 previous steps, with exactly the attention a draft chain sees;
-- `step(features, next_tokens, cache, allow=None, pos=None)`: decoding on top of a `verify.cache.StaticCache`,
-  on the lean engine (verify/engine.py) built from the same decoder weights; true features come in
+- `step(features, next_tokens, cache, allow=None, pos=None)`: decoding on top of a `verify.backends.cache.StaticCache`,
+  on the lean engine (verify/backends/engine.py) built from the same decoder weights; true features come in
   already through `seed`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import Tensor, nn
 from x_transformers import Decoder
 
-from verify.cache import StaticCache
-from verify.engine import LeanDecoder, block_depth, check_layers, lean
-from verify.hf import HFBase
-from verify.numerics import check_int
+from medusa.heads import FrozenHead
+from verify.backends.cache import StaticCache
+from verify.backends.engine import LeanDecoder, block_depth, check_layers
+from verify.backends.hf import HFBase
+from verify.backends.lean import lean
+from verify.common.numerics import check_int
 
 
 @torch.no_grad()
@@ -46,7 +46,7 @@ def base_features(base: nn.Module, tokens: Tensor, layers: Sequence[int] = ()) -
     hidden (B, T, d) the final hidden states after the final norm, logits (B, T, V), and the states of
     `layers` (B, T, S, d) in that order, or None when `layers` is empty. All float32, without gradients.
 
-    Layer i is the residual stream after block i, before the final norm (verify.engine.check_layers);
+    Layer i is the residual stream after block i, before the final norm (verify.backends.engine.check_layers);
     read from the x-transformers forward's `layer_hiddens[2 * i]`. That keeps every block's attention
     intermediates alive until the forward returns, so the plain path is taken when no layer is asked for.
     """
@@ -67,27 +67,6 @@ def base_depth(base: nn.Module) -> int | None:
     if isinstance(base, HFBase):
         return base.depth
     return block_depth(base.attn_layers.layer_types)
-
-
-@dataclass(eq=False)
-class FrozenHead:
-    """The base's token embedding and output layer, borrowed: used frozen, never registered, never saved."""
-
-    embedding: nn.Embedding
-    to_logits: nn.Linear
-    depth: int | None = None  # blocks of the base's decoder (see verify.engine.block_depth): what fuse_layers may name
-
-    def embed(self, tokens: Tensor) -> Tensor:
-        """(..., n) ids -> (..., n, d_base) embeddings; detached weights keep the base out of autograd."""
-        return F.embedding(tokens, self.embedding.weight.detach())
-
-    def logits(self, features: Tensor) -> Tensor:
-        """(..., d_base) features -> (..., V) logits through the base's own output layer."""
-        bias = None if self.to_logits.bias is None else self.to_logits.bias.detach()
-        return F.linear(features, self.to_logits.weight.detach(), bias)
-
-    def __deepcopy__(self, memo: dict) -> FrozenHead:
-        return self  # borrowed: a copy of the prophet (e.g. an EMA) shares the base, never clones it
 
 
 class Prophet(nn.Module):

@@ -8,7 +8,7 @@ f_0 .. f_{T-1} (final hidden, after the final norm), the base's top-k next-token
 
 Step 1 (EAGLE-1): the input (f_t, x_{t+1}) predicts f_{t+1}, with feature regression (SmoothL1) to the
 base's f_{t+1} plus cross-entropy of the prophet's logits against the base's own distribution at
-t + 1 (weights 1.0 and 0.1; `target` as in experiments/lib/distill.py). Steps 2..unroll (EAGLE-3's
+t + 1 (weights 1.0 and 0.1; `target` as in verify/training/distill.py). Steps 2..unroll (EAGLE-3's
 training-time test): the prophet reads its own predicted features, as it does when drafting; step j is
 weighted decay^(j - 1).
 """
@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from experiments.lib.distill import agreement, check_target, distill_loss, subset_index
-from experiments.lib.features import FeatureBatch
 from prophet.model import Prophet, check_same_base
-from verify.vocab import trim_linear
+from verify.common.vocab import trim_linear
+from verify.training.distill import agreement, check_target, distill_loss, subset_index
+from verify.training.features import FeatureBatch
 
 
 def build(base: nn.Module, **module_kwargs) -> Prophet:
@@ -92,7 +92,7 @@ def position_loss(
     """One draft position's terms: predicted features (B, n, d) against the base's (B, n, d), and their logits
     through the (trimmed) frozen output layer `layer` = (weight, bias) against the base's top-k (B, n, k) and the
     corpus tokens (B, n) -> (SmoothL1 of the features, distillation loss, agreement with the base's top-1).
-    `vocab` the sorted subset ids (None: all V) and `index` their map (experiments.lib.distill.subset_index)."""
+    `vocab` the sorted subset ids (None: all V) and `index` their map (verify.training.distill.subset_index)."""
     logits = F.linear(pred, *layer)  # (B, n, N)
     ce = distill_loss(
         logits.flatten(0, 1),

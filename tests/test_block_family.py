@@ -25,10 +25,10 @@ from prophet.block import BlockProphet
 from prophet.block_drafter import BlockProphetDrafter
 from prophet.model import Prophet
 from tests.test_experiments import drafter_cfg, make_cfg
-from verify.plain import plain_generate
-from verify.sampling import SamplingConfig
-from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target
+from verify.backends.target import Target
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig
+from verify.loop.speculative import SpecConfig, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAME = "prophet_block"

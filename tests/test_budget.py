@@ -1,8 +1,8 @@
-"""Cost-aware draft budgets: the pure model (verify/budget.py) on hand-computed numbers."""
+"""Cost-aware draft budgets: the pure model (verify/plan/budget.py) on hand-computed numbers."""
 
 import pytest
 
-from verify.budget import best_chain, best_tree, expected_tokens_chain, extend_acceptance, interpolate_cost
+from verify.plan.budget import best_chain, best_tree, expected_tokens_chain, extend_acceptance, interpolate_cost
 
 ACCEPTANCE = [0.8, 0.6, 0.4, 0.2]  # cumulative: P(accepted >= 1), P(accepted >= 2), ...
 FLAT = {1: 1.0, 64: 1.0}  # a forward costs 1 s whatever its width
@@ -139,10 +139,10 @@ from experiments.lib.calibrate import (  # noqa: E402
     measure_verify_cost,
     pilot,
 )
-from verify.drafter import Draft  # noqa: E402
-from verify.prompt_lookup import PromptLookupDrafter  # noqa: E402
-from verify.sampling import SamplingConfig  # noqa: E402
-from verify.target import Target  # noqa: E402
+from verify.backends.target import Target  # noqa: E402
+from verify.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
+from verify.loop.drafter import Draft  # noqa: E402
+from verify.loop.sampling import SamplingConfig  # noqa: E402
 
 KS = (1, 2, 4, 8)
 QUICK = dict(ks=KS, prompt_len=16, repeats=2, warmup=1)

@@ -9,13 +9,13 @@ from experiments.lib.features import teacher_batch
 from prophet.model import base_features
 from tests.conftest import make_lm
 from tests.test_lossless import NEW, PROMPT, TRIALS, VOCAB, chi_square, exact_joint
-from verify.drafter import Verdict
-from verify.early_exit import make_drafter
-from verify.engine import lean
-from verify.plain import plain_generate
-from verify.sampling import SamplingConfig
-from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target
+from verify.backends.lean import lean
+from verify.backends.target import Target
+from verify.drafters.early_exit import make_drafter
+from verify.loop.drafter import Verdict
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig
+from verify.loop.speculative import SpecConfig, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]  # ragged on purpose

@@ -6,9 +6,10 @@ import torch
 from x_transformers import Decoder, TransformerWrapper
 
 from experiments.lib.lm import build_lm
-from verify.cache import tree_attention
-from verify.engine import LeanDecoder, UnsupportedModel, check_against_reference, lean
-from verify.target import Target
+from verify.backends.cache import tree_attention
+from verify.backends.engine import LeanDecoder, UnsupportedModel
+from verify.backends.lean import check_against_reference, lean
+from verify.backends.target import Target
 
 TOL = 1e-4
 
@@ -208,9 +209,9 @@ def test_compiled_drafters_stay_exact(family):
     """Greedy speculative decoding with compiled target and drafter steps equals compiled plain decoding."""
     from prophet import train as prophet_train
     from prophet.drafter import make_drafter
-    from verify.draft_model import DraftModelDrafter
-    from verify.plain import plain_generate
-    from verify.speculative import SpecConfig, speculative_generate
+    from verify.drafters.draft_model import DraftModelDrafter
+    from verify.loop.plain import plain_generate
+    from verify.loop.speculative import SpecConfig, speculative_generate
 
     base = project_lm(9)
     prompts = [[5, 6, 7, 8], list(range(10, 25))]

@@ -34,8 +34,8 @@ from experiments.lib.checkpoint import (
 )
 from experiments.lib.lm import build_lm
 from experiments.lib.report import repeated_ngram_share
-from verify.plain import plain_generate
-from verify.target import Target
+from verify.backends.target import Target
+from verify.loop.plain import plain_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from experiments.lib import draft_family
-from experiments.lib.distill import agreement, distill_loss, subset_index
 from experiments.lib.features import (
     FeatureCache,
     FeatureSpec,
@@ -22,8 +21,9 @@ from experiments.lib.features import (
 )
 from experiments.lib.lm import build_lm
 from prophet.model import base_features
-from verify.plain import plain_generate
-from verify.target import Target
+from verify.backends.target import Target
+from verify.loop.plain import plain_generate
+from verify.training.distill import agreement, distill_loss, subset_index
 
 V = 97
 

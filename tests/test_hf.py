@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs as the frozen base (verify/hf.py): tiny randomly initialised Llama and GPT-2
+"""Hugging Face causal LMs as the frozen base (verify/backends/hf.py): tiny randomly initialised Llama and GPT-2
 models built from a config here (nothing is downloaded). Greedy output of every drafter must be
 token-identical to transformers' own greedy `generate`; sampling must stay the target's distribution;
 per-row rollback must leave the cache as a fresh run would; bad inputs get one-line errors.
@@ -17,14 +17,14 @@ from prophet.drafter import ProphetDrafter  # noqa: E402
 from prophet.model import Prophet, base_features  # noqa: E402
 from tests.conftest import make_lm  # noqa: E402
 from tests.test_lossless import NEW, PROMPT, TRIALS, VOCAB, chi_square, exact_joint  # noqa: E402
-from verify.draft_model import DraftModelDrafter  # noqa: E402
-from verify.early_exit import EarlyExitDrafter  # noqa: E402
-from verify.hf import HFBase, HFTarget, load_hf_base  # noqa: E402
-from verify.plain import plain_generate  # noqa: E402
-from verify.prompt_lookup import PromptLookupDrafter  # noqa: E402
-from verify.sampling import SamplingConfig  # noqa: E402
-from verify.speculative import SpecConfig, speculative_generate  # noqa: E402
-from verify.target import make_target  # noqa: E402
+from verify.backends.choose import make_target  # noqa: E402
+from verify.backends.hf import HFBase, HFTarget, load_hf_base  # noqa: E402
+from verify.drafters.draft_model import DraftModelDrafter  # noqa: E402
+from verify.drafters.early_exit import EarlyExitDrafter  # noqa: E402
+from verify.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
+from verify.loop.plain import plain_generate  # noqa: E402
+from verify.loop.sampling import SamplingConfig  # noqa: E402
+from verify.loop.speculative import SpecConfig, speculative_generate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V = 97

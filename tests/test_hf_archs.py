@@ -16,11 +16,11 @@ transformers = pytest.importorskip("transformers")
 from medusa.drafter import MedusaDrafter  # noqa: E402
 from medusa.heads import MedusaHeads  # noqa: E402
 from tests.test_hf import PROMPTS, hf_greedy, noisy, perturbed  # noqa: E402
-from verify.draft_model import DraftModelDrafter  # noqa: E402
-from verify.hf import HFBase, HFTarget  # noqa: E402
-from verify.plain import plain_generate  # noqa: E402
-from verify.speculative import SpecConfig, speculative_generate  # noqa: E402
-from verify.target import make_target  # noqa: E402
+from verify.backends.choose import make_target  # noqa: E402
+from verify.backends.hf import HFBase, HFTarget  # noqa: E402
+from verify.drafters.draft_model import DraftModelDrafter  # noqa: E402
+from verify.loop.plain import plain_generate  # noqa: E402
+from verify.loop.speculative import SpecConfig, speculative_generate  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 V, NEW = 97, 16
@@ -196,7 +196,7 @@ def test_a_config_without_a_maximum_length_is_refused_in_one_line():
     """A length is read from the field the architecture uses; a config with none of them is refused."""
     from types import SimpleNamespace
 
-    from verify.hf import check_decodable
+    from verify.backends.hf import check_decodable
 
     assert check_decodable(SimpleNamespace(model_type="chatglm", seq_length=64)) == 64
     with pytest.raises(

@@ -344,7 +344,8 @@ def test_the_project_imports_and_refuses_llama_without_transformers():
     """transformers is the optional `hf` extra: without it every module imports, and arch=llama says what to install."""
     code = (
         "import sys; sys.modules['transformers'] = None\n"
-        "import prophet.model, medusa.drafter, verify.hf, verify.early_exit, verify.speculative\n"
+        "import prophet.model, medusa.drafter, verify.backends.hf, verify.drafters.early_exit\n"
+        "import verify.loop.speculative\n"
         "import experiments.benchmark, experiments.generate, experiments.train_drafter, experiments.peer\n"
         "from experiments.lib.lm import build_lm\n"
         "try:\n    build_lm(arch='llama', num_tokens=10, dim=8, depth=1, heads=2, max_seq_len=8)\n"

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tests.conftest import make_lm
-from verify.draft_model import DraftModelDrafter
-from verify.prompt_lookup import PromptLookupDrafter
-from verify.sampling import SamplingConfig, probs_from_logits
-from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target
+from verify.backends.target import Target
+from verify.drafters.draft_model import DraftModelDrafter
+from verify.drafters.prompt_lookup import PromptLookupDrafter
+from verify.loop.sampling import SamplingConfig, probs_from_logits
+from verify.loop.speculative import SpecConfig, speculative_generate
 
 VOCAB, NEW, TRIALS, PROMPT = 6, 3, 20_000, [1, 2, 3, 1, 2]
 Z_999 = 3.0902  # standard normal quantile for significance 0.001

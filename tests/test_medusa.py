@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from experiments.lib.features import FeatureBatch, teacher_batch
+from experiments.lib.features import teacher_batch
 from experiments.lib.lm import build_lm
 from medusa import train
 from medusa.drafter import MedusaDrafter, make_drafter
@@ -16,12 +16,13 @@ from medusa.trees import default_tree, node_table, tree_from_accuracies
 from tests.test_lossless import run as run_lossless
 from tests.test_lossless import sharp_lm
 from tests.test_tree import check_sampled_siblings
-from verify.plain import plain_generate
-from verify.sampling import SamplingConfig, probs_from_logits
-from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target, TargetOutput
-from verify.tree import sort_paths
-from verify.vocab import expand_probs, full_ids, subset_logits
+from verify.backends.target import Target, TargetOutput
+from verify.common.vocab import expand_probs, full_ids, subset_logits
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig, probs_from_logits
+from verify.loop.speculative import SpecConfig, speculative_generate
+from verify.loop.tree import sort_paths
+from verify.training.features import FeatureBatch
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4]]
 SMALL_TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
@@ -431,7 +432,7 @@ def test_grow_tree_command_reads_measured_accuracies(tmp_path):
     import sys
 
     from experiments.lib.checkpoint import save_checkpoint
-    from verify.tree import sort_paths
+    from verify.loop.tree import sort_paths
 
     base = build_lm(num_tokens=64, dim=16, depth=1, heads=2, max_seq_len=32)
     heads = MedusaHeads.from_base(base, num_heads=2, num_layers=1)

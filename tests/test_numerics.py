@@ -7,7 +7,7 @@ step that first feeds it (computed from a clean run) on; the other rows stay cle
 
 Perf note (a measurement, not a test), 2 shared cores, one thread, eager, the demo-sized base
 (conf/base/tiny.yaml with random weights, vocab 8192), batch 1, 64-token prompt, 128 new tokens, T=0:
-plain decoding with and without the check (the previous verify/plain.py loaded beside this one),
+plain decoding with and without the check (the previous verify/loop/plain.py loaded beside this one),
 alternated call by call in one process, 40 rounds, 3 runs, medians: 539.8 tok/s without, 540.9 with
 (wall; per CPU second 547.3 and 542.3): no difference beyond the machine's noise (+-5 % between runs
 under load). In isolation the check adds 2.3 us per step (one row max into a preallocated row) and
@@ -22,13 +22,13 @@ import torch
 from medusa.drafter import MedusaDrafter
 from medusa.heads import MedusaHeads
 from tests.conftest import make_lm
-from verify.draft_model import DraftModelDrafter
-from verify.drafter import Draft
-from verify.numerics import NonFiniteError
-from verify.plain import plain_generate
-from verify.sampling import SamplingConfig
-from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target
+from verify.backends.target import Target
+from verify.common.numerics import NonFiniteError
+from verify.drafters.draft_model import DraftModelDrafter
+from verify.loop.drafter import Draft
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig
+from verify.loop.speculative import SpecConfig, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -21,7 +21,7 @@ from experiments.lib.checkpoint import CheckpointError, load_lm  # noqa: E402
 from experiments.lib.data import load_tokenizer, prepare_data  # noqa: E402
 from experiments.lib.lm import build_lm  # noqa: E402
 from tests.test_experiments import DATA, make_cfg  # noqa: E402
-from verify.hf import HFBase  # noqa: E402
+from verify.backends.hf import HFBase  # noqa: E402
 
 LLAMA = [
     "base=llama_small",

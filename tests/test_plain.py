@@ -6,9 +6,9 @@ import pytest
 import torch
 from x_transformers import AutoregressiveWrapper
 
-from verify.plain import plain_generate
-from verify.sampling import SamplingConfig, probs_from_logits, sample_from_probs
-from verify.target import Target
+from verify.backends.target import Target
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig, probs_from_logits, sample_from_probs
 
 
 def test_greedy_equals_x_transformers_generate(lm):

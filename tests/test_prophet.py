@@ -24,12 +24,12 @@ from prophet.model import Prophet, base_features
 from tests.test_lossless import run, sharp_lm
 from tests.test_medusa import lossless_cases
 from tests.test_tree import check_sampled_siblings
-from verify.cache import tree_attention
-from verify.plain import plain_generate
-from verify.sampling import SamplingConfig
-from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target
-from verify.tree import verify_parents
+from verify.backends.cache import tree_attention
+from verify.backends.target import Target
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig
+from verify.loop.speculative import SpecConfig, speculative_generate
+from verify.loop.tree import verify_parents
 
 V = 97
 CONF = Path(__file__).resolve().parents[1] / "conf" / "drafter" / "prophet.yaml"

@@ -16,10 +16,10 @@ from prophet.block import BlockProphet, block_attention
 from prophet.block_drafter import BlockProphetDrafter, commit_attention, make_drafter
 from tests.test_lossless import run, sharp_lm
 from tests.test_prophet import PROMPTS, V, batch, deep_base, tiny_base, true_features
-from verify.plain import plain_generate
-from verify.sampling import SamplingConfig
-from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target
+from verify.backends.target import Target
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig
+from verify.loop.speculative import SpecConfig, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 K = 4

@@ -10,12 +10,12 @@ from x_transformers import Decoder, Encoder, TransformerWrapper, XTransformer
 
 from experiments.lib.seq2seq_data import function_docstrings
 from tests.test_lossless import NEW, TRIALS, chi_square
-from verify.engine import UnsupportedModel
-from verify.plain import plain_generate
-from verify.prompt_lookup import PromptLookupDrafter
-from verify.sampling import SamplingConfig, probs_from_logits
-from verify.seq2seq import Seq2SeqDraftDrafter, Seq2SeqTarget
-from verify.speculative import SpecConfig, speculative_generate
+from verify.backends.engine import UnsupportedModel
+from verify.drafters.prompt_lookup import PromptLookupDrafter
+from verify.encdec.seq2seq import Seq2SeqDraftDrafter, Seq2SeqTarget
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig, probs_from_logits
+from verify.loop.speculative import SpecConfig, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -314,7 +314,7 @@ T5_SOURCES = [[3, 4, 20, 30], [5, 6, 7, 8, 9, 5, 6, 7], [11, 3, 4, 20, 12, 30]]
 
 
 def test_t5_plain_greedy_equals_t5_generate():
-    from verify.t5 import T5Target
+    from verify.encdec.t5 import T5Target
 
     model = make_t5()
     target = T5Target(model)
@@ -330,7 +330,7 @@ def test_t5_plain_greedy_equals_t5_generate():
 @pytest.mark.parametrize("drafter", ["self", "small", "lookup"])
 @pytest.mark.parametrize("gamma", [1, 3])
 def test_t5_greedy_speculative_equals_plain(drafter, gamma):
-    from verify.t5 import T5DraftDrafter, T5Target
+    from verify.encdec.t5 import T5DraftDrafter, T5Target
 
     target = T5Target(make_t5())
     make = {
@@ -349,7 +349,7 @@ def test_t5_greedy_speculative_equals_plain(drafter, gamma):
 
 
 def test_t5_a_list_of_eos_ids_equals_t5_generate():
-    from verify.t5 import T5DraftDrafter, T5Target
+    from verify.encdec.t5 import T5DraftDrafter, T5Target
 
     model = make_t5()
     source = T5_SOURCES[0]
@@ -371,7 +371,7 @@ def test_t5_a_list_of_eos_ids_equals_t5_generate():
 
 
 def test_t5_starts_at_the_bos_without_a_decoder_start_token_as_t5_generate():
-    from verify.t5 import T5DraftDrafter, T5Target
+    from verify.encdec.t5 import T5DraftDrafter, T5Target
 
     model = make_t5(decoder_start_token_id=None, bos_token_id=7)
     target = T5Target(model)
@@ -398,7 +398,7 @@ def test_t5_starts_at_the_bos_without_a_decoder_start_token_as_t5_generate():
 
 
 def test_t5_without_a_start_token_is_a_one_line_error():
-    from verify.t5 import T5Target
+    from verify.encdec.t5 import T5Target
 
     model = make_t5(decoder_start_token_id=None, bos_token_id=None)
     with pytest.raises(ValueError) as theirs:
@@ -416,9 +416,9 @@ def test_t5_without_a_start_token_is_a_one_line_error():
 
 def test_t5_and_draft_model_misuse_is_refused_in_one_line(model):
     from tests.conftest import make_lm
-    from verify.draft_model import DraftModelDrafter
-    from verify.hf import HFBase
-    from verify.t5 import T5DraftDrafter, T5Target
+    from verify.backends.hf import HFBase
+    from verify.drafters.draft_model import DraftModelDrafter
+    from verify.encdec.t5 import T5DraftDrafter, T5Target
 
     causal = make_lm(num_tokens=V)
     for bad in (causal, model, HFBase(tiny_llama())):
@@ -434,8 +434,8 @@ def test_t5_and_draft_model_misuse_is_refused_in_one_line(model):
             DraftModelDrafter(bad)
         assert str(excinfo.value) == (
             "DraftModelDrafter takes a causal LM (an x-transformers TransformerWrapper, or a Hugging Face causal LM "
-            f"wrapped as HFBase), got {type(bad).__name__}: for T5 use T5DraftDrafter (verify.t5), for an "
-            "x-transformers encoder-decoder Seq2SeqDraftDrafter (verify.seq2seq)"
+            f"wrapped as HFBase), got {type(bad).__name__}: for T5 use T5DraftDrafter (verify.encdec.t5), for an "
+            "x-transformers encoder-decoder Seq2SeqDraftDrafter (verify.encdec.seq2seq)"
         )
     DraftModelDrafter(causal)  # a causal LM is taken
 
@@ -455,7 +455,7 @@ def tiny_llama():
 
 
 def test_t5_rollback_then_extend_equals_a_fresh_run():
-    from verify.t5 import T5Target
+    from verify.encdec.t5 import T5Target
 
     model = make_t5()
     target = T5Target(model)
@@ -472,7 +472,7 @@ def test_t5_rollback_then_extend_equals_a_fresh_run():
 
 
 def test_t5_refuses_batches_trees_and_layers_in_one_line():
-    from verify.t5 import T5Target
+    from verify.encdec.t5 import T5Target
 
     target = T5Target(make_t5())
     with pytest.raises(

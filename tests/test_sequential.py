@@ -32,10 +32,10 @@ from tests.test_medusa import (
     spec,
 )
 from tests.test_tree import check_sampled_siblings
-from verify.plain import plain_generate
-from verify.sampling import SamplingConfig, probs_from_logits
-from verify.target import Target
-from verify.vocab import expand_probs
+from verify.backends.target import Target
+from verify.common.vocab import expand_probs
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig, probs_from_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -431,7 +431,7 @@ def test_chains_and_trees_at_t1_sample_with_q(family):
     from medusa.drafter import MedusaDrafter
     from medusa.heads import MedusaHeads
     from tests.conftest import make_lm
-    from verify.target import Target
+    from verify.backends.target import Target
 
     base = make_lm()
     vocab = torch.arange(0, 97, 2)

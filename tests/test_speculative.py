@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from tests.conftest import make_lm
-from verify.draft_model import DraftModelDrafter
-from verify.drafter import Draft
-from verify.plain import plain_generate
-from verify.prompt_lookup import PromptLookupDrafter
-from verify.sampling import SamplingConfig
-from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target
+from verify.backends.target import Target
+from verify.drafters.draft_model import DraftModelDrafter
+from verify.drafters.prompt_lookup import PromptLookupDrafter
+from verify.loop.drafter import Draft
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig
+from verify.loop.speculative import SpecConfig, speculative_generate
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4], [9, 9, 9]]
 GAMMAS = [1, 2, 3, 5, 8]

@@ -4,8 +4,8 @@ ragged rows equal rows run alone, tree nodes equal their paths run alone."""
 import pytest
 import torch
 
-from verify.cache import tree_attention
-from verify.target import Target
+from verify.backends.cache import tree_attention
+from verify.backends.target import Target
 
 TOL = 1e-5
 

@@ -8,14 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_lossless import NEW, PROMPT, TRIALS, VOCAB, chi_square, exact_joint, sharp_lm
-from verify.cache import tree_attention
-from verify.draft_model import DraftModelDrafter
-from verify.drafter import Draft
-from verify.plain import plain_generate
-from verify.sampling import SamplingConfig
-from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target
-from verify.tree import grow_tree, sort_paths, tree_from_paths, verify_parents
+from verify.backends.cache import tree_attention
+from verify.backends.target import Target
+from verify.drafters.draft_model import DraftModelDrafter
+from verify.loop.drafter import Draft
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig
+from verify.loop.speculative import SpecConfig, speculative_generate
+from verify.loop.tree import grow_tree, sort_paths, tree_from_paths, verify_parents
 
 SIX = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 
@@ -215,7 +215,7 @@ def random_tree(gen: torch.Generator, n: int) -> torch.Tensor:
 def test_vectorised_greedy_tree_walk_equals_the_sibling_walk():
     """tree_greedy_accept == tree_sampling_accept with one-hot p, on random trees and logits in which
     siblings often share a token (so the first-matching-sibling rule matters)."""
-    from verify.tree import tree_greedy_accept, tree_sampling_accept
+    from verify.loop.tree import tree_greedy_accept, tree_sampling_accept
 
     gen = torch.Generator().manual_seed(0)
     for trial in range(200):

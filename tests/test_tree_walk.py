@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.test_tree import random_tree
-from verify.acceptance import speculative_accept
-from verify.tree import tree_sampling_accept
+from verify.loop.acceptance import speculative_accept
+from verify.loop.tree import tree_sampling_accept
 
 Z_999 = 3.0902  # standard normal quantile for significance 0.001
 
@@ -156,7 +156,7 @@ def test_sampled_branching_tree_stops_where_its_walk_stops(seed):
 def test_every_returned_path_is_a_walk(delta, sampled):
     """On random trees (batched, ragged: each row its own shape) the path is a walk from the root that
     repeats its last node once it stops, and `accepted` is that node's depth, for every delta."""
-    from verify.cache import tree_attention
+    from verify.backends.cache import tree_attention
 
     gen = torch.Generator().manual_seed(3)
     for trial in range(30):
@@ -202,7 +202,7 @@ def test_sibling_draws_are_distinct_successive_draws_with_their_q():
     """sample_siblings: 200,000 rows of 3 draws from p over 5 ids (one of probability 0). The draws are
     distinct, draw j's q is p without draws < j, renormalised, and the pairs (x0, x1) follow
     p(x0) p(x1) / (1 - p(x0)) (chi-square); the id of probability 0 is never drawn while others are left."""
-    from verify.sampling import sample_siblings
+    from verify.loop.sampling import sample_siblings
 
     p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     rows = 200_000
@@ -224,7 +224,7 @@ def test_sibling_draws_are_distinct_successive_draws_with_their_q():
 def test_draws_past_the_mass_are_deterministic_with_one_hot_q():
     """Fewer ids with probability than draws (a top-k transform, a trimmed vocabulary): the draws past them are
     the remaining ids in id order, each with q one-hot on itself (a deterministic pick), never a q of no mass."""
-    from verify.sampling import sample_siblings
+    from verify.loop.sampling import sample_siblings
 
     p = torch.tensor([0.0, 0.7, 0.0, 0.3, 0.0])
     index, q = sample_siblings(p.expand(1000, -1), 4, torch.Generator().manual_seed(1))
@@ -237,7 +237,7 @@ def test_draws_past_the_mass_are_deterministic_with_one_hot_q():
 def siblings_at_the_root(rows: int, *, seed: int, wrong_q: bool):
     """One parent, three children drawn without replacement from q; returns the token the rule emits after the
     root. wrong_q records every sibling's q as the undepleted q (the draws' real law ignored)."""
-    from verify.sampling import sample_siblings
+    from verify.loop.sampling import sample_siblings
 
     gen = torch.Generator().manual_seed(seed)
     vocab = 5

@@ -23,13 +23,13 @@ from prophet.model import Prophet
 from tests.conftest import make_lm
 from tests.test_lossless import PROMPT, VOCAB, sharp_lm
 from tests.test_lossless import run as run_lossless
-from verify.draft_model import DraftModelDrafter
-from verify.drafter import Draft
-from verify.plain import plain_generate
-from verify.sampling import SamplingConfig, probs_from_logits, sample_from_probs
-from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target, TargetOutput
-from verify.vocab import check_vocab, expand_probs, frequent_tokens, full_ids, subset_logits, trim_linear
+from verify.backends.target import Target, TargetOutput
+from verify.common.vocab import check_vocab, expand_probs, frequent_tokens, full_ids, subset_logits, trim_linear
+from verify.drafters.draft_model import DraftModelDrafter
+from verify.loop.drafter import Draft
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig, probs_from_logits, sample_from_probs
+from verify.loop.speculative import SpecConfig, speculative_generate
 
 V = 97
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4]]
@@ -329,7 +329,7 @@ def test_the_subset_leaves_out_most_of_the_targets_probability():
 
 
 # The draft model's case (17 s) is in the slow tier; the prophet chain's, through the same trimmed sampling
-# transform (verify.sampling.draft_from_logits with a subset), stays fast.
+# transform (verify.loop.sampling.draft_from_logits with a subset), stays fast.
 @pytest.mark.parametrize("name", [pytest.param("draft_model", marks=pytest.mark.slow), "prophet_chain"])
 def test_trimmed_sampling_reproduces_the_target_distribution(name):
     if name == "draft_model":

@@ -4,7 +4,7 @@
     chain = choose_chain_budget(target, factory, prompts, verify_cost=cost, max_gamma=8, ...)   # -> gamma
     tree = choose_tree_budget(target, make, prompts, candidates=[...], verify_cost=cost, ...)  # -> kwargs, gamma
 
-The cost model is verify/budget.py's; this module only measures its inputs. Verify costs are cached
+The cost model is verify/plan/budget.py's; this module only measures its inputs. Verify costs are cached
 per machine and model (a few seconds to measure, but a benchmark may start many times); pilots are
 not, since they depend on the drafter, the prompts and the sampling settings.
 """
@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from experiments.lib.cli import write_atomic
-from verify.budget import best_chain, best_tree, interpolate_cost
-from verify.numerics import EosId
-from verify.sampling import SamplingConfig
-from verify.speculative import SpecConfig, speculative_generate
-from verify.target import Target
+from verify.backends.target import Target
+from verify.common.numerics import EosId
+from verify.loop.sampling import SamplingConfig
+from verify.loop.speculative import SpecConfig, speculative_generate
+from verify.plan.budget import best_chain, best_tree, interpolate_cost
 
 log = logging.getLogger(__name__)
 

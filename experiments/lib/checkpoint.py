@@ -38,7 +38,7 @@ from tokenizers import Tokenizer
 from experiments.lib.cli import one_line, write_atomic
 from experiments.lib.data import load_tokenizer
 from experiments.lib.lm import build_lm
-from verify.numerics import is_int
+from verify.common.numerics import is_int
 
 __all__ = [
     "Checkpoint",
@@ -496,7 +496,7 @@ def hf_eos_id(directory: Path, tokenizer_eos: int) -> Any:
 def _load_hf(directory: Path, device: str | torch.device) -> tuple[torch.nn.Module, Tokenizer, dict[str, Any]]:
     """A model saved by transformers' save_pretrained, with its own tokenizer. Its meta names no corpus:
     entry points take the run's data config, with this tokenizer (experiments.lib.data.base_data_config)."""
-    from verify.hf import load_hf_base  # transformers is optional
+    from verify.backends.hf import load_hf_base  # transformers is optional
 
     try:
         tokenizer, tokenizer_eos = load_tokenizer(str(directory))

@@ -33,11 +33,11 @@ from experiments.lib.methods import (
 from experiments.lib.prompts import load_prompts
 from experiments.lib.rundir import check_writable
 from experiments.lib.settings import check_bool, check_int, check_number, resolve_device
-from verify.acceptance import RULES, check_rule, is_lossless
-from verify.prompt_lookup import PromptLookupDrafter
-from verify.sampling import SamplingConfig
-from verify.speculative import SpecConfig
-from verify.tree import CANDIDATES
+from verify.drafters.prompt_lookup import PromptLookupDrafter
+from verify.loop.acceptance import RULES, check_rule, is_lossless
+from verify.loop.sampling import SamplingConfig
+from verify.loop.speculative import SpecConfig
+from verify.loop.tree import CANDIDATES
 
 # budget=auto's tree candidates (budget_search.<family>_trees): a head tree's size and depth; a grown tree
 # (prophet's, expanded from its own top-k at each level) also takes the children per node.

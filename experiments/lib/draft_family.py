@@ -2,12 +2,12 @@
 
 Classic speculative decoding (Leviathan et al., Chen et al.) drafts with a smaller LM of the same
 tokenizer. Trained on the corpus it learns the data; what acceptance rewards is agreeing with the base,
-so here it is trained on the base's own next-token distribution (experiments/lib/distill.py), read from the
+so here it is trained on the base's own next-token distribution (verify/training/distill.py), read from the
 feature cache like every other drafter. It shares no weights with the base (only the vocabulary) and
 reads only the tokens and the teacher's top-k of a FeatureBatch, never the hidden states.
 
 The training side of a family (registered in experiments/lib/families.py): build, loss, evaluate; the inference
-side is verify.draft_model.make_drafter.
+side is verify.drafters.draft_model.make_drafter.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 from torch import Tensor, nn
 from x_transformers import TransformerWrapper
 
-from experiments.lib.distill import agreement, check_target, distill_loss, student_top1, subset_index
-from experiments.lib.features import FeatureBatch
 from experiments.lib.lm import build_lm
-from verify.vocab import subset_linear
+from verify.common.vocab import subset_linear
+from verify.training.distill import agreement, check_target, distill_loss, student_top1, subset_index
+from verify.training.features import FeatureBatch
 
 __all__ = ["build", "loss", "evaluate"]
 

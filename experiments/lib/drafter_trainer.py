@@ -39,7 +39,7 @@ from experiments.lib.data import base_data_fix, prepare_data, token_counts
 from experiments.lib.distributed import Dist, main_first, shard
 from experiments.lib.families import Family, call_with_settings
 from experiments.lib.families import family as find_family
-from experiments.lib.features import FeatureBatch, check_features_config, feature_spec, open_features, teacher_batch
+from experiments.lib.features import check_features_config, feature_spec, open_features, teacher_batch
 from experiments.lib.lm import count_parameters
 from experiments.lib.precision import check_precision, resolve_precision
 from experiments.lib.settings import check_loop_config, check_positive_int, check_recipe, data_recipe, require
@@ -55,7 +55,8 @@ from experiments.lib.training import (
     resume_point,
     validation_blocks,
 )
-from verify.vocab import frequent_tokens
+from verify.common.vocab import frequent_tokens
+from verify.training.features import FeatureBatch
 
 log = logging.getLogger(__name__)
 MONITOR = Monitor("mean_agree", lower_is_better=False)  # what picks checkpoint/ (see the module docstring)

@@ -1,15 +1,15 @@
 """Early exit as a drafter family: an exit head trained on one layer of the frozen base.
 
-The drafter (verify/early_exit.py) runs the base's own first `layer` blocks and reads the next token
+The drafter (verify/drafters/early_exit.py) runs the base's own first `layer` blocks and reads the next token
 from the residual state after block `layer` through this head. The head is what is trained: the
 base's final LayerNorm (its gain copied), `num_layers` residual blocks x + SiLU(Linear(x)) started at
 zero, then a trainable copy of the base's output layer. So a fresh head is the "logit lens" (the
 base's own norm and output layer applied to an intermediate state), and training starts there.
 
 Training reads layer `layer`'s states from the feature cache (the drafter trainer asks for that layer) and
-distils the base's own next-token distribution at the same position (experiments/lib/distill.py).
+distils the base's own next-token distribution at the same position (verify/training/distill.py).
 The training side of a family (registered in experiments/lib/families.py): build, loss, evaluate; the inference
-side is verify.early_exit.make_drafter.
+side is verify.drafters.early_exit.make_drafter.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from experiments.lib.distill import agreement, check_target, distill_loss, student_top1, subset_index
-from experiments.lib.features import FeatureBatch
 from medusa.heads import ResBlock, copy_linear
 from prophet.model import base_depth
-from verify.early_exit import check_lean_base
-from verify.engine import check_layers, lean
-from verify.vocab import subset_linear, trim_linear
+from verify.backends.engine import check_layers
+from verify.backends.lean import lean
+from verify.common.vocab import subset_linear, trim_linear
+from verify.drafters.early_exit import check_lean_base
+from verify.training.distill import agreement, check_target, distill_loss, student_top1, subset_index
+from verify.training.features import FeatureBatch
 
 __all__ = ["build", "loss", "evaluate"]
 

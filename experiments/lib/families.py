@@ -7,7 +7,7 @@ train module; the inference side (make_drafter) lives beside the drafter class i
                                                                      records them and rebuilds the module)
     loss(module, base, batch, *, vocab, **loss) -> (scalar loss, metrics)   batch: a FeatureBatch
     evaluate(module, base, batch, *, vocab)     -> {metric: float}  (agreement with the base, per position)
-    make_drafter(module, base, **decode)        -> a Drafter for verify.speculative.speculative_generate
+    make_drafter(module, base, **decode)        -> a Drafter for verify.loop.speculative.speculative_generate
 
 `conf/drafter/<name>.yaml` holds a family's module, loss and decode settings; `drafter.package` names the
 family here. Adding a family is one entry below plus that config file; for the decoding entry points, also
@@ -34,7 +34,7 @@ from medusa import train as medusa_train
 from prophet import block_drafter, block_train
 from prophet import drafter as prophet_drafter
 from prophet import train as prophet_train
-from verify import draft_model, early_exit
+from verify.drafters import draft_model, early_exit
 
 
 @dataclass(frozen=True)

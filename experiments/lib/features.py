@@ -3,7 +3,7 @@
 A drafter trains on what the frozen base computes for each window of tokens: its final hidden states
 (the prophet regresses them, Medusa's heads read them), optionally the residual states of chosen layers
 (the prophet's EAGLE-3 fusion), and the base's own next-token distribution as its top-k ids and
-log-probabilities (the self-distillation teacher, experiments/lib/distill.py). None of it changes while the
+log-probabilities (the self-distillation teacher, verify/training/distill.py). None of it changes while the
 base is frozen, so running the base on every training step (the old recipe) wasted most of the step.
 
 Layout of a cache directory:
@@ -37,9 +37,10 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from prophet.model import base_features
-from verify.plain import plain_generate
-from verify.sampling import SamplingConfig
-from verify.target import make_target
+from verify.backends.choose import make_target
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig
+from verify.training.features import FeatureBatch
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -88,43 +89,6 @@ class FeatureSpec:
     def bytes_per_window(self, dim: int) -> int:
         t, width = self.seq_len, DTYPES[self.dtype].itemsize
         return 4 * (t + 1) + width * t * dim * (1 + len(self.layers)) + 8 * t * self.top_k
-
-
-@dataclass
-class FeatureBatch:
-    """What a drafter's loss reads for B windows: the tokens and the frozen base's outputs on tokens[:, :-1]."""
-
-    tokens: Tensor  # (B, T + 1) long
-    hidden: Tensor  # (B, T, d) float32: final hidden states (after the final norm)
-    top_ids: Tensor  # (B, T, k) long: the base's k most likely next tokens, most likely first
-    top_logp: Tensor  # (B, T, k) float32: their log-probabilities under the base (full vocabulary)
-    layers: Tensor | None = None  # (B, T, S, d) float32: residual states after the chosen blocks
-
-    def check(self) -> tuple[int, int]:
-        """(B, T) after checking that every field describes the same windows; a one-line ValueError otherwise."""
-        b, t = self.hidden.shape[:2]
-        shapes = {
-            "tokens": self.tokens.shape,
-            "hidden": self.hidden.shape,
-            "top_ids": self.top_ids.shape,
-            "top_logp": self.top_logp.shape,
-            **({} if self.layers is None else {"layers": self.layers.shape}),
-        }
-        ok = (
-            self.tokens.shape == (b, t + 1)
-            and self.top_ids.shape[:2] == (b, t)
-            and self.top_logp.shape == self.top_ids.shape
-        )
-        if not ok or (self.layers is not None and self.layers.shape[:2] != (b, t)):
-            raise ValueError(
-                f"a feature batch needs tokens (B, T + 1) and hidden, top_ids, top_logp[, layers] "
-                f"of (B, T, ...); got {', '.join(f'{k} {tuple(v)}' for k, v in shapes.items())}"
-            )
-        return b, t
-
-    def to(self, device: torch.device) -> FeatureBatch:
-        move = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
-        return FeatureBatch(*(move(x) for x in (self.tokens, self.hidden, self.top_ids, self.top_logp, self.layers)))
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
 """The frozen base language model: an x-transformers decoder with rotary positions, or (arch="llama") a
-Hugging Face transformers Llama of the same sizes, wrapped as verify.hf.HFBase (needs the `hf` extra).
+Hugging Face transformers Llama of the same sizes, wrapped as verify.backends.hf.HFBase (needs the `hf` extra).
 
 One builder, `build_lm`, used by base training, by checkpoint loading and (through `_target_`) by the
 `conf/base/*.yaml` size presets. It takes plain keyword arguments so a checkpoint's `meta.json` can
@@ -131,7 +131,7 @@ def _llama(
     """transformers' LlamaForCausalLM (RMSNorm, SwiGLU, rotary, untied output layer), random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from verify.hf import HFBase
+    from verify.backends.hf import HFBase
 
     config = LlamaConfig(
         vocab_size=num_tokens,

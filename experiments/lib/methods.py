@@ -29,9 +29,9 @@ from experiments.lib.families import family as find_family
 from experiments.lib.lm import build_lm
 from experiments.lib.prompts import heldout_prompts, load_prompts
 from medusa.trees import accuracies_from_metrics
-from verify.draft_model import DraftModelDrafter
-from verify.prompt_lookup import PromptLookupDrafter
-from verify.vocab import frequent_tokens
+from verify.common.vocab import frequent_tokens
+from verify.drafters.draft_model import DraftModelDrafter
+from verify.drafters.prompt_lookup import PromptLookupDrafter
 
 log = logging.getLogger(__name__)
 

@@ -25,12 +25,12 @@ from experiments.lib.calibrate import cpu_model
 from experiments.lib.cli import write_atomic
 from experiments.lib.report import repeated_ngram_share
 from experiments.lib.seq2seq_data import Pairs
-from verify.numerics import EosId
-from verify.plain import plain_generate
-from verify.prompt_lookup import PromptLookupDrafter
-from verify.sampling import SamplingConfig
-from verify.seq2seq import Seq2SeqDraftDrafter, Seq2SeqTarget
-from verify.speculative import SpecConfig, speculative_generate
+from verify.common.numerics import EosId
+from verify.drafters.prompt_lookup import PromptLookupDrafter
+from verify.encdec.seq2seq import Seq2SeqDraftDrafter, Seq2SeqTarget
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig
+from verify.loop.speculative import SpecConfig, speculative_generate
 
 METHODS = ("plain", "draft", "lookup")
 

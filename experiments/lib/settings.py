@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from experiments.lib.checkpoint import CheckpointError
 from experiments.lib.distributed import Dist
-from verify.numerics import check_int, is_finite_number, is_int
+from verify.common.numerics import check_int, is_finite_number, is_int
 
 __all__ = [
     "require",

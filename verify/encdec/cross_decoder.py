@@ -2,7 +2,7 @@
 (`XTransformer`, or a TransformerWrapper over `Decoder(cross_attend=True)`) on a static KV cache.
 
 Blocks are (self-attention, cross-attention, feed-forward), pre-norm. Self-attention works exactly as in
-`verify.engine.LeanDecoder` (rotary keys written once into `StaticCache` slots, a boolean mask over the
+`verify.backends.engine.LeanDecoder` (rotary keys written once into `StaticCache` slots, a boolean mask over the
 whole buffer, chains and trees alike). Cross-attention reads the encoder output through keys and values
 computed once per batch (`context`): a decode step never touches the encoder again, and rolling the
 self-attention cache back needs nothing from the cross side. x-transformers applies no rotary to
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from verify.cache import StaticCache, visibility, write_kv
-from verify.engine import (
+from verify.backends.cache import StaticCache, visibility, write_kv
+from verify.backends.engine import (
     _LAYERS_OFF,
     UnsupportedModel,
     _attend,
@@ -133,7 +133,7 @@ class LeanCrossDecoder:
         allow: Tensor | None = None,
     ) -> Tensor:
         """Run n new entries x (b, n, d) on top of `cache` and append them to it; returns hidden (b, n, d).
-        pos and allow as in `verify.engine.LeanDecoder.__call__` (a chain by default, a tree with both)."""
+        pos and allow as in `verify.backends.engine.LeanDecoder.__call__` (a chain by default, a tree with both)."""
         n = x.shape[1]
         start = cache.reserve(n)
         k_buf, v_buf = cache.buffers(n, full=False)

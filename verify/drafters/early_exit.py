@@ -14,11 +14,11 @@ not shared: the first blocks' computation for the drafted tokens themselves, whi
 repeats (LayerSkip reuses it; that needs a verification forward that starts at block `layer`).
 
 `share_cache=False` keeps an own cache of the first blocks instead (the way the independent draft
-model works, verify/draft_model.py): a prefill of the prompts through the first blocks, and drafted
+model works, verify/drafters/draft_model.py): a prefill of the prompts through the first blocks, and drafted
 entries kept when accepted. It exists to measure what sharing saves.
 
 The target hands itself over through the optional `attach(target)` hook of the drafter protocol
-(verify/drafter.py), which the decode loop calls before its prefill.
+(verify/loop/drafter.py), which the decode loop calls before its prefill.
 
 Drafts are the exit head's argmax at temperature 0; otherwise they are sampled from the head's
 distribution after the shared sampling transform, and q is returned (lossless speculative sampling).
@@ -32,13 +32,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from verify.draft_model import roll_uncached
-from verify.drafter import Draft, Verdict
-from verify.engine import COMPILE_OPTIONS, check_layers, lean
-from verify.hf import HFBase
-from verify.sampling import SamplingConfig, draft_from_logits
-from verify.target import Target, TargetOutput, pad_prompts
-from verify.vocab import check_vocab
+from verify.backends.engine import check_layers
+from verify.backends.hf import HFBase
+from verify.backends.lean import COMPILE_OPTIONS, lean
+from verify.backends.target import Target, TargetOutput, pad_prompts
+from verify.common.vocab import check_vocab
+from verify.drafters.draft_model import roll_uncached
+from verify.loop.drafter import Draft, Verdict
+from verify.loop.sampling import SamplingConfig, draft_from_logits
 
 
 def check_lean_base(base: nn.Module) -> None:
@@ -95,7 +96,7 @@ class EarlyExitDrafter:
         if self.share_cache:
             if self.target is None or self.target.cache is None:
                 raise ValueError(
-                    "share_cache=True needs the target: decode with verify.speculative.speculative_generate, "
+                    "share_cache=True needs the target: decode with verify.loop.speculative.speculative_generate, "
                     "which calls drafter.attach(target) (a wrapper must pass attach on)"
                 )
             self.cache = self.target.cache  # holds every prompt token's entries; the pending token is next

@@ -5,11 +5,11 @@ own encoder forward, right-padded with a source mask: it runs once per batch, so
 computes every cross-attention layer's keys and values from the encoder output, and starts each row's
 decoder at `bos_id`: the BOS token goes into the decoder's cache and its logits are the prefill's
 output (b, 1, V). From there the decoder is a causal LM over its own tokens, so the rest of the
-contract is `verify.target.Target`'s: the last emitted token is pending (not yet cached), `extend` runs
+contract is `verify.backends.target.Target`'s: the last emitted token is pending (not yet cached), `extend` runs
 a chain or a tree on top of a static per-row cache, `commit` keeps the accepted slots per row.
 
 Drafters: `Seq2SeqDraftDrafter` (below) is the independent draft model with a small encoder-decoder.
-Prompt lookup (verify/prompt_lookup.py) needs no change: the loop hands it the sources as prompts, so
+Prompt lookup (verify/drafters/prompt_lookup.py) needs no change: the loop hands it the sources as prompts, so
 it matches the generated text against source + generated text, and copies what followed in the source.
 
 Decoder start token: the caller chooses `bos_id`. The project's seq2seq models (experiments/
@@ -23,12 +23,12 @@ import torch
 from einops import repeat
 from torch import Tensor, nn
 
-from verify.cache import StaticCache, tree_attention
-from verify.cross_decoder import CrossContext, LeanCrossDecoder
-from verify.draft_model import DraftModelDrafter
-from verify.engine import UnsupportedModel, check_wrapper
-from verify.numerics import NonFiniteError
-from verify.target import TargetOutput, pad_prompts
+from verify.backends.cache import StaticCache, tree_attention
+from verify.backends.engine import UnsupportedModel, check_wrapper
+from verify.backends.target import TargetOutput, pad_prompts
+from verify.common.numerics import NonFiniteError
+from verify.drafters.draft_model import DraftModelDrafter
+from verify.encdec.cross_decoder import CrossContext, LeanCrossDecoder
 
 
 def split_model(model: nn.Module | tuple[nn.Module, nn.Module]) -> tuple[nn.Module, nn.Module]:

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from verify.numerics import is_finite_number
-from verify.sampling import sample_from_probs
+from verify.common.numerics import is_finite_number
+from verify.loop.sampling import sample_from_probs
 
 RULES = ("auto", "greedy", "speculative", "typical")
 

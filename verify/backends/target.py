@@ -3,17 +3,17 @@ one forward, roll it back per row.
 
 Convention shared with the decode loops: the last emitted token of a row is *pending*, not yet in the
 cache; the next `extend` starts with it. The forward runs on the lean engine over a static cache
-(verify/cache.py): verify/engine.py for x-transformers LMs, verify/lean_llama.py for a Hugging Face Llama.
-`make_target` picks the engine; verify/hf.py is the target for other Hugging Face causal LMs.
+(cache.py): engine.py for x-transformers LMs, lean_llama.py for a Hugging Face Llama (all in verify/backends/).
+choose.py's `make_target` picks the engine; hf.py is the target for other Hugging Face causal LMs.
 
 Where the project knows it is x-transformers underneath (what to change for another model family):
-verify/engine.py reads an x-transformers decoder's weights and options into fused tensors, refuses the
+verify/backends/engine.py reads an x-transformers decoder's weights and options into fused tensors, refuses the
 options it does not implement (UnsupportedModel) and is checked numerically against x-transformers' own
-forward; verify/cross_decoder.py does the same for an encoder-decoder's decoder; prophet.model.base_features
+forward; verify/encdec/cross_decoder.py does the same for an encoder-decoder's decoder; prophet.model.base_features
 reads block states from the x-transformers forward's `layer_hiddens` (training features only); the Medusa,
 sequential and prophet drafters borrow the base's `token_emb` and `to_logits` by their x-transformers
-names (verify/hf.py's HFBase gives a Hugging Face model the same two names). The KV cache
-(verify/cache.py) is the project's own, not x-transformers'. The decode loops, the acceptance rules and
+names (verify/backends/hf.py's HFBase gives a Hugging Face model the same two names). The KV cache
+(verify/backends/cache.py) is the project's own, not x-transformers'. The decode loops, the acceptance rules and
 the drafters' proposing see only Target and TargetOutput.
 """
 
@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from einops import repeat
 from torch import Tensor, nn
 
-from verify.cache import StaticCache, tree_attention
-from verify.engine import check_layers, lean
+from verify.backends.cache import StaticCache, tree_attention
+from verify.backends.engine import check_layers
+from verify.backends.lean import lean
 
 
 @dataclass
@@ -82,27 +83,6 @@ def check_prompts(prompts: list[list[int]], *, vocab_size: int, max_seq_len: int
             )
 
 
-ENGINES = ("auto", "lean", "hf")
-
-
-def make_target(model: nn.Module, *, engine: str = "auto", **kwargs) -> Target:
-    """The target for a base. engine="lean": the lean engine (x-transformers LMs, and transformers' Llama
-    through verify.lean_llama); "hf": verify.hf's adapter on transformers' own forward and cache (any
-    causal LM wrapped as an HFBase); "auto": lean where it runs the model, else the adapter.
-    kwargs as `Target` takes them."""
-    from verify.hf import HFBase, HFTarget  # imported here: verify.hf builds on this module
-
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r}: must be one of {', '.join(ENGINES)}")
-    if not isinstance(model, HFBase):
-        if engine == "hf":
-            raise ValueError(f"engine='hf' takes a Hugging Face model (HFBase), got {type(model).__name__}")
-        return Target(model, **kwargs)
-    if engine == "hf" or (engine == "auto" and type(model.hf).__name__ != "LlamaForCausalLM"):
-        return HFTarget(model, **kwargs)
-    return Target(model, **kwargs)
-
-
 class Target:
     """A frozen causal LM (an x-transformers TransformerWrapper with rotary positions, or an HFBase around a
     transformers Llama) plus its KV cache.
@@ -144,7 +124,7 @@ class Target:
 
     def use_layers(self, layers: tuple[int, ...]) -> None:
         """From the next prefill on, outputs carry `layers` (b, n, S, d): the residual states after these
-        blocks of the model (layer i as `verify.engine.check_layers` defines it), in this order. () for
+        blocks of the model (layer i as `verify.backends.engine.check_layers` defines it), in this order. () for
         none: then the forwards compute and return nothing extra. Refuses blocks the model does not have."""
         self.layers = check_layers(layers, self.engine.decoder.depth)
 

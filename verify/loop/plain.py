@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verify.numerics import TARGET_LOGITS, EosId, eos_ids, nonfinite_error
-from verify.sampling import SamplingConfig, sample_token
-from verify.stats import DecodeStats
-from verify.target import Target
+from verify.backends.target import Target
+from verify.common.numerics import TARGET_LOGITS, EosId, eos_ids, nonfinite_error
+from verify.loop.sampling import SamplingConfig, sample_token
+from verify.loop.stats import DecodeStats
 
 
 @dataclass
@@ -46,7 +46,7 @@ def plain_generate(
     """Decode each prompt token by token; a row stops at EOS (any of the ids, when eos_id is a list) or after
     max_new_tokens.
 
-    Raises NonFiniteError (verify/numerics.py) when the logits a row sampled from held NaN or inf."""
+    Raises NonFiniteError (verify/common/numerics.py) when the logits a row sampled from held NaN or inf."""
     check_max_new_tokens(max_new_tokens)
     eos = eos_ids(eos_id, target.vocab_size, target.device)
     target.check_tokens(prompts, max_new_tokens=max_new_tokens)
@@ -59,7 +59,7 @@ def plain_generate(
         with stats.timed("target"):
             logits = target.prefill(prompts).logits[:, -1]  # (b, V)
         # peaks[i, row]: the max of the logits step i sampled from, NaN or inf when they held NaN/inf
-        # (verify/numerics.py). One reduction into a preallocated row per step, read once after the loop:
+        # (verify/common/numerics.py). One reduction into a preallocated row per step, read once after the loop:
         # without EOS this loop makes no host read to share, and a GPU should not wait on one per token.
         peaks = logits.new_empty(max_new_tokens, b)
         for i in range(max_new_tokens):

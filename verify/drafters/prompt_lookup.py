@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from verify.drafter import Draft, Verdict
-from verify.sampling import SamplingConfig
-from verify.target import TargetOutput
+from verify.backends.target import TargetOutput
+from verify.loop.drafter import Draft, Verdict
+from verify.loop.sampling import SamplingConfig
 
 
 class PromptLookupDrafter:

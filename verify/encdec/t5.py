@@ -1,5 +1,5 @@
 """Hugging Face T5 (`transformers.T5ForConditionalGeneration`) as an encoder-decoder target and draft
-model, with the interface `verify.seq2seq.Seq2SeqTarget` gives the loops.
+model, with the interface `verify.encdec.seq2seq.Seq2SeqTarget` gives the loops.
 
 The decoder's cache is transformers' `EncoderDecoderCache` (self-attention: a `DynamicCache`; the
 cross-attention keys and values are computed at the first decoder forward and reused), and rollback is
@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from verify.draft_model import DraftModelDrafter
-from verify.numerics import is_int
-from verify.target import TargetOutput
+from verify.backends.target import TargetOutput
+from verify.common.numerics import is_int
+from verify.drafters.draft_model import DraftModelDrafter
 
 
 def check_t5(model: nn.Module, who: str) -> None:

@@ -2,7 +2,7 @@
 
 A drafter proposes; the loop verifies, accepts, rolls the target back and then tells the drafter what
 happened (`Verdict`) so it can roll back its own state. Drafters leave the target's cache as they found
-it: only an early-exit drafter (verify/early_exit.py) writes into it, beyond every row's length, and
+it: only an early-exit drafter (verify/drafters/early_exit.py) writes into it, beyond every row's length, and
 rewinds it before `propose` returns.
 """
 
@@ -14,8 +14,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from verify.sampling import SamplingConfig
-from verify.target import TargetOutput
+from verify.backends.target import TargetOutput
+from verify.loop.sampling import SamplingConfig
 
 
 @dataclass
@@ -23,7 +23,7 @@ class Draft:
     tokens: Tensor  # (b, k) proposed tokens, k >= 0
     # (b, k, V) distribution each token was drawn from; None = chosen deterministically (q one-hot). A tree
     # node's q is its distribution given its earlier siblings (the rule tries siblings in node order), e.g. the
-    # parent's without them for draws without replacement (verify.sampling.sample_siblings); whether a node is
+    # parent's without them for draws without replacement (verify.loop.sampling.sample_siblings); whether a node is
     # in the tree at all must not depend on its own token, or the kept tokens no longer follow their q.
     q: Tensor | None = None
     parents: Tensor | None = None  # (k,) or (b, k) tree parents, -1 = child of the pending token; None = a chain
@@ -55,12 +55,12 @@ class Verdict:
 @runtime_checkable
 class Drafter(Protocol):
     """A drafter may also have `target_layers: tuple[int, ...]` (read with getattr, default ()): blocks of the
-    target whose residual states it reads (layer i as verify.engine.check_layers defines it). The loop asks
+    target whose residual states it reads (layer i as verify.backends.engine.check_layers defines it). The loop asks
     the target for them, and the drafter finds them in `TargetOutput.layers` of the prefill (begin) and of
     every verdict (commit). It is not a protocol member, so drafters without it need no change.
 
     Likewise optional: `attach(target)`, called by the loop once per call before the prefill, for a drafter
-    that drafts with the target's own first blocks on the target's cache (verify/early_exit.py)."""
+    that drafts with the target's own first blocks on the target's cache (verify/drafters/early_exit.py)."""
 
     vocab_size: int
 

@@ -1,5 +1,5 @@
 """Hugging Face `transformers` causal LMs as the frozen base: the attributes the drafters read of a base,
-and a target with the same interface as `verify.target.Target`, so the one speculative loop, plain
+and a target with the same interface as `verify.backends.target.Target`, so the one speculative loop, plain
 decoding and every drafter run on them unchanged.
 
 `transformers` is optional: this module imports it only inside the functions that need it.
@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from einops import repeat
 from torch import Tensor, nn
 
-from verify.cache import tree_attention
-from verify.engine import check_layers
-from verify.target import TargetOutput, check_prompts, pad_prompts, right_to_left
-from verify.vocab import check_vocab, trim_linear
+from verify.backends.cache import tree_attention
+from verify.backends.engine import check_layers
+from verify.backends.target import TargetOutput, check_prompts, pad_prompts, right_to_left
+from verify.common.vocab import check_vocab, trim_linear
 
 # Transforms some CausalLM classes apply to the output layer's logits; the adapter computes logits from the
 # backbone's hidden states with the output layer alone, so it refuses models that have them.
@@ -182,7 +182,7 @@ class HFBase(nn.Module):
         states after `layers` (b, n, S, d) or None, and the model output (its `past_key_values`)."""
         out = self.hf.base_model(input_ids=tokens, output_hidden_states=bool(layers), **kwargs)
         # hidden_states[i] is the residual stream after block i (0: the embeddings), as layer i is defined
-        # for every base (verify.engine.check_layers); layer `depth` is refused there.
+        # for every base (verify.backends.engine.check_layers); layer `depth` is refused there.
         states = torch.stack([out.hidden_states[i] for i in layers], dim=2) if layers else None
         return out.last_hidden_state, states, out
 
@@ -212,7 +212,7 @@ def load_hf_base(
 
 
 class HFTarget:
-    """A frozen `HFBase` plus transformers' KV cache, with the interface of `verify.target.Target`:
+    """A frozen `HFBase` plus transformers' KV cache, with the interface of `verify.backends.target.Target`:
     prefill, extend (a chain or a tree in one forward), per-row commit (rollback), row_lengths.
 
     `vocab` (ids (N,)) makes every output's logits (b, n, N) over that subset: for a draft model.

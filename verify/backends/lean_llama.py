@@ -1,4 +1,4 @@
-"""The lean engine for Hugging Face Llama models (verify.hf.HFBase around a LlamaForCausalLM).
+"""The lean engine for Hugging Face Llama models (verify.backends.hf.HFBase around a LlamaForCausalLM).
 
 transformers' eager Llama is, at the sizes a CPU decodes, mostly Python: a 6-block, 9M-parameter model
 costs about 5.8 ms per token here, for about 18 MFLOP of weights. This reads its weights into the same
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from verify.cache import StaticCache, visibility, write_kv
-from verify.engine import LeanDecoder, LeanLM, UnsupportedModel, block_depth
+from verify.backends.cache import StaticCache, visibility, write_kv
+from verify.backends.engine import LeanDecoder, LeanLM, UnsupportedModel, block_depth
 
 
 def _check_config(config) -> None:
@@ -38,7 +38,7 @@ def _check_config(config) -> None:
         if not ok:
             raise UnsupportedModel(
                 f"{name}={value!r}: the lean Llama engine does not implement it (use the transformers adapter, "
-                "verify.hf.HFTarget)"
+                "verify.backends.hf.HFTarget)"
             )
 
 
@@ -169,7 +169,8 @@ class LeanLlama(LeanLM):
         model = base.hf
         if type(model).__name__ != "LlamaForCausalLM":
             raise UnsupportedModel(
-                f"{type(model).__name__}: the lean engine runs LlamaForCausalLM (others go through verify.hf.HFTarget)"
+                f"{type(model).__name__}: the lean engine runs LlamaForCausalLM "
+                "(others go through verify.backends.hf.HFTarget)"
             )
         self.decoder = LlamaDecoder(model.model)
         self.embedding = model.model.embed_tokens.weight.detach()

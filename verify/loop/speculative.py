@@ -13,20 +13,27 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verify.acceptance import check_delta, check_rule, check_typical, greedy_accept, speculative_accept, typical_accept
-from verify.drafter import Draft, Drafter, Verdict
-from verify.numerics import DRAFT_Q, TARGET_LOGITS, EosId, check_usable, eos_ids, usable
-from verify.plain import Generation, check_max_new_tokens, rows_to_lists
-from verify.sampling import SamplingConfig, probs_from_logits, sample_token
-from verify.stats import DecodeStats
-from verify.target import Target
-from verify.tree import tree_greedy_accept, tree_sampling_accept, tree_typical_accept, verify_parents
+from verify.backends.target import Target
+from verify.common.numerics import DRAFT_Q, TARGET_LOGITS, EosId, check_usable, eos_ids, usable
+from verify.loop.acceptance import (
+    check_delta,
+    check_rule,
+    check_typical,
+    greedy_accept,
+    speculative_accept,
+    typical_accept,
+)
+from verify.loop.drafter import Draft, Drafter, Verdict
+from verify.loop.plain import Generation, check_max_new_tokens, rows_to_lists
+from verify.loop.sampling import SamplingConfig, probs_from_logits, sample_token
+from verify.loop.stats import DecodeStats
+from verify.loop.tree import tree_greedy_accept, tree_sampling_accept, tree_typical_accept, verify_parents
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     gamma: int = 4  # draft tokens per step (the starting value when adaptive)
-    rule: str = "auto"  # auto | greedy | speculative | typical (see verify/acceptance.py)
+    rule: str = "auto"  # auto | greedy | speculative | typical (see verify/loop/acceptance.py)
     delta: float = 0.0  # leniency of speculative sampling, chains and trees alike; > 0 is NOT lossless
     typical_epsilon: float = 0.09  # typical acceptance (chains and trees): p(x) > min(epsilon, alpha * exp(-H(p)))
     typical_alpha: float = 0.3
@@ -118,7 +125,7 @@ def speculative_generate(
     """Generate with drafts verified by the target; returns the same record as plain decoding (a row stops
     at EOS, any of the ids when eos_id is a list, even inside an accepted draft).
 
-    Raises NonFiniteError (verify/numerics.py) when the target's logits a row used, or the drafter's q an
+    Raises NonFiniteError (verify/common/numerics.py) when the target's logits a row used, or the drafter's q an
     acceptance rule divided by, held NaN or inf; it names the decode step (0 = the prefill) and the row."""
     check_max_new_tokens(max_new_tokens)
     rule = check_rule(spec.rule, delta=spec.delta, temperature=sampling.temperature)

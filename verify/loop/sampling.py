@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from verify.numerics import is_finite_number
-from verify.vocab import expand_probs, full_ids
+from verify.common.numerics import is_finite_number
+from verify.common.vocab import expand_probs, full_ids
 
 MIN_TEMPERATURE = 1e-6  # every temperature below it samples the argmax anyway: a logit gap of 1e-4 is e^-100
 
@@ -90,7 +90,7 @@ def sample_siblings(probs: Tensor, width: int, generator: torch.Generator | None
     """(..., V) probabilities -> `width` distinct ids drawn WITHOUT replacement, in draw order (..., width), and
     q (..., width, V): the distribution each draw came from, `probs` without the draws before it, renormalised.
 
-    The tree rule (verify.tree.tree_sampling_accept) tries siblings in turn and, on a rejection, removes the
+    The tree rule (verify.loop.tree.tree_sampling_accept) tries siblings in turn and, on a rejection, removes the
     sibling's q from the residual: each try is a valid rejection step whatever distribution the sibling came
     from, as long as q is that distribution given the earlier siblings. So siblings may be distinct draws,
     which never waste a try on a token already rejected.

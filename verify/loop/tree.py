@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
-from verify.cache import tree_attention
-from verify.sampling import sample_from_probs
+from verify.backends.cache import tree_attention
+from verify.loop.sampling import sample_from_probs
 
 Path = tuple[int, ...]
 
@@ -127,11 +127,11 @@ def tree_sampling_accept(
     delta: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Multi-candidate acceptance on a tree (SpecInfer, EAGLE-2), with MLX-style leniency `delta` as in
-    `verify.acceptance.speculative_accept`; greedy when p is one-hot and delta = 0.
+    `verify.loop.acceptance.speculative_accept`; greedy when p is one-hot and delta = 0.
 
     p (b, n, V) target distributions at the verify nodes; tokens (b, n) verify tokens (root first);
     parents (b, n) verify-indexed; q (b, n, V) the distribution each node was drawn from given its earlier
-    siblings (draws without replacement: verify.sampling.sample_siblings), or None for deterministic candidates
+    siblings (draws without replacement: verify.loop.sampling.sample_siblings), or None for deterministic candidates
     (q one-hot). At a node, try its children in order: accept child c with
     probability min(1, p(c)/q(c) + delta); on rejection p <- norm(max(0, p - q)); if all fail, sample
     from what is left, and the walk stops there for good; at a leaf, sample the bonus token from p. The path

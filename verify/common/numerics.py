@@ -11,7 +11,7 @@ is +inf, and -inf only if every entry is -inf: exactly the rows that sampling an
 (a lone -inf logit is a mask, p = 0, and harmless). The speculative loop reads the result with the
 host read that opens each of its steps, so it stops at the next step; plain decoding, which has no
 per-step read without EOS, keeps one value per step and reads them once after its loop, so a plain call
-decodes to its budget and then raises (verify/speculative.py, verify/plain.py).
+decodes to its budget and then raises (verify/loop/speculative.py, verify/loop/plain.py).
 
 Rows are independent, but within a row a NaN spreads: the lean engine attends over its whole static
 cache buffer, a masked weight is 0 and 0 * NaN is NaN, so a NaN-making token written anywhere in a row's

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from verify.vocab import full_ids
+from verify.common.vocab import full_ids
 
 TARGETS = ("kl", "argmax", "true")
 

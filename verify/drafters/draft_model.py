@@ -1,14 +1,14 @@
 """An independent small draft model (Leviathan et al., Chen et al.): a smaller LM on the target's
 tokenizer drafts gamma tokens autoregressively with its own KV cache.
 
-Cache discipline: the draft LM is a target too (`verify.target.make_target`: the lean engine, or for a
-Hugging Face model that only transformers runs, verify.hf's adapter), so it has the one cache owner and
+Cache discipline: the draft LM is a target too (`verify.backends.choose.make_target`: the lean engine, or for a
+Hugging Face model that only transformers runs, verify.backends.hf's adapter), so it has the one cache owner and
 the one rollback.
 After a step its cache holds everything up to, but not including, the last accepted token; the two
 uncached tokens (that token and the new pending one) open the next draft forward. No token that is
 still in the cache is ever fed again, and no rejected token stays in it.
 
-`vocab` (sorted ids (N,), see verify/vocab.py) restricts the drafts to a subset of the vocabulary:
+`vocab` (sorted ids (N,), see verify/common/vocab.py) restricts the drafts to a subset of the vocabulary:
 argmax or sampling over the subset's logits, q zero outside it (so sampling stays lossless).
 """
 
@@ -17,11 +17,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from verify.cache import StaticCache
-from verify.drafter import Draft, Verdict
-from verify.sampling import SamplingConfig, draft_from_logits
-from verify.target import Target, TargetOutput, make_target
-from verify.vocab import check_vocab
+from verify.backends.cache import StaticCache
+from verify.backends.choose import make_target
+from verify.backends.target import Target, TargetOutput
+from verify.common.vocab import check_vocab
+from verify.loop.drafter import Draft, Verdict
+from verify.loop.sampling import SamplingConfig, draft_from_logits
 
 
 class DraftModelDrafter:
@@ -38,7 +39,7 @@ class DraftModelDrafter:
         self.vocab = check_vocab(vocab, model.num_tokens)  # (N,) or None = all V
         # The draft LM's output layer keeps only the subset's rows: its logits are (b, n, N).
         # A compiled draft LM runs steps of 1 token, plus 2 at the start of a cycle (the uncached pair).
-        # engine: which target runs a Hugging Face draft LM (verify.target.make_target).
+        # engine: which target runs a Hugging Face draft LM (verify.backends.choose.make_target).
         self.lm = make_target(model, engine=engine, pad_id=pad_id, compile=compile, widths=(1, 2), vocab=self.vocab)
         self.vocab_size = self.lm.vocab_size
 
@@ -71,8 +72,8 @@ def check_causal_lm(model: nn.Module) -> None:
     if encoder_decoder or not hasattr(model, "num_tokens"):
         raise ValueError(
             f"DraftModelDrafter takes a causal LM (an x-transformers TransformerWrapper, or a Hugging Face causal "
-            f"LM wrapped as HFBase), got {type(model).__name__}: for T5 use T5DraftDrafter (verify.t5), for an "
-            "x-transformers encoder-decoder Seq2SeqDraftDrafter (verify.seq2seq)"
+            f"LM wrapped as HFBase), got {type(model).__name__}: for T5 use T5DraftDrafter (verify.encdec.t5), for an "
+            "x-transformers encoder-decoder Seq2SeqDraftDrafter (verify.encdec.seq2seq)"
         )
 
 

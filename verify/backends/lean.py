@@ -1,0 +1,92 @@
+"""`lean(module)`: the lean engine of any base this project runs, built once per module and checked.
+
+An x-transformers TransformerWrapper gets verify/backends/engine.py's LeanLM; an HFBase around a transformers
+Llama gets verify/backends/lean_llama.py's LeanLlama; AttentionLayers (the prophet's decoder) get whatever
+`build` names. The engine is rebuilt only when the module's parameters changed in place, checked
+numerically against the module's own forward, and optionally compiled with static shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+from verify.backends.engine import LeanLM, UnsupportedModel
+from verify.backends.lean_llama import LeanLlama
+from verify.common.numerics import NonFiniteError
+
+COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True}
+RECOMPILE_LIMIT = 256
+
+_BUILT: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+
+
+def _weights_version(params: tuple[Tensor, ...]) -> int:
+    # in-place updates (optimizer steps, load_state_dict) bump a tensor's version counter
+    return sum(p._version for p in params)
+
+
+def lean(module: nn.Module, build=None, *, compile: bool = False, vocab: Tensor | None = None):
+    """The lean engine of `module` (a TransformerWrapper, an HFBase around a transformers Llama, or
+    AttentionLayers with `build=LeanDecoder`), built once and rebuilt only when its parameters changed in
+    place (optimizer steps, load_state_dict); checked against the module's own forward. `vocab`: a LeanLM's
+    output layer trimmed to these ids (see `LeanLM`).
+
+    compile=True: the engine's step goes through torch.compile with static shapes (one compiled
+    program per input width; Inductor's on-disk cache makes a second process reuse them)."""
+    if build is None:  # a Hugging Face Llama (verify.backends.hf.HFBase) has an engine of its own
+        build = LeanLlama if hasattr(module, "hf") else LeanLM
+    built = _BUILT.setdefault(module, {})
+    key = (build, compile, None if vocab is None else tuple(vocab.tolist()))
+    cached = built.get(key)  # (parameters, their version then, engine)
+    # The prophet calls this every draft step: checking the stored parameters' versions costs a few
+    # microseconds, where walking module.parameters() again cost ~50.
+    if cached is not None and _weights_version(cached[0]) == cached[1]:
+        return cached[2]
+    params = tuple(module.parameters())
+    engine = build(module) if vocab is None else build(module, vocab)
+    check_against_reference(module, engine)
+    if compile:
+        # Inductor's on-disk cache lets a second process skip code generation (26 s -> 7 s here); keep
+        # it with the project's other caches unless the user chose a place.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(os.path.join(".cache", "inductor")))
+        # One program per input width and thread count, and all targets share one code object: past
+        # torch's default of 8 it would silently run eager while reported as compiled. Fail instead.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT
+        )
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        engine.step, engine.compiled = torch.compile(engine.forward, dynamic=False, options=COMPILE_OPTIONS), True
+    built[key] = (params, _weights_version(params), engine)
+    return engine
+
+
+@torch.inference_mode()
+def check_against_reference(module: nn.Module, engine, *, tolerance: float = 1e-3) -> None:
+    """Run 6 positions through both: a difference means an option the structural checks missed."""
+    was_training = module.training
+    module.eval()
+    device = next(module.parameters()).device
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    try:
+        if isinstance(engine, LeanLM):
+            tokens = torch.randint(0, engine.vocab_size, (1, 6), generator=gen).to(device)
+            ref = module(tokens) if engine.vocab is None else module(tokens)[..., engine.vocab.to(device)]
+            ours = engine(tokens, engine.decoder.new_cache(1, 8))[0]
+        else:
+            x = torch.randn(1, 6, engine.dim, generator=gen).to(device=device, dtype=engine.dtype)
+            ref, ours = module(x), engine(x, engine.new_cache(1, 8))
+    finally:
+        module.train(was_training)
+    if not bool(torch.isfinite(ref).all()):  # else the difference below is NaN and blames the engine
+        raise NonFiniteError("the model's own forward gives NaN/inf on 6 random inputs: its weights hold NaN/inf")
+    err = float((ref.float() - ours.float()).abs().max())
+    if not err <= tolerance * max(1.0, float(ref.float().abs().max())):
+        raise UnsupportedModel(
+            f"the lean engine differs from the model's own forward by {err:.2e}: "
+            "the model uses an option it does not implement"
+        )
