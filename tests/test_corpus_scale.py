@@ -20,10 +20,13 @@ import pytest
 import torch
 
 from experiments.lib import data as D
+from experiments.lib import id_cache, sources
 from experiments.lib.cli import one_line
 from experiments.lib.data import prepare_data, sample_batch, token_counts
 from experiments.lib.features import corpus_windows
+from experiments.lib.id_cache import PreparedData
 from experiments.lib.prompts import document_regions, heldout_prompts
+from experiments.lib.tokenizer import tokenizer_sample
 from experiments.lib.training import batch_for_step, validation_blocks
 
 WORDS = ["def", "return", "self", "value", "items", "index", "parse", "line", "token", "count", "None", "True"]
@@ -43,11 +46,11 @@ def write_corpus(root: Path, n: int, lines: int = 200, seed: int = 0) -> int:
     return sum(p.stat().st_size for p in root.iterdir())
 
 
-def prepare_files(corpus: Path, cache: Path, **kwargs) -> D.PreparedData:
+def prepare_files(corpus: Path, cache: Path, **kwargs) -> PreparedData:
     return prepare_data(source="files", paths=[str(corpus)], vocab_size=300, cache_dir=str(cache), **kwargs)
 
 
-def in_memory(data: D.PreparedData) -> D.PreparedData:
+def in_memory(data: PreparedData) -> PreparedData:
     """The same data with both streams as ordinary int64 tensors (what the loader returned before)."""
     return dataclasses.replace(data, train_ids=data.train_ids.clone().long(), val_ids=data.val_ids.clone().long())
 
@@ -71,7 +74,7 @@ def hf_cache_in_tmp(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[D.PreparedData, Path]:
+def built(tmp_path_factory) -> tuple[PreparedData, Path]:
     root = tmp_path_factory.mktemp("scale")
     write_corpus(root / "corpus", 40, lines=60)
     return prepare_files(root / "corpus", root / "cache"), root
@@ -113,7 +116,7 @@ def build_peak(corpus: Path, cache: Path) -> int:
 
 
 def test_build_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "ENCODE_BYTES", 32 << 10)  # small chunks, so 1x is already many chunks
+    monkeypatch.setattr(id_cache, "ENCODE_BYTES", 32 << 10)  # small chunks, so 1x is already many chunks
     size1 = write_corpus(tmp_path / "c1", 24)
     size8 = write_corpus(tmp_path / "c8", 24 * 8, seed=1)
     peak1, peak8 = build_peak(tmp_path / "c1", tmp_path / "k1"), build_peak(tmp_path / "c8", tmp_path / "k8")
@@ -126,7 +129,7 @@ def test_build_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_build_memory_bounded_on_a_64x_corpus(tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "ENCODE_BYTES", 64 << 10)
+    monkeypatch.setattr(id_cache, "ENCODE_BYTES", 64 << 10)
     write_corpus(tmp_path / "c1", 32)
     size = write_corpus(tmp_path / "c64", 32 * 64, seed=1)  # ~19 MB of text
     peak1, peak64 = build_peak(tmp_path / "c1", tmp_path / "k1"), build_peak(tmp_path / "c64", tmp_path / "k64")
@@ -170,12 +173,12 @@ def test_stored_ids_read_back_exactly(tmp_path, vocab):
     ids = torch.randint(0, vocab, (5000,), generator=torch.Generator().manual_seed(0))
     ids[:3] = torch.tensor([0, vocab - 1, 32768])  # the extremes, and the first id a signed int16 would break
     with open(tmp_path / "train.npy", "wb") as f:
-        writer = D._IdsWriter(f, D.ids_dtype(vocab))
+        writer = id_cache._IdsWriter(f, id_cache.ids_dtype(vocab))
         for chunk in ids.split(777):  # appended chunk by chunk, as the build does
             writer.append(chunk.numpy())
         assert writer.close() == 5000
     assert np.array_equal(np.load(tmp_path / "train.npy"), ids.numpy())  # a plain .npy, as np.save writes
-    mapped = D._load_ids(tmp_path, "train.npy", 5000)
+    mapped = id_cache._load_ids(tmp_path, "train.npy", 5000)
     assert mapped.dtype == (torch.uint16 if vocab <= 65535 else torch.int32)
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     assert torch.equal(
@@ -201,9 +204,9 @@ def test_token_counts_in_chunks_equal_one_bincount(built, monkeypatch):
 def test_an_interrupted_build_leaves_nothing_to_load(tmp_path, monkeypatch):
     write_corpus(tmp_path / "corpus", 12, lines=60)
     cache = tmp_path / "cache"
-    monkeypatch.setattr(D, "ENCODE_CHUNK", 2)
+    monkeypatch.setattr(id_cache, "ENCODE_CHUNK", 2)
     calls = []
-    real_append = D._IdsWriter.append
+    real_append = id_cache._IdsWriter.append
 
     def append_then_crash(self, ids):
         real_append(self, ids)
@@ -211,13 +214,13 @@ def test_an_interrupted_build_leaves_nothing_to_load(tmp_path, monkeypatch):
         if len(calls) == 3:  # some ids already on disk
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(D._IdsWriter, "append", append_then_crash)
+    monkeypatch.setattr(id_cache._IdsWriter, "append", append_then_crash)
     with pytest.raises(KeyboardInterrupt):
         prepare_files(tmp_path / "corpus", cache)
     assert list(cache.iterdir()) == []  # cleaned up: neither an entry nor a temporary directory
     # A killed process cannot clean up: its temporary directory stays, and must never be taken for an entry.
     calls.clear()
-    monkeypatch.setattr(D.shutil, "rmtree", lambda *args, **kwargs: None)
+    monkeypatch.setattr(id_cache.shutil, "rmtree", lambda *args, **kwargs: None)
     with pytest.raises(KeyboardInterrupt):
         prepare_files(tmp_path / "corpus", cache)
     leftovers = list(cache.iterdir())
@@ -232,21 +235,21 @@ def test_an_interrupted_build_leaves_nothing_to_load(tmp_path, monkeypatch):
 def test_a_corpus_edited_between_passes_is_refused(tmp_path):
     write_corpus(tmp_path / "corpus", 4, lines=5)
     (tmp_path / "corpus" / "m0001.py").write_text("")  # empty: not a document
-    corpus = D.open_corpus("files", [str(tmp_path / "corpus")], None, "train", "text", None)
-    scan = D.scan_corpus(corpus, None)
+    corpus = sources.open_corpus("files", [str(tmp_path / "corpus")], None, "train", "text", None)
+    scan = sources.scan_corpus(corpus, None)
     assert scan.doc_ids == ["m0000.py", "m0002.py", "m0003.py"]
-    assert [j for j, _ in D._positions(corpus, scan.doc_ids)] == [0, 1, 2]
+    assert [j for j, _ in id_cache._positions(corpus, scan.doc_ids)] == [0, 1, 2]
     (tmp_path / "corpus" / "m0001.py").write_text("x = 1\n")  # as many documents, other ones
     (tmp_path / "corpus" / "m0002.py").write_text("")
     with pytest.raises(
         ValueError, match="the corpus changed while it was read \\(document 1 is 'm0001.py', was 'm0002.py'\\)"
     ):
-        list(D._positions(corpus, scan.doc_ids))
+        list(id_cache._positions(corpus, scan.doc_ids))
     (tmp_path / "corpus" / "m0001.py").write_text("")
     (tmp_path / "corpus" / "m0002.py").write_text("y = 2\n")
     (tmp_path / "corpus" / "m0003.py").write_text("")  # the same documents but the last
     with pytest.raises(ValueError, match="the corpus changed while it was read \\(2 documents, was 3\\)"):
-        list(D._positions(corpus, scan.doc_ids))
+        list(id_cache._positions(corpus, scan.doc_ids))
 
 
 # ---------------------------------------------------------------- the tokenizer's sample
@@ -254,17 +257,17 @@ def test_a_corpus_edited_between_passes_is_refused(tmp_path):
 
 def test_tokenizer_sample_spreads_and_caps():
     positions, sizes = list(range(100)), [10] * 100
-    assert D.tokenizer_sample(positions, sizes, None) == positions
-    picked = D.tokenizer_sample(positions, sizes, 200)  # 1000 bytes in all: every 5th document
+    assert tokenizer_sample(positions, sizes, None) == positions
+    picked = tokenizer_sample(positions, sizes, 200)  # 1000 bytes in all: every 5th document
     assert picked == list(range(0, 100, 5)) and sum(sizes[j] for j in picked) <= 200
-    assert D.tokenizer_sample(positions, [10_000] * 100, 5) == [0]  # at least one document
+    assert tokenizer_sample(positions, [10_000] * 100, 5) == [0]  # at least one document
 
 
 def test_a_capped_tokenizer_learns_from_the_sample_only(built, monkeypatch):
     _, root = built
     learned = []
-    real = D.train_tokenizer
-    monkeypatch.setattr(D, "train_tokenizer", lambda texts, v: real(learned.extend(texts) or learned, v))
+    real = id_cache.train_tokenizer
+    monkeypatch.setattr(id_cache, "train_tokenizer", lambda texts, v: real(learned.extend(texts) or learned, v))
     data = prepare_files(root / "corpus", root / "capped", tokenizer_max_bytes=20_000)
     meta = json.loads((root / "capped" / data.cache_key / "meta.json").read_text())
     assert sum(len(t.encode()) for t in learned) <= 20_000 and len(learned) == meta["tokenizer_files"] < len(
@@ -276,7 +279,7 @@ def test_a_capped_tokenizer_learns_from_the_sample_only(built, monkeypatch):
 # ---------------------------------------------------------------- files that are not UTF-8
 
 
-def entry_meta(cache: Path, data: D.PreparedData) -> dict:
+def entry_meta(cache: Path, data: PreparedData) -> dict:
     return json.loads((cache / data.cache_key / "meta.json").read_text())
 
 

@@ -1,4 +1,5 @@
-"""Fast tests for experiments/lib/data.py and experiments/lib/prompts.py (small corpora, tmp cache dirs)."""
+"""Fast tests for the data pipeline (experiments/lib/data.py, sources.py, tokenizer.py, id_cache.py) and
+experiments/lib/prompts.py (small corpora, tmp cache dirs)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 from experiments.lib import data as D
-from experiments.lib.data import prepare_data, sample_batch, stdlib_files
+from experiments.lib import id_cache, sources
+from experiments.lib.data import prepare_data, sample_batch
 from experiments.lib.prompts import document_regions, heldout_prompts, load_prompts
+from experiments.lib.sources import stdlib_files
 
 SMALL = dict(source="stdlib", max_files=40, vocab_size=512)
 
@@ -43,7 +46,7 @@ def _write_corpus(root: Path, n: int = 6) -> None:
 def test_stdlib_files_sorted_and_excluded():
     files = stdlib_files()
     assert len(files) > 100 and all(f.suffix == ".py" for f in files)
-    root = Path(D.sysconfig.get_paths()["stdlib"])
+    root = Path(sources.sysconfig.get_paths()["stdlib"])
     rel = [f.relative_to(root).as_posix() for f in files]
     assert rel == sorted(rel)
     assert not any(set(r.split("/")[:-1]) & {"site-packages", "test", "tests", "idlelib"} for r in rel)
@@ -65,19 +68,19 @@ def test_split_is_by_file_and_follows_the_rule(small, cache_dir):
 
 def test_split_is_deterministic():
     names = [f"pkg/mod{i}.py" for i in range(200)]
-    assert D.split_documents(names, 0.1) == D.split_documents(names, 0.1)
-    train, val = D.split_documents(names, 0.1)
+    assert sources.split_documents(names, 0.1) == sources.split_documents(names, 0.1)
+    train, val = sources.split_documents(names, 0.1)
     assert sorted(train + val) == list(range(200)) and 0 < len(val) < 60
 
 
 def test_split_fallback_fills_an_empty_side():
     names = ["a.py", "b.py", "c.py"]
     # val_fraction so small no hash falls below it: the last train document moves to validation.
-    assert D.split_documents(names, 1e-9) == ([0, 1], [2])
+    assert sources.split_documents(names, 1e-9) == ([0, 1], [2])
     # and so large every hash does: the last validation document moves to train.
-    assert D.split_documents(names, 1 - 1e-9) == ([2], [0, 1])
+    assert sources.split_documents(names, 1 - 1e-9) == ([2], [0, 1])
     with pytest.raises(ValueError, match="at least 2"):
-        D.split_documents(["a.py"], 0.5)
+        sources.split_documents(["a.py"], 0.5)
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -122,18 +125,18 @@ def test_cache_hit_does_not_retokenize(small, cache_dir, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("tokenized again on a cache hit")
 
-    monkeypatch.setattr(D, "tokenize_documents", boom)
-    monkeypatch.setattr(D, "train_tokenizer", boom)
+    monkeypatch.setattr(id_cache, "tokenize_documents", boom)
+    monkeypatch.setattr(id_cache, "train_tokenizer", boom)
     again = prepare_data(**SMALL, cache_dir=cache_dir)
     assert again.cache_key == small.cache_key and again.val_files == small.val_files
     assert torch.equal(again.train_ids, small.train_ids) and torch.equal(again.val_ids, small.val_ids)
     assert np.load(Path(cache_dir) / small.cache_key / "train.npy").dtype == np.uint16
-    assert D.ids_dtype(65535) == np.uint16 and D.ids_dtype(65536) == np.int32
+    assert id_cache.ids_dtype(65535) == np.uint16 and id_cache.ids_dtype(65536) == np.int32
 
 
 def test_cache_key_depends_on_arguments(small, cache_dir):
-    corpus = D.open_corpus("stdlib", None, None, "train", "text", 40)
-    key = lambda *args: D.scan_corpus(corpus, D.key_head("stdlib", *args)).key  # noqa: E731
+    corpus = sources.open_corpus("stdlib", None, None, "train", "text", 40)
+    key = lambda *args: sources.scan_corpus(corpus, id_cache.key_head("stdlib", *args)).key  # noqa: E731
     assert key(0.05, 512, 40, None) == small.cache_key
     assert key(0.05, 1024, 40, None) != small.cache_key
     assert key(0.10, 512, 40, None) != small.cache_key
@@ -144,17 +147,17 @@ def test_failed_write_leaves_no_entry(tmp_path, monkeypatch):
     corpus, cache = tmp_path / "corpus", tmp_path / "cache"
     corpus.mkdir()
     _write_corpus(corpus)
-    real_close = D._IdsWriter.close
+    real_close = id_cache._IdsWriter.close
 
     def close_then_fail(self):
         real_close(self)
         raise RuntimeError("disk full")  # crash once train.npy is complete, halfway through the entry
 
-    monkeypatch.setattr(D._IdsWriter, "close", close_then_fail)
+    monkeypatch.setattr(id_cache._IdsWriter, "close", close_then_fail)
     with pytest.raises(RuntimeError, match="disk full"):
         prepare_data(source="files", paths=[str(corpus)], vocab_size=300, cache_dir=str(cache))
     assert list(cache.iterdir()) == []  # neither a final entry nor a temporary directory
-    monkeypatch.setattr(D._IdsWriter, "close", real_close)
+    monkeypatch.setattr(id_cache._IdsWriter, "close", real_close)
     data = prepare_data(source="files", paths=[str(corpus)], vocab_size=300, cache_dir=str(cache))
     assert [p.name for p in cache.iterdir()] == [data.cache_key]
 

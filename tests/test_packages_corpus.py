@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from experiments.lib import packages as P
-from experiments.lib.data import prepare_data, stdlib_files
+from experiments.lib.data import prepare_data
+from experiments.lib.sources import stdlib_files
 
 
 def _code(name: str, n: int) -> str:

@@ -29,8 +29,9 @@ from experiments.lib.checkpoint import (
     tokenizer_mismatch,
 )
 from experiments.lib.cli import one_line
-from experiments.lib.data import PreparedData, prepare_data
+from experiments.lib.data import prepare_data
 from experiments.lib.distributed import Dist, main_first, shard
+from experiments.lib.id_cache import PreparedData
 from experiments.lib.lm import check_lm_sizes, count_parameters
 from experiments.lib.precision import check_precision, resolve_precision
 from experiments.lib.settings import check_loop_config, check_recipe, data_recipe, is_int, require

@@ -36,8 +36,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from experiments.lib.cli import one_line, write_atomic
-from experiments.lib.data import load_tokenizer
 from experiments.lib.lm import build_lm
+from experiments.lib.tokenizer import load_tokenizer
 from verify.common.numerics import is_int
 
 __all__ = [

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 if TYPE_CHECKING:  # annotations only: prompts need no data pipeline at run time
-    from experiments.lib.data import PreparedData
+    from experiments.lib.id_cache import PreparedData
 
 SEPARATOR = "---"  # a line holding only this separates prompts in a plain-text prompts file
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from experiments.lib.data import PreparedData, stdlib_files
+from experiments.lib.id_cache import PreparedData
+from experiments.lib.sources import stdlib_files
 
 
 @dataclass
