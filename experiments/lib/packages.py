@@ -18,7 +18,7 @@ Three choices make it a corpus rather than a file dump:
   their paths until the cap, so every package keeps about the same share.
 
 The listing reads every file once to hash it; the corpus itself is then read one file at a time, like
-every file corpus (experiments/lib/data.py).
+every file corpus (experiments/lib/sources.py).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ ENGINES = ("auto", "lean", "hf")
 
 def make_target(model: nn.Module, *, engine: str = "auto", **kwargs) -> Target:
     """The target for a base. engine="lean": the lean engine (x-transformers LMs, and transformers' Llama
-    through verify.backends.lean_llama); "hf": verify.backends.hf's adapter on transformers' own forward and cache (any
-    causal LM wrapped as an HFBase); "auto": lean where it runs the model, else the adapter.
+    through lean_llama); "hf": the adapter on transformers' own forward and cache (any causal LM wrapped as
+    an HFBase); "auto": lean where it runs the model, else the adapter.
     kwargs as `Target` takes them."""
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: must be one of {', '.join(ENGINES)}")

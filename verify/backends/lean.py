@@ -18,6 +18,10 @@ from verify.backends.engine import LeanLM, UnsupportedModel
 from verify.backends.lean_llama import LeanLlama
 from verify.common.numerics import NonFiniteError
 
+# Measured on the 10.5M base's 1-token step here (AMD EPYC, 1 thread, full-buffer attention): eager 3.8 ms,
+# plain compile 3.6 ms, with Inductor's freezing 3.4 ms (within noise: the weights are plain tensors passed
+# as inputs, so there is little to fold), with freezing and the C++ wrapper 3.1 ms (less per-call Python).
+# Adding max_autotune measured 2.60 ms against 2.66 eager on a quiet machine: not worth its compile time.
 COMPILE_OPTIONS = {"freezing": True, "cpp_wrapper": True}
 RECOMPILE_LIMIT = 256
 
