@@ -1,5 +1,7 @@
 """Shared fixtures: small random-weight LMs (exactness does not need a trained model) in float32."""
 
+import os
+
 import pytest
 import torch
 from x_transformers import Decoder, TransformerWrapper
@@ -16,6 +18,14 @@ def make_lm(
         attn_layers=Decoder(dim=dim, depth=depth, heads=heads, rotary_pos_emb=True),
     )
     return model.eval()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test` runs one worker per core) each worker takes its share of the cores:
+    workers that each start torch's default of one thread per core oversubscribe the machine."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(scope="module")
