@@ -40,6 +40,7 @@ from experiments.lib.calibrate import (
     choose_chain_budget,
     choose_tree_budget,
     cpu_model,
+    device_info,
     format_cost_table,
 )
 from experiments.lib.checkpoint import load_lm
@@ -265,7 +266,8 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         "base_fingerprint": base_meta["fingerprint"],
         # its step, and whether it is its run's best validation or its latest
         "base_record": {"checkpoint": base_ckpt, **{k: base_meta.get(k) for k in ("step", "selected", "last_step")}},
-        "cpu": cpu_model(),
+        "cpu": cpu_model(),  # kept for readers of results written before device_info
+        "device_info": device_info(device),  # the GPU's name, memory, torch and CUDA versions on a GPU
         "prompts": len(prompts),
         "batch_size": cfg.decode.batch_size,
         "max_new_tokens": cfg.decode.max_new_tokens,

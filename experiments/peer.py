@@ -32,7 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.artifacts import ensure
-from experiments.lib.calibrate import cpu_model
+from experiments.lib.calibrate import cpu_model, device_info, device_line
 from experiments.lib.checkpoint import is_hf_directory, load_lm, read_meta, tokenizer_mismatch
 from experiments.lib.cli import exit_on_user_error, write_atomic
 from experiments.lib.data import base_data_config, prepare_data
@@ -272,7 +272,7 @@ def markdown(rows: list[dict], summary: list[dict], header: dict) -> str:
     lines = [
         f"# Peer benchmark: ours vs transformers {header['transformers']} generate",
         "",
-        f"CPU: {header['cpu']}; threads {header['threads']}; {header['prompts']} held-out prompts x "
+        f"{device_line(header)}; threads {header['threads']}; {header['prompts']} held-out prompts x "
         f"{header['max_new_tokens']} new tokens; gamma {header['gamma']}; temperature 0; float32; transformers eager.",
         "",
         "| batch | contender | tau | tokens/s | identical to transformers' greedy |",
@@ -304,7 +304,8 @@ def peer(cfg: DictConfig) -> dict[str, Any]:
     import transformers
 
     header = dict(
-        cpu=cpu_model(),
+        cpu=cpu_model(),  # kept for readers of results written before device_info
+        device_info=device_info(device),
         threads=torch.get_num_threads(),
         prompts=len(prompts),
         max_new_tokens=cfg.max_new_tokens,

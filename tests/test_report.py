@@ -138,6 +138,78 @@ def test_the_header_names_the_cpu_and_the_base() -> None:
     assert header_line({"cpu": "AMD EPYC"}) == "CPU: AMD EPYC\n\n" and header_line({}) == ""
 
 
+FAKE_H100 = dict(name="NVIDIA H100 80GB HBM3", total_memory=85_029_158_912)  # what torch reports of an H100
+
+
+@pytest.fixture
+def fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-only machine seen as one with an H100 (torch 2.11.0+cu130, CUDA 13.0) on an AMD EPYC host."""
+    import types
+
+    import torch
+
+    from experiments.lib import calibrate
+
+    monkeypatch.setattr(calibrate, "cpu_model", lambda: "AMD EPYC 9454")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(**FAKE_H100))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: FAKE_H100["name"])
+
+
+def test_a_cuda_run_describes_its_gpu(fake_h100: None) -> None:
+    from experiments.lib.calibrate import device_description, device_info
+
+    info = device_info("cuda")
+    assert info == {
+        "type": "cuda",
+        "torch": "2.11.0+cu130",
+        "name": "NVIDIA H100 80GB HBM3",
+        "memory_gib": 79.2,
+        "cuda": "13.0",
+        "host_cpu": "AMD EPYC 9454",
+    }
+    assert json.loads(json.dumps(info)) == info  # stored in results.json as it is
+    assert device_description("cuda:0") == (
+        "GPU: NVIDIA H100 80GB HBM3 (79.2 GiB), torch 2.11.0+cu130, CUDA 13.0; host CPU: AMD EPYC 9454"
+    )
+
+
+def test_a_cpu_run_describes_its_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from experiments.lib import calibrate
+
+    monkeypatch.setattr(calibrate, "cpu_model", lambda: "AMD EPYC 9454")
+    info = calibrate.device_info("cpu")
+    threads = torch.get_num_threads()
+    assert info == {"type": "cpu", "torch": torch.__version__, "name": "AMD EPYC 9454", "threads": threads}
+    assert calibrate.device_description(torch.device("cpu")) == "CPU: AMD EPYC 9454"  # the header's line as before
+
+
+def test_the_machine_key_of_a_gpu_names_it(fake_h100: None) -> None:
+    """A cost table measured on a CPU (or on another GPU) must never be read back on this GPU."""
+    from experiments.lib.calibrate import machine_key
+
+    gpu, cpu = machine_key("cuda"), machine_key("cpu")
+    assert gpu.startswith("AMD EPYC 9454 | torch 2.11.0+cu130 | ") and "NVIDIA H100 80GB HBM3" in gpu
+    assert gpu.endswith(" | cuda | NVIDIA H100 80GB HBM3 | CUDA 13.0") and cpu.endswith(" | cpu") and gpu != cpu
+    assert "H100" not in cpu
+
+
+def test_the_header_names_the_gpu_of_a_cuda_run(fake_h100: None) -> None:
+    from experiments.lib.calibrate import device_info
+    from experiments.lib.report import header_line
+
+    results = {"cpu": "AMD EPYC 9454", "device_info": device_info("cuda"), "base": {"parameters": 10_500_000}}
+    assert header_line(results) == (
+        "GPU: NVIDIA H100 80GB HBM3 (79.2 GiB), torch 2.11.0+cu130, CUDA 13.0; host CPU: AMD EPYC 9454; "
+        "base: 10.5M parameters, float32 decoding\n\n"
+    )
+    # a results.json written before device_info (its cpu alone) keeps its old header
+    assert header_line({"cpu": "AMD EPYC 9454"}) == "CPU: AMD EPYC 9454\n\n"
+
+
 def test_the_report_says_which_checkpoint_each_row_used() -> None:
     from experiments.lib.report import checkpoint_lines
 

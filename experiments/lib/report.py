@@ -25,7 +25,7 @@ from typing import Any
 
 import matplotlib
 
-from experiments.lib.calibrate import format_cost_table
+from experiments.lib.calibrate import device_line, format_cost_table
 from experiments.lib.cli import write_atomic
 
 matplotlib.use("Agg")  # files only, no display
@@ -98,8 +98,10 @@ def markdown_table(results: dict) -> str:
 
 
 def header_line(results: dict) -> str:
-    """'CPU: <model>; base: <size>' and a blank line, or nothing when neither is known."""
-    header = [f"CPU: {results['cpu']}"] if results.get("cpu") else []
+    """'<device line>; base: <size>' and a blank line, or nothing when neither is known. The device line is
+    'CPU: <model>', or 'GPU: <name> (<memory> GiB), torch <version>, CUDA <version>; host CPU: <model>' for a
+    run on a GPU (calibrate.device_line; results written before device_info have their cpu alone)."""
+    header = [device_line(results)] if device_line(results) else []
     header += [f"base: {base_line(results['base'])}"] if results.get("base") else []
     return "; ".join(header) + "\n\n" if header else ""
 

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from experiments.lib.calibrate import cpu_model
+from experiments.lib.calibrate import cpu_model, device_info, device_line
 from experiments.lib.cli import write_atomic
 from experiments.lib.report import repeated_ngram_share
 from experiments.lib.seq2seq_data import Pairs
@@ -118,7 +118,8 @@ def benchmark(
         "repeats": cfg.bench.repeats,
         "batch": cfg.bench.batch,
         "threads": torch.get_num_threads(),
-        "cpu": cpu_model(),
+        "cpu": cpu_model(),  # kept for readers of results written before device_info
+        "device_info": device_info(next(target_model.parameters()).device),
         "engine": "lean eager fp32",
     }
     write_atomic(out_dir / "results.json", json.dumps(result, indent=1))
@@ -152,7 +153,7 @@ def _markdown(result: dict[str, Any]) -> str:
         f"# Encoder-decoder speculative decoding: {result['sources']} held-out sources, batch {result['batch']}, "
         f"gamma {result['gamma']}, max_new_tokens {result['max_new_tokens']}",
         "",
-        f"CPU: {result['cpu']}, {result['threads']} threads, {result['engine']}; speedup = median over "
+        f"{device_line(result)}, {result['threads']} threads, {result['engine']}; speedup = median over "
         f"{result['repeats']} interleaved repeats of tokens/s vs plain in the same repeat.",
         "",
         "| T | method | tokens | rep4 | tau | alpha | tokens/s | speedup | drafting time | T=0 identical to plain |",
