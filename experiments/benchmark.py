@@ -57,6 +57,7 @@ from experiments.lib.methods import (
     recorded_config,
     verify_widths,
 )
+from experiments.lib.precision import decode_in, resolve_decode_dtype
 from experiments.lib.preflight import hydra_preflight
 from experiments.lib.report import mode, repeated_ngram_share, write_report
 from experiments.lib.settings import resolve_device
@@ -227,6 +228,9 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     check_drafters_before_base(cfg)  # a drafter setting its training would refuse, before the base loads or trains
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
+    precision = resolve_decode_dtype(cfg.dtype, device)
+    log.info("decoding in %s (dtype=%s: %s)", precision["used"], precision["requested"], precision["reason"])
+    decode_in(base, precision)  # drafters load in the base's dtype (make_methods)
     # an id or a list of ids (a Hugging Face model's generation_config may list several: checkpoint.hf_eos_id)
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
     prompts = get_prompts(cfg, tokenizer, base_meta)
@@ -245,7 +249,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
             start = time.perf_counter()
             setup["verify_cost"] = cached_verify_cost(  # at the batch size and prompt length the pilots decode
                 target,
-                key_parts={"base": base_meta["fingerprint"], "dtype": "float32"},
+                key_parts={"base": base_meta["fingerprint"], "dtype": str(precision["dtype"]).removeprefix("torch.")},
                 cache_dir=cfg.budget_search.cache_dir,
                 batch_size=cfg.decode.batch_size,
                 prompt_len=cfg.prompts.prompt_len,
@@ -273,7 +277,8 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         "max_new_tokens": cfg.decode.max_new_tokens,
         "repeats": cfg.repeats,
         "device": str(device),
-        "dtype": "float32",
+        "dtype": str(precision["dtype"]).removeprefix("torch."),  # what the target and drafters decoded in
+        "precision": {k: precision[k] for k in ("requested", "used", "reason")},
         # the target's shape, printed in the table's header: the regime every speedup below belongs to
         "base": {
             "parameters": count_parameters(base),

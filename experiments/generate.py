@@ -54,10 +54,12 @@ from experiments.lib.methods import (
     make_methods,
     verify_widths,
 )
+from experiments.lib.precision import decode_in, resolve_decode_dtype
 from experiments.lib.preflight import hydra_preflight
 from experiments.lib.prompts import check_prompt_text
 from experiments.lib.settings import check_bool, check_int
 from verify.backends.choose import make_target
+from verify.backends.graphs import check_mode
 from verify.backends.target import Target, TargetOutput
 from verify.common.numerics import EosId
 from verify.loop.drafter import Draft, Verdict
@@ -153,12 +155,12 @@ def check_config(cfg: DictConfig) -> tuple[SamplingConfig, SpecConfig, str]:
     if not check_bool("interactive", cfg.interactive):
         check_prompt(cfg.prompt)
     check_int("max_new_tokens", cfg.max_new_tokens)
-    check_bool("compile", cfg.compile)
+    check_mode(cfg.compile)
     check_bool("stop_at_eos", cfg.stop_at_eos)
     check_int("warmup_tokens", cfg.warmup_tokens, minimum=0)
     check_int("threads", cfg.threads, allow_null=True)
     check_int("vocab", cfg.vocab, allow_null=True)
-    check_run(cfg)
+    resolve_decode_dtype(cfg.dtype, check_run(cfg))
     typed = command_line_keys()
     for key, instead in NOT_READ.items():
         if key in typed:
@@ -209,6 +211,7 @@ def load_session(cfg: DictConfig, checked: tuple[SamplingConfig, SpecConfig, str
     check_drafters_before_base(methods_config(cfg))  # before the base loads or trains
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
+    decode_in(base, resolve_decode_dtype(cfg.dtype, device))  # drafters load in the base's dtype
     make = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[0][cfg.method]
     # an id or a list of ids (a Hugging Face model's generation_config may list several: checkpoint.hf_eos_id)
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None

@@ -754,6 +754,23 @@ def test_benchmark_settings_share_rounds_and_the_fastest_plain(tiny_base: Path, 
     ]
 
 
+def test_benchmark_every_method_in_bf16_and_graph_mode_is_exact(
+    tiny_base: Path, drafters: dict, tmp_path: Path
+) -> None:
+    """dtype=bf16, compile=[false, graph]: the target and every drafter decode in bf16, and every method's T=0
+    output equals plain decoding's in bf16 in both modes (on a CPU, graph mode runs each step eagerly on its
+    static buffers: everything but the capture itself)."""
+    cfg = fast_bench_cfg(
+        tiny_base, drafters, tmp_path, "dtype=bf16", "compile=[false,graph]", "decode.temperatures=[0]"
+    )
+    rows = bench_mod.benchmark(cfg)["methods"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["dtype"] == "bfloat16" and results["precision"]["used"] == "bf16"
+    assert {(r["name"], r["compiled"]) for r in rows} == {(m, c) for m in methods.METHODS for c in (False, "graph")}
+    assert all(r["exact"] for r in rows), [(r["name"], r["compiled"]) for r in rows if not r["exact"]]
+    assert "graph 1t" in (tmp_path / "results.md").read_text()
+
+
 def test_benchmark_budget_auto_picks_and_records_budgets(tiny_base: Path, drafters: dict, tmp_path: Path) -> None:
     cfg = fast_bench_cfg(
         tiny_base,

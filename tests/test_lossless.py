@@ -67,10 +67,11 @@ def chi_square(samples: list[list[int]], joint: dict[tuple, float]) -> tuple[flo
     return stat, critical
 
 
-def run(drafter, sampling: SamplingConfig, *, delta: float = 0.0, gamma: int = 2, seed: int = 0):
-    target_lm = sharp_lm(0)
+def run(drafter, sampling: SamplingConfig, *, delta: float = 0.0, gamma: int = 2, seed: int = 0, dtype=torch.float32):
+    target_lm = sharp_lm(0).to(dtype)
+    target = Target(target_lm)
     out = speculative_generate(
-        Target(target_lm),
+        target,
         drafter,
         [PROMPT] * TRIALS,
         max_new_tokens=NEW + 1,  # the first step may draft gamma deep
@@ -78,7 +79,10 @@ def run(drafter, sampling: SamplingConfig, *, delta: float = 0.0, gamma: int = 2
         sampling=sampling,
         generator=torch.Generator().manual_seed(seed),
     )
-    return chi_square([t[:NEW] for t in out.tokens], exact_joint(target_lm, sampling)), out.stats
+    # fp32: the model's own forward; bf16: the target itself (its lean engine rounds otherwise than the module's
+    # forward, and losslessness is relative to the target in the precision it decodes in)
+    forward = target_lm if dtype == torch.float32 else (lambda x: Target(target_lm).prefill(x.tolist()).logits)
+    return chi_square([t[:NEW] for t in out.tokens], exact_joint(forward, sampling)), out.stats
 
 
 CASES = {
@@ -95,6 +99,16 @@ def test_speculative_sampling_reproduces_the_target_distribution(case):
     (stat, critical), stats = run(make(), sampling)
     assert 0 < stats.alpha < 1  # both acceptance and rejection were exercised
     assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}: the output is not the target's distribution"
+
+
+@pytest.mark.parametrize("delta", [0.0, 0.5])
+def test_bf16_speculative_sampling_reproduces_the_bf16_target(delta):
+    """dtype=bf16: the target and the drafter in bf16; the output must follow the bf16 target's distribution,
+    and the biased rule (delta=0.5) must still be caught, in bf16 too."""
+    drafter = DraftModelDrafter(sharp_lm(1).to(torch.bfloat16))
+    (stat, critical), stats = run(drafter, SamplingConfig(temperature=1.0), delta=delta, dtype=torch.bfloat16)
+    assert 0 < stats.alpha < 1
+    assert (stat < critical) == (delta == 0.0), f"delta={delta}: chi2 {stat:.1f} vs critical {critical:.1f}"
 
 
 def test_negative_control_delta_is_detected():

@@ -215,7 +215,7 @@ def cached_verify_cost(
     settings["ks"] = [int(k) for k in settings["ks"]]
     key = {
         "machine": machine_key(target.device),
-        "target_compiled": target.compiled,
+        "target_compiled": target.mode,
         "target_widths": list(target.widths),
         "max_seq_len": target.max_seq_len,
         "settings": settings,

@@ -30,9 +30,11 @@ from experiments.lib.methods import (
     checkpoint_kinds,
     checkpoint_recipe,
 )
+from experiments.lib.precision import resolve_decode_dtype
 from experiments.lib.prompts import load_prompts
 from experiments.lib.rundir import check_writable
 from experiments.lib.settings import check_bool, check_int, check_number, resolve_device
+from verify.backends.graphs import check_mode
 from verify.drafters.prompt_lookup import PromptLookupDrafter
 from verify.loop.acceptance import RULES, check_rule, is_lossless
 from verify.loop.sampling import SamplingConfig
@@ -308,12 +310,12 @@ def check_checkpoints(cfg: DictConfig, kinds: list[str]) -> None:
 # ------------------------------------------------------------------------------------- the benchmark's own
 
 
-def check_settings(cfg: DictConfig) -> list[tuple[int | None, bool]]:
-    """(threads, compiled) pairs to time side by side; one-line errors before any work."""
+def check_settings(cfg: DictConfig) -> list[tuple[int | None, bool | str]]:
+    """(threads, compile mode) pairs to time side by side; one-line errors before any work."""
     threads = [
         check_int("threads", t, allow_null=True) for t in as_list(cfg.threads, "threads", "null or an integer >= 1")
     ]
-    modes = [check_bool("compile", c) for c in as_list(cfg.compile, "compile", "true or false")]
+    modes = [check_mode(c) for c in as_list(cfg.compile, "compile", "true, false or graph")]
     return [(t, c) for t in threads for c in modes]
 
 
@@ -343,7 +345,7 @@ def check_budget(cfg: DictConfig) -> None:
 def check_benchmark(cfg: DictConfig) -> tuple[list[tuple[int | None, bool]], list[float], SpecConfig]:
     """Every setting the benchmark reads, before anything loads or trains: (threads/compile settings,
     temperatures, spec)."""
-    check_run(cfg)
+    resolve_decode_dtype(cfg.dtype, check_run(cfg))
     settings = check_settings(cfg)
     check_bool("stop_at_eos", cfg.stop_at_eos)
     check_int("repeats", cfg.repeats)

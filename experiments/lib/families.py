@@ -127,4 +127,5 @@ def load_drafter(directory: str | Path, base: nn.Module, base_meta: dict) -> tup
     found = family(meta["model_config"]["package"])
     module = found.build(base, **meta["model_config"]["module"])
     module.load_state_dict(ckpt.state_dict, strict=True)
-    return module.to(next(base.parameters()).device).eval(), found, meta
+    weight = next(base.parameters())  # a drafter decodes in the base's device and dtype (fp32 or bf16)
+    return module.to(device=weight.device, dtype=weight.dtype).eval(), found, meta

@@ -252,9 +252,9 @@ def load_draft_model(
         module, _, meta = load_drafter(directory, base, base_meta)
         check_train_vocab(meta, vocab, "the draft model")
         return module, meta
-    draft_lm, draft_tokenizer, meta = load_lm(
-        directory, device=str(next(base.parameters()).device), role="checkpoints.draft"
-    )
+    weight = next(base.parameters())
+    draft_lm, draft_tokenizer, meta = load_lm(directory, device=str(weight.device), role="checkpoints.draft")
+    draft_lm.to(weight.dtype)  # decodes in the base's dtype
     if draft_tokenizer.to_str() != tokenizer.to_str():
         raise ValueError(
             tokenizer_mismatch("the draft model", draft_tokenizer, tokenizer, "train it on the base's data config")

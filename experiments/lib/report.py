@@ -6,7 +6,8 @@ an earlier 4-gram of their row (prompt included): the base's degeneration, which
 alpha = accepted / proposed draft tokens (for a tree: accepted depth / tree depth);
 speedup = median over rounds of method tokens/s over the FASTEST plain decoding's tokens/s in the same round
 (over every threads/compile setting of the run, so plain rows below 1.00 are the slower plain settings);
-mode = eager or compiled (torch.compile'd decode steps) and the number of torch threads;
+mode = eager, compiled (torch.compile'd decode steps) or graph (steps replayed as CUDA graphs) and the number
+of torch threads;
 efficiency = speedup / tau (the share of the algorithmic gain that survives drafting and verifying);
 draft % = share of wall time spent in the drafter; rest % = share spent neither drafting nor in the target's
 forward and acceptance (the loop's own bookkeeping, cache commits, host reads);
@@ -71,8 +72,10 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 
 def mode(row: dict) -> str:
-    """A setting in a few characters: 'eager 1t', 'compiled 2t' (torch threads)."""
-    return f"{'compiled' if row.get('compiled') else 'eager'} {row.get('threads', '?')}t"
+    """A setting in a few characters: 'eager 1t', 'compiled 2t', 'graph 1t' (torch threads)."""
+    compiled = row.get("compiled")
+    name = "graph" if compiled == "graph" else "compiled" if compiled else "eager"
+    return f"{name} {row.get('threads', '?')}t"
 
 
 def markdown_table(results: dict) -> str:
@@ -150,13 +153,15 @@ def warmup_lines(results: dict) -> str:
     """Compile (warm-up) time per setting, reported apart from tokens/s."""
     out = [
         f"- {setting}: cost calibration {s:.1f} s (about 0 when read from its cache"
-        f"{'; on a fresh machine it includes compiling every verify width' if 'compiled' in setting else ''})"
+        f"{'; on a fresh machine it includes compiling every verify width' if 'compiled' in setting else ''}"
+        f"{'; it includes capturing every verify width' if 'graph' in setting else ''})"
         for setting, s in results.get("calibration_s", {}).items()
     ]
     for row in results["plain"] + results["methods"]:
         if row.get("compiled"):
             out.append(
-                f"- {row.get('name', 'plain')} {mode(row)} T={row['temperature']:g}: warm-up incl. compilation "
+                f"- {row.get('name', 'plain')} {mode(row)} T={row['temperature']:g}: warm-up incl. "
+                f"{'capturing CUDA graphs' if row['compiled'] == 'graph' else 'compilation'} "
                 f"{row['warmup_s']:.1f} s"
             )
     return "\n".join(out) + ("\n" if out else "")

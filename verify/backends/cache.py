@@ -6,6 +6,8 @@ another. `StaticCache.commit` is the only code in the project that moves cached 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from einops import rearrange, repeat
 from torch import Tensor
@@ -55,6 +57,40 @@ def write_kv(k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, slots: Tensor) 
     return k_buf.scatter_(2, index, k), v_buf.scatter_(2, index, v)
 
 
+# Buffers of dropped caches, by (layers, shape, device, dtype), for the next cache of that shape. A decode step
+# replayed as a CUDA graph (verify/backends/graphs.py) is captured on its cache's buffer addresses: a new cache
+# per generation would capture again every time, a recycled one replays. Each shape keeps at most POOL_SETS
+# sets of at most POOL_BYTES, so a huge batch's cache is not held after it is dropped.
+_POOL: dict[tuple, list[tuple[list[Tensor], list[Tensor]]]] = {}
+POOL_SETS, POOL_BYTES = 2, 1 << 27
+
+
+def _key(k: list[Tensor]) -> tuple:
+    # inference tensors (made under torch.inference_mode) cannot be updated outside it: a pool of their own
+    return len(k), tuple(k[0].shape), k[0].device, k[0].dtype, k[0].is_inference()
+
+
+def _take(layers: int, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype):
+    """Zeroed key and value buffers: a dropped cache's of the same shape, or new ones."""
+    if device.type == "cuda" and device.index is None:  # the same device named two ways is one key
+        device = torch.device("cuda", torch.cuda.current_device())
+    free = _POOL.get((layers, shape, device, dtype, torch.is_inference_mode_enabled()))
+    if free:
+        k, v = free.pop()
+        for t in k + v:
+            t.zero_()  # as a new cache: the slots a mask hides hold zeros, never another run's values
+        return k, v
+    return tuple([torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)] for _ in range(2))
+
+
+def _give_back(k: list[Tensor], v: list[Tensor]) -> None:
+    if not k or 2 * len(k) * k[0].numel() * k[0].element_size() > POOL_BYTES:
+        return
+    free = _POOL.setdefault(_key(k), [])
+    if len(free) < POOL_SETS:
+        free.append((k, v))
+
+
 class StaticCache:
     """Per-layer key/value buffers (b, heads, capacity, dim_head), preallocated, and each row's length (b,).
 
@@ -79,9 +115,8 @@ class StaticCache:
         device: torch.device,
         dtype: torch.dtype,
     ):
-        shape = (batch, heads, capacity, dim_head)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.k, self.v = _take(layers, (batch, heads, capacity, dim_head), torch.device(device), dtype)
+        self._release = weakref.finalize(self, _give_back, self.k, self.v)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) valid entries per row
         self.bound = 0  # host-side upper bound of lengths.max(), to grow the buffers before they overflow
 
@@ -95,6 +130,8 @@ class StaticCache:
             extra = max(self.bound + n, 2 * self.capacity) - self.capacity
             pad = lambda t: torch.cat((t, t.new_zeros(*t.shape[:2], extra, t.shape[3])), dim=2)  # noqa: E731
             self.k, self.v = [pad(t) for t in self.k], [pad(t) for t in self.v]
+            self._release.detach()  # the old buffers go; the grown ones return to the pool in their turn
+            self._release = weakref.finalize(self, _give_back, self.k, self.v)
         return self.lengths
 
     def buffers(self, n: int, *, full: bool) -> tuple[list[Tensor], list[Tensor]]:

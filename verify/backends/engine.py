@@ -390,6 +390,7 @@ class LeanLM:
         )
         self.vocab_size, self.max_seq_len = wrapper.num_tokens, wrapper.max_seq_len
         self.step, self.compiled = self.forward, False  # or its compiled version (`lean(..., compile=True)`)
+        self.block_steps: dict = {}  # decode mode -> `forward_blocks` in it (an early-exit drafter's step)
 
     def __call__(
         self,

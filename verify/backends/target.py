@@ -54,10 +54,10 @@ def right_to_left(x: Tensor, lengths: Tensor) -> Tensor:
 
 def pad_prompts(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Prompts -> tokens (b, W) starting at index 0, padded at the end, and lengths (b,)."""
+    width = max(len(p) for p in prompts)
+    # Padded on the host and copied once: a copy per row would be a transfer per prompt.
+    tokens = torch.tensor([p + [pad_id] * (width - len(p)) for p in prompts], dtype=torch.long, device=device)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    tokens = torch.full((len(prompts), int(lengths.max())), pad_id, dtype=torch.long, device=device)
-    for i, prompt in enumerate(prompts):
-        tokens[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
     return tokens, lengths
 
 
@@ -91,7 +91,8 @@ class Target:
     `max_draft` is the widest extend the cache makes room for beyond max_seq_len (a wider one grows it).
     `compile=True` runs every extend through a torch.compile'd step with static shapes: an extend of k
     tokens is padded to the smallest of `widths` that fits (else the next power of two), so a decode
-    loop compiles one program per width it uses (plain decoding: 1; a chain: gamma + 1).
+    loop compiles one program per width it uses (plain decoding: 1; a chain: gamma + 1). `compile="graph"`
+    pads the same way and replays each width's eager step as a CUDA graph (verify/backends/graphs.py).
     `use_layers` makes every output also carry the residual states after chosen blocks (`layers`).
     """
 
@@ -101,7 +102,7 @@ class Target:
         *,
         pad_id: int = 0,
         max_draft: int = 64,
-        compile: bool = False,
+        compile: bool | str = False,
         widths: tuple[int, ...] = (1,),
         vocab: Tensor | None = None,
     ):
@@ -110,7 +111,8 @@ class Target:
             p.requires_grad_(False)
         self.model = model
         self.engine = lean(model, compile=compile, vocab=vocab)  # vocab: logits over a subset (a draft LM)
-        self.compiled, self.widths = compile, tuple(sorted(widths))
+        self.mode = compile  # False, True or "graph" (verify/backends/graphs.py MODES)
+        self.compiled, self.widths = bool(compile), tuple(sorted(widths))  # compiled: steps of static shapes
         self.vocab_size: int = model.num_tokens
         self.max_seq_len: int = model.max_seq_len
         self.pad_id = pad_id
@@ -140,6 +142,7 @@ class Target:
     def prefill(self, prompts: list[list[int]]) -> TargetOutput:
         """Run the prompts; returns outputs for every prompt position, left-padded (row b ends at index W - 1)."""
         tokens, lengths = pad_prompts(prompts, self.pad_id, self.device)
+        self.cache = None  # dropped first, so that the new cache can take its buffers (a graph replays on them)
         self.cache = self.engine.decoder.new_cache(
             len(prompts), self.max_seq_len + self.max_draft + 1, device=self.device
         )

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from verify.backends.engine import check_layers
+from verify.backends.graphs import static_step
 from verify.backends.hf import HFBase
 from verify.backends.lean import COMPILE_OPTIONS, lean
 from verify.backends.target import Target, TargetOutput, pad_prompts
@@ -60,7 +61,7 @@ class EarlyExitDrafter:
         layer: int,
         vocab: Tensor | None = None,
         share_cache: bool = True,
-        compile: bool = False,
+        compile: bool | str = False,
     ):
         """base: the frozen target's TransformerWrapper; head: states after block `layer` (b, n, d) -> logits
         (b, n, N) over `vocab` (all V when None)."""
@@ -75,10 +76,12 @@ class EarlyExitDrafter:
         self.head, self.share_cache = head, share_cache
         self.vocab = check_vocab(vocab, base.num_tokens)  # (N,) or None = all V
         self.vocab_size: int = base.num_tokens
-        # A compiled draft step runs on the cache's whole buffers: one program per width (1; 2 with an own cache).
-        self.step = (
-            torch.compile(self.engine.forward_blocks, dynamic=False, options=COMPILE_OPTIONS) if compile else None
-        )
+        # A compiled or graphed draft step runs on the cache's whole buffers: one program per width (1; 2 with an
+        # own cache). Kept on the engine, which lives as long as the base: a drafter is built per generation,
+        # and a step made per drafter would compile or capture again every time.
+        if compile and compile not in self.engine.block_steps:
+            self.engine.block_steps[compile] = static_step(self.engine.forward_blocks, compile, options=COMPILE_OPTIONS)
+        self.step = self.engine.block_steps[compile] if compile else None
         self.target: Target | None = None
 
     def attach(self, target: Target) -> None:
