@@ -128,7 +128,7 @@ class PositionDrafter:
     def _table(self, depth: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """(parents, head, rank) of the tree's nodes no deeper than `depth`, built once per depth."""
         if depth not in self._tables:
-            self._tables[depth] = tuple(t.to(device) for t in node_table(self.paths, depth))
+            self._tables[depth] = node_table(self.paths, depth, device)
         return self._tables[depth]
 
     def _sibling_table(self, depth: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:

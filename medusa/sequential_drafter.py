@@ -59,13 +59,13 @@ class Level:
     draws: int  # sampled trees: draws per parent, the most children any parent of this depth has
 
 
-def level_table(paths: list[Path], max_depth: int) -> tuple[Tensor, list[Level]]:
+def level_table(paths: list[Path], max_depth: int, device: torch.device | str = "cpu") -> tuple[Tensor, list[Level]]:
     """The nodes no deeper than max_depth -> parents (n,) draft-indexed (medusa.trees.node_table's order and
     convention: -1 = child of the pending token) and one Level per depth.
 
     Nodes come sorted by (depth, path), so each depth is a contiguous block: appending the blocks level by
-    level to [pending] gives the verify indexing (root 0, draft node i at i + 1)."""
-    parents, head, rank = node_table(paths, max_depth)
+    level to [pending] gives the verify indexing (root 0, draft node i at i + 1). Tensors on `device`."""
+    parents, head, rank = node_table(paths, max_depth)  # read on the host; only the tables go to `device`
     par, depth = parents.tolist(), (head + 1).tolist()
 
     def path_of(node: int) -> list[int]:  # draft node (-1 = root) -> verify indices root .. node
@@ -83,15 +83,15 @@ def level_table(paths: list[Path], max_depth: int) -> tuple[Tensor, list[Level]]
         sibling = [[par[j] for j in nodes[:n]].count(par[i]) for n, i in enumerate(nodes)]
         levels.append(
             Level(
-                reads=torch.tensor([path_of(s) for s in sources]),
-                slot=torch.tensor([sources.index(par[i]) for i in nodes]),
-                rank=ranks,
+                reads=torch.tensor([path_of(s) for s in sources], device=device),
+                slot=torch.tensor([sources.index(par[i]) for i in nodes], device=device),
+                rank=ranks.to(device),
                 width=int(ranks.max()) + 1,
-                sibling=torch.tensor(sibling),
+                sibling=torch.tensor(sibling, device=device),
                 draws=max(sibling) + 1,
             )
         )
-    return parents, levels
+    return parents.to(device), levels
 
 
 class SequentialDrafter(MedusaDrafter):
@@ -159,15 +159,7 @@ class SequentialDrafter(MedusaDrafter):
     def _table(self, depth: int, device: torch.device) -> tuple[Tensor, list[Level]]:
         """(parents, levels) of the tree's nodes no deeper than `depth`, built once per depth."""
         if depth not in self._levels:
-            parents, levels = level_table(self.paths, depth)
-            move = lambda t: t.to(device)  # noqa: E731
-            self._levels[depth] = (
-                move(parents),
-                [
-                    Level(move(lv.reads), move(lv.slot), move(lv.rank), lv.width, move(lv.sibling), lv.draws)
-                    for lv in levels
-                ],
-            )
+            self._levels[depth] = level_table(self.paths, depth, device)
         return self._levels[depth]
 
 

@@ -79,13 +79,13 @@ def tree_from_accuracies(metrics: dict, num_heads: int, tree_nodes: int) -> list
     return grow_tree(accuracies_from_metrics(metrics, num_heads), tree_nodes)
 
 
-def node_table(paths: list[Path], max_depth: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The nodes no deeper than max_depth -> parents (k,) draft-indexed, head (k,) 0-based, rank (k,).
+def node_table(paths: list[Path], max_depth: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor]:
+    """The nodes no deeper than max_depth -> parents (k,) draft-indexed, head (k,) 0-based, rank (k,), on `device`.
 
     Node (r1, .., rd) is head d's rank-rd guess, so its token is top[:, d - 1, rd] of the heads' top-k.
     Cutting by depth keeps every kept node's prefix, so the result is still a tree.
     """
     kept = [p for p in sort_paths(paths) if len(p) <= max_depth]
-    parents, depth = tree_from_paths(kept)
-    rank = torch.tensor([p[-1] for p in kept])
+    parents, depth = tree_from_paths(kept, device)
+    rank = torch.tensor([p[-1] for p in kept], device=device)
     return parents, depth - 1, rank

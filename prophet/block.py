@@ -40,7 +40,8 @@ class BlockProphet(Prophet):
         self.block = block
         dim = self.fuse.out_features
         # Built after the prophet's own weights: the network draws the same random numbers as an unblocked prophet's.
-        self.slots = nn.Parameter(torch.randn(block - 1, dim) * dim**-0.5)  # (K - 1, dim): one mask vector per slot
+        # (K - 1, dim): one mask vector per slot, made where the other weights are
+        self.slots = nn.Parameter(torch.randn(block - 1, dim, device=self.fuse.weight.device) * dim**-0.5)
 
     @property
     def num_heads(self) -> int:

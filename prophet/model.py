@@ -116,7 +116,7 @@ class Prophet(nn.Module):
             self.mix = nn.Linear((s + 1) * base_dim, base_dim)  # [layer states ; f_t] -> the true features read
             with torch.no_grad():  # mix(...) == f_t exactly: zero on the layer states, identity on f_t, zero bias
                 self.mix.weight.zero_()
-                self.mix.weight[:, s * base_dim :] = torch.eye(base_dim)
+                self.mix.weight[:, s * base_dim :] = torch.eye(base_dim, device=self.mix.weight.device)
                 self.mix.bias.zero_()
 
     @classmethod

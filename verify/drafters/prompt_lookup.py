@@ -25,9 +25,8 @@ class PromptLookupDrafter:
     def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
         device = pending.device
         width = max(len(p) for p in prompts) + 64
-        self.ctx = torch.zeros(len(prompts), width, dtype=torch.long, device=device)  # (b, T) right-padded
-        for i, prompt in enumerate(prompts):
-            self.ctx[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        # (b, T) right-padded with 0, padded on the host and copied once (not a transfer per prompt)
+        self.ctx = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=device)
         self.lengths = torch.tensor([len(p) for p in prompts], device=device)
         self._append(pending[:, None], torch.ones_like(self.lengths))
 

@@ -175,10 +175,10 @@ def check_against_reference(
     structural checks missed."""
     was_training = (encoder.training, decoder.training)
     encoder.eval(), decoder.eval()
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    source = torch.randint(0, target.vocab_size, (2, 4), generator=gen).to(target.device)
+    gen = torch.Generator(device=target.device).manual_seed(0)  # any inputs do: both forwards read the same ones
+    source = torch.randint(0, target.vocab_size, (2, 4), generator=gen, device=target.device)
     source_mask = torch.tensor([[True] * 4, [True, True, True, False]], device=target.device)
-    tokens = torch.randint(0, target.vocab_size, (2, 5), generator=gen).to(target.device)
+    tokens = torch.randint(0, target.vocab_size, (2, 5), generator=gen, device=target.device)
     try:
         encoded = encoder(source, mask=source_mask, return_embeddings=True)
         ref = decoder(tokens, context=encoded, context_mask=source_mask)

@@ -3,10 +3,10 @@
 tau   = tokens emitted / target forward passes (bonus token included; the prefill counts as the
         forward that produced the first token, so plain decoding has tau = 1 exactly)
 alpha = accepted draft tokens / proposed draft tokens
-Counters are per row tensors, updated without host syncs; timings are wall-clock seconds spent in
-the drafter, in the target and in total (the rest is the loop's own bookkeeping). One DecodeStats
-describes one decode call (one batch); DecodeStats.merge pools several (a benchmark's batches) and
-as_dict gives the pooled figures, each defined once here.
+Counters are per row (and per position) tensors on the decode's device, updated without host syncs;
+timings are wall-clock seconds spent in the drafter, in the target and in total (the rest is the loop's
+own bookkeeping). One DecodeStats describes one decode call (one batch); DecodeStats.merge pools several
+(a benchmark's batches) and as_dict gives the pooled figures, each defined once here.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -32,8 +32,8 @@ class DecodeStats:
     forwards: Tensor  # (b,) target forward passes while the row was active
     proposed: Tensor  # (b,) draft tokens proposed to the row
     accepted: Tensor  # (b,) draft tokens accepted
-    proposed_by_position: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # (gamma,)
-    accepted_by_position: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # (gamma,)
+    proposed_by_position: Tensor  # (gamma,) draft tokens proposed at each position, summed over rows
+    accepted_by_position: Tensor  # (gamma,) accepted at each position
     time_draft: float = 0.0
     time_target: float = 0.0
     time_total: float = 0.0
@@ -41,8 +41,16 @@ class DecodeStats:
 
     @classmethod
     def zeros(cls, batch: int, device: torch.device) -> DecodeStats:
-        z = lambda: torch.zeros(batch, dtype=torch.long, device=device)  # noqa: E731
-        return cls(tokens=z(), forwards=z(), proposed=z(), accepted=z(), device=device)
+        z = lambda n: torch.zeros(n, dtype=torch.long, device=device)  # noqa: E731
+        return cls(
+            tokens=z(batch),
+            forwards=z(batch),
+            proposed=z(batch),
+            accepted=z(batch),
+            proposed_by_position=z(0),
+            accepted_by_position=z(0),
+            device=device,
+        )
 
     @classmethod
     def merge(cls, parts: Sequence[DecodeStats]) -> DecodeStats:
@@ -52,16 +60,17 @@ class DecodeStats:
         if not parts:
             raise ValueError("merge needs at least one DecodeStats")
         k = max(p.proposed_by_position.shape[0] for p in parts)
+        device = parts[0].tokens.device  # every part's counters live there (torch.cat below needs it)
         return cls(
             tokens=torch.cat([p.tokens for p in parts]),
             forwards=torch.cat([p.forwards for p in parts]),
             proposed=torch.cat([p.proposed for p in parts]),
             accepted=torch.cat([p.accepted for p in parts]),
             proposed_by_position=sum(
-                (_pad(p.proposed_by_position, k) for p in parts), torch.zeros(k, dtype=torch.long)
+                (_pad(p.proposed_by_position, k) for p in parts), torch.zeros(k, dtype=torch.long, device=device)
             ),
             accepted_by_position=sum(
-                (_pad(p.accepted_by_position, k) for p in parts), torch.zeros(k, dtype=torch.long)
+                (_pad(p.accepted_by_position, k) for p in parts), torch.zeros(k, dtype=torch.long, device=device)
             ),
             time_draft=sum(p.time_draft for p in parts),
             time_target=sum(p.time_target for p in parts),
@@ -83,8 +92,8 @@ class DecodeStats:
     def record_positions(self, proposed: Tensor, accepted: Tensor) -> None:
         """Add per-position counts: proposed, accepted (k,) summed over rows (k may grow)."""
         k = max(proposed.shape[0], self.proposed_by_position.shape[0])
-        self.proposed_by_position = _pad(self.proposed_by_position, k) + _pad(proposed.cpu(), k)
-        self.accepted_by_position = _pad(self.accepted_by_position, k) + _pad(accepted.cpu(), k)
+        self.proposed_by_position = _pad(self.proposed_by_position, k) + _pad(proposed, k)
+        self.accepted_by_position = _pad(self.accepted_by_position, k) + _pad(accepted, k)
 
     @property
     def total_tokens(self) -> int:
@@ -139,4 +148,4 @@ class DecodeStats:
 
 
 def _pad(t: Tensor, k: int) -> Tensor:
-    return torch.cat((t.long(), torch.zeros(k - t.shape[0], dtype=torch.long)))
+    return torch.cat((t.long(), torch.zeros(k - t.shape[0], dtype=torch.long, device=t.device)))

@@ -47,15 +47,15 @@ def sort_paths(paths: list[Path]) -> list[Path]:
     return paths
 
 
-def tree_from_paths(paths: list[Path]) -> tuple[Tensor, Tensor]:
-    """Rank paths -> draft parents (k,) (-1 = child of the root) and depth (k,) (1 = child of the root).
+def tree_from_paths(paths: list[Path], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """Rank paths -> draft parents (k,) (-1 = child of the root) and depth (k,) (1 = child of the root), on `device`.
 
     Node (i, j) is the j-th ranked guess for depth 2 under the i-th ranked guess for depth 1.
     """
     paths = sort_paths(paths)
     index = {p: i for i, p in enumerate(paths)}
-    parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths])
-    depth = torch.tensor([len(p) for p in paths])
+    parents = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], device=device)
+    depth = torch.tensor([len(p) for p in paths], device=device)
     return parents, depth
 
 
