@@ -28,6 +28,19 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the tests marked `cuda` where torch sees no GPU, unless CUDA_TESTS_DEVICE=cpu asks for their dry run
+    on the CPU (tests/test_cuda.py: its tests take that device)."""
+    if torch.cuda.is_available() or os.environ.get("CUDA_TESTS_DEVICE") == "cpu":
+        return
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU: torch.cuda.is_available() is False (CUDA_TESTS_DEVICE=cpu dry-runs them on the CPU)"
+    )
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from a second thread, and lose several-fold when the cores are shared.
