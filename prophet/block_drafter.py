@@ -89,7 +89,9 @@ class BlockProphetDrafter(PositionDrafter):
         self.cache, self.feature = prefill_cache(self.prophet, prompts, prefill, pending)  # (b, d_base)
         b = self.feature.shape[0]
         self.block = self.prophet.decode(self.prophet.slot_inputs(b), self.cache, compile=self.compile)
-        self.cache.commit(torch.zeros(b, self.prophet.block - 1, dtype=torch.bool, device=self.feature.device))
+        self.cache.commit(
+            torch.zeros(b, self.prophet.block - 1, dtype=torch.bool, device=self.feature.device), prefix=True
+        )
 
     @torch.inference_mode()
     def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
@@ -108,7 +110,9 @@ class BlockProphetDrafter(PositionDrafter):
         for _ in range(self.refine):
             guess = full_ids(logits.argmax(dim=-1), self.vocab)  # (b, K)
             out = self.prophet.step(features[:, :-1], guess[:, :-1], self.cache, compile=self.compile)  # (b, K-1, d)
-            self.cache.commit(torch.zeros(guess.shape[0], guess.shape[1] - 1, dtype=torch.bool, device=guess.device))
+            self.cache.commit(
+                torch.zeros(guess.shape[0], guess.shape[1] - 1, dtype=torch.bool, device=guess.device), prefix=True
+            )
             features = torch.cat((features[:, :1], out), dim=1)  # position j + 1 given the guesses of 1..j
             logits = self._logits(features)
         tokens, qs = [], []
@@ -137,7 +141,7 @@ class BlockProphetDrafter(PositionDrafter):
         x = torch.cat((self.prophet.fused(features, tokens), self.prophet.slot_inputs(b)), dim=1)
         allow, pos = commit_attention(verdict.accepted, width, slots, self.cache.lengths)
         out = self.prophet.decode(x, self.cache, allow=allow, pos=pos, compile=self.compile)  # (b, width + slots, d)
-        self.cache.commit(torch.arange(width + slots, device=out.device) < (verdict.accepted + 1)[:, None])
+        self.cache.commit(torch.arange(width + slots, device=out.device) < (verdict.accepted + 1)[:, None], prefix=True)
         self.feature = out[torch.arange(b, device=out.device), verdict.accepted]  # predicted at the new pending
         self.block = out[:, width:]  # (b, K - 1, d_base)
 

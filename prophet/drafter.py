@@ -107,7 +107,8 @@ class ProphetDrafter:
         that nothing reads."""
         if self.drafted:
             self.cache.commit(
-                torch.zeros(verdict.accepted.shape[0], self.drafted, dtype=torch.bool, device=verdict.accepted.device)
+                torch.zeros(verdict.accepted.shape[0], self.drafted, dtype=torch.bool, device=verdict.accepted.device),
+                prefix=True,
             )
             self.drafted = 0
         width = verdict.path.shape[1]  # rows accept different counts: feed the padded block, keep a + 1
@@ -116,7 +117,7 @@ class ProphetDrafter:
             features, tokens = pad_block(features, tokens, self.commit_width)
             width = self.commit_width
         out = self._step(features, tokens, self.cache)  # (b, w, d)
-        self.cache.commit(torch.arange(width, device=out.device) < (verdict.accepted + 1)[:, None])
+        self.cache.commit(torch.arange(width, device=out.device) < (verdict.accepted + 1)[:, None], prefix=True)
         rows = torch.arange(out.shape[0], device=out.device)
         self.feature = out[rows, verdict.accepted]  # predicted feature at the new pending position
 

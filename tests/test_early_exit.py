@@ -127,7 +127,8 @@ def test_propose_leaves_the_targets_cache_as_it_found_it():
     keys = [k.clone() for k in target.cache.k]
     draft = drafter.propose(4, SamplingConfig(), None)
     assert draft.tokens.shape == (3, 4)
-    assert torch.equal(target.cache.lengths, lengths) and target.cache.bound == int(lengths.max())
+    # bound: an upper bound kept without a host read after a rewind; exact_bound reads the lengths back
+    assert torch.equal(target.cache.lengths, lengths) and target.cache.exact_bound() == int(lengths.max())
     for before, after in zip(keys, target.cache.k):  # every committed entry is untouched
         for row, n in enumerate(lengths.tolist()):
             assert torch.equal(before[row, :, :n], after[row, :, :n])

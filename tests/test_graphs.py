@@ -108,6 +108,23 @@ def test_huge_and_grown_caches(monkeypatch):
     assert new_cache(capacity=capacity).k[0].data_ptr() == grown_address
 
 
+def test_a_prefix_commit_rewinds_as_the_checked_one_without_reading_back():
+    caches = [new_cache(batch=3, capacity=16) for _ in range(2)]
+    for cache in caches:
+        cache.reserve(5)
+        cache.advance(5)
+    keep = torch.arange(5) < torch.tensor([[1], [5], [0]])  # every row a prefix: 1, 5 and 0 entries
+    caches[0].commit(keep)
+    caches[1].commit(keep, prefix=True)
+    assert torch.equal(caches[0].lengths, caches[1].lengths) and caches[0].lengths.tolist() == [1, 5, 0]
+    assert caches[1].bound == 5 and caches[1].stale  # still an upper bound; read back only where needed
+    assert caches[1].exact_bound() == caches[0].bound == 5 and not caches[1].stale
+    caches[1].reserve(2)
+    caches[1].advance(2)
+    caches[1].commit(torch.tensor([[True, False]] * 3), prefix=True)  # one of two new entries kept per row
+    assert caches[1].lengths.tolist() == [2, 6, 1] and caches[1].bound == 7 and caches[1].exact_bound() == 6
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_graph_mode_decodes_exactly_as_eager_and_reuses_its_graphs(batch):
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [4, 4]][:batch]
@@ -136,3 +153,62 @@ def test_tree_verification_in_graph_mode_equals_eager():
         outs.append(target.extend(tokens, parents=parents).logits)
         outs.append(target.extend(tokens, parents=parents).logits)  # again, on top: a replay at other positions
     assert torch.allclose(outs[0], outs[2], atol=1e-5) and torch.allclose(outs[1], outs[3], atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- host reads per decode step
+
+READS = ("__bool__", "item", "tolist", "__int__", "__float__", "__index__")  # what copies a value to the host
+
+
+def count_host_reads(run) -> int:
+    """Values read back from tensors to Python during run(): on a GPU each one waits for the device."""
+    count = 0
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def counting(original):
+        def read(self, *args, **kwargs):
+            nonlocal count
+            count += 1
+            return original(self, *args, **kwargs)
+
+        return read
+
+    try:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, counting(original))
+        run()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return count
+
+
+# sequential heads build their per-depth tables on the host (2 reads a depth, once per drafter)
+CHAINS = {"draft_model": 0, "medusa_chain": 0, "sequential_chain": 2 * 4, "prophet_chain": 0}
+CHAINS |= {"prophet_block_chain": 0, "early_exit": 0, "early_exit_own_cache": 0}
+
+
+@pytest.mark.parametrize("name", list(CHAINS))
+def test_a_chain_step_reads_the_device_once(name):
+    """In graph mode a chain's decode step reads the device once (whether to go on, whether the last step was
+    finite, the fewest tokens left: one read), and its commits none: the loop knows a chain keeps a prefix.
+    Per generation add the prefill's padding drop (2 reads per cache) and the output's lists (2)."""
+    from tests.test_cuda import GAMMA, METHODS, NEW_TOKENS, PROMPTS, WIDTHS, on_device
+
+    base, module = on_device(name, torch.device("cpu"))
+    target = Target(base, compile="graph", widths=WIDTHS)
+    outputs = []
+
+    def run():
+        drafter = METHODS[name].drafter(module, base, "graph")
+        sampling = SamplingConfig(temperature=1.0)
+        spec = SpecConfig(gamma=GAMMA)
+        out = speculative_generate(
+            target, drafter, PROMPTS[:1], max_new_tokens=NEW_TOKENS, spec=spec, sampling=sampling
+        )
+        outputs.append(out)
+
+    run()  # the first generation builds engines and captures (checks that read values): not counted
+    reads = count_host_reads(run)
+    steps = int(outputs[-1].stats.forwards.sum()) - 1  # verification steps after the prefill
+    assert steps >= 5 and reads <= steps + 1 + 2 * 2 + 2 + CHAINS[name], f"{reads} host reads in {steps} steps"

@@ -229,7 +229,10 @@ def test_refined_chain_follows_the_accepted_context(trained, refine, gamma):
 class KeepsSlots(BlockProphetDrafter):
     def commit(self, verdict):
         commit = self.cache.commit
-        self.cache.commit = lambda keep: commit(keep | (torch.arange(keep.shape[1]) >= keep.shape[1] - K + 1))
+        # keeps the slots too (not a prefix any more, so the real commit must compact: `prefix` is dropped)
+        self.cache.commit = lambda keep, prefix=False: commit(
+            keep | (torch.arange(keep.shape[1]) >= keep.shape[1] - K + 1)
+        )
         try:
             super().commit(verdict)
         finally:

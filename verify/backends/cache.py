@@ -118,7 +118,10 @@ class StaticCache:
         self.k, self.v = _take(layers, (batch, heads, capacity, dim_head), torch.device(device), dtype)
         self._release = weakref.finalize(self, _give_back, self.k, self.v)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) valid entries per row
-        self.bound = 0  # host-side upper bound of lengths.max(), to grow the buffers before they overflow
+        # A host-side upper bound of lengths.max(), to grow the buffers before they overflow. A commit that
+        # is known to keep a prefix leaves it as it was (still an upper bound) instead of reading the lengths
+        # back: the exact value is read only where it matters (eager spans, growth), see `exact_bound`.
+        self.bound, self.stale = 0, False
 
     @property
     def capacity(self) -> int:
@@ -126,7 +129,8 @@ class StaticCache:
 
     def reserve(self, n: int) -> Tensor:
         """Make room for n new entries per row; returns each row's first new slot (b,)."""
-        if self.bound + n > self.capacity:  # rare: grow by doubling (shapes change once, not every step)
+        if self.bound + n > self.capacity and self.exact_bound() + n > self.capacity:
+            # rare: grow by doubling (shapes change once, not every step)
             extra = max(self.bound + n, 2 * self.capacity) - self.capacity
             pad = lambda t: torch.cat((t, t.new_zeros(*t.shape[:2], extra, t.shape[3])), dim=2)  # noqa: E731
             self.k, self.v = [pad(t) for t in self.k], [pad(t) for t in self.v]
@@ -140,7 +144,7 @@ class StaticCache:
         attention does not read hundreds of empty slots per step. Views: writes land in the cache."""
         if full:
             return self.k, self.v
-        span = min(self.capacity, -(-(self.bound + n) // 64) * 64)
+        span = min(self.capacity, -(-(self.exact_bound() + n) // 64) * 64)
         return [t[:, :, :span] for t in self.k], [t[:, :, :span] for t in self.v]
 
     def advance(self, n: int) -> None:
@@ -148,17 +152,28 @@ class StaticCache:
         self.lengths = self.lengths + n
         self.bound += n
 
+    def exact_bound(self) -> int:
+        """lengths.max() on the host: one read of the device, only after a commit that skipped it."""
+        if self.stale:
+            self.bound, self.stale = int(self.lengths.max()), False
+        return self.bound
+
     @torch.inference_mode()
-    def commit(self, keep: Tensor) -> None:
+    def commit(self, keep: Tensor, *, prefix: bool = False) -> None:
         """Roll back: of the last k entries of each row, keep those where keep (b, k) is True, in order.
 
         Where every row keeps a prefix (chains, and any tree whose accepted path is a prefix) this is
         a length rewind. Otherwise the kept entries move down to fill the gaps: one gather and one
-        scatter over the k newest slots of each layer's buffers.
+        scatter over the k newest slots of each layer's buffers. `prefix=True`: the caller knows every row
+        keeps a prefix (a chain's accepted tokens), so nothing is read back to the host: on a GPU the
+        decode loop then waits for the device once per step, not at every commit.
         """
         b, k = keep.shape
         counts = keep.sum(dim=1)
         start = self.lengths - k
+        if prefix:
+            self.lengths, self.stale = start + counts, True
+            return
         steps = torch.arange(k, device=keep.device)
         if not bool((keep == (steps < counts[:, None])).all()):
             order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # kept first, in order
@@ -168,4 +183,4 @@ class StaticCache:
             for buf in self.k + self.v:
                 buf.scatter_(2, dst, buf.gather(2, src))
         self.lengths = start + counts
-        self.bound = int(self.lengths.max())
+        self.bound, self.stale = int(self.lengths.max()), False

@@ -319,10 +319,11 @@ class HFTarget:
         self.lengths, self.added = self.lengths + k, self.added + k
         return out
 
-    def commit(self, keep: Tensor) -> None:
+    def commit(self, keep: Tensor, *, prefix: bool = False) -> None:
         """Roll back: of the last k slots (k <= slots appended since the last commit or prefill, all of
         them valid), keep those where keep (b, k) is True. Kept tokens must be root paths (a chain
-        prefix, a tree's accepted path): their positions were given at extend time as length + depth."""
+        prefix, a tree's accepted path): their positions were given at extend time as length + depth.
+        `prefix` (the Target interface's hint) changes nothing: nothing here is read back to the host."""
         b, k = keep.shape
         if b != self.valid.shape[0] or k > self.added:
             raise ValueError(

@@ -178,7 +178,7 @@ class Target:
         logits, hidden, *states = self.engine(tokens, self.cache, layers=self.layers, **kwargs)
         layers = states[0] if states else None
         if width > k:  # drop the padding entries again: a length rewind
-            self.cache.commit(torch.arange(width, device=self.device).expand(tokens.shape[0], width) < k)
+            self.cache.commit(torch.arange(width, device=self.device).expand(tokens.shape[0], width) < k, prefix=True)
             logits, hidden = logits[:, :k], hidden[:, :k]
             layers = None if layers is None else layers[:, :k]
         return TargetOutput(logits=logits, hidden=hidden, layers=layers)
@@ -199,6 +199,7 @@ class Target:
             kwargs = dict(allow=allow, pos=pos)
         return tokens, kwargs
 
-    def commit(self, keep: Tensor) -> None:
-        """Roll back: of the slots the last `extend` added, keep those where keep (b, k) is True."""
-        self.cache.commit(keep)
+    def commit(self, keep: Tensor, *, prefix: bool = False) -> None:
+        """Roll back: of the slots the last `extend` added, keep those where keep (b, k) is True. `prefix=True`:
+        every row keeps a prefix (a chain), known without reading `keep` back (see StaticCache.commit)."""
+        self.cache.commit(keep, prefix=prefix)

@@ -87,7 +87,7 @@ def roll_uncached(cache: Target | StaticCache, uncached: Tensor, fed: int, verdi
     if fed == 0:
         return torch.cat((uncached, verdict.pending[:, None]), dim=1)
     keep = torch.arange(fed, device=verdict.accepted.device) < (uncached.shape[1] - 1 + verdict.accepted)[:, None]
-    cache.commit(keep)
+    cache.commit(keep, prefix=True)
     last_accepted = torch.cat((uncached[:, -1:], verdict.tokens), dim=1).gather(1, verdict.accepted[:, None])
     return torch.cat((last_accepted, verdict.pending[:, None]), dim=1)
 

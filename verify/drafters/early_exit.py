@@ -130,7 +130,7 @@ class EarlyExitDrafter:
             x = token[:, None]
         self.fed = self.uncached.shape[1] + gamma - 1
         if self.share_cache:  # rewind the target's cache before it verifies: a length rewind, nothing moves
-            self.cache.commit(torch.zeros(x.shape[0], self.fed, dtype=torch.bool, device=x.device))
+            self.cache.commit(torch.zeros(x.shape[0], self.fed, dtype=torch.bool, device=x.device), prefix=True)
         return Draft(tokens=torch.stack(tokens, dim=1), q=torch.stack(qs, dim=1) if qs else None)
 
     def commit(self, verdict: Verdict) -> None:

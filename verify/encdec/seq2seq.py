@@ -143,9 +143,10 @@ class Seq2SeqTarget:
         logits = torch.nn.functional.linear(hidden, self.head_weight, self.head_bias)  # (b, k, V)
         return TargetOutput(logits=logits, hidden=hidden)
 
-    def commit(self, keep: Tensor) -> None:
-        """Roll back: of the slots the last `extend` added, keep those where keep (b, k) is True."""
-        self.cache.commit(keep)
+    def commit(self, keep: Tensor, *, prefix: bool = False) -> None:
+        """Roll back: of the slots the last `extend` added, keep those where keep (b, k) is True (`prefix`: see
+        StaticCache.commit)."""
+        self.cache.commit(keep, prefix=prefix)
 
 
 class Seq2SeqDraftDrafter(DraftModelDrafter):

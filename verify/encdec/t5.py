@@ -133,8 +133,9 @@ class T5Target:
         self.cache, self.length = out.past_key_values, self.length + tokens.shape[1]
         return TargetOutput(logits=out.logits.float(), hidden=out.decoder_hidden_states[-1])
 
-    def commit(self, keep: Tensor) -> None:
-        """Roll back: keep (1, k) must be a prefix of the last extend's k tokens (a chain); crop the rest."""
+    def commit(self, keep: Tensor, *, prefix: bool = False) -> None:
+        """Roll back: keep (1, k) must be a prefix of the last extend's k tokens (a chain); crop the rest.
+        `prefix` (the Target interface's hint) changes nothing: the crop needs the count on the host anyway."""
         k, kept = keep.shape[1], int(keep.sum())
         if not bool(keep[0, :kept].all()):
             raise ValueError("keep is not a prefix: the T5 target rolls back chains only")

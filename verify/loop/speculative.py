@@ -164,15 +164,16 @@ def speculative_generate(
             drafter.begin(prompts, prefill, pending)
         while True:
             active = ~done & (stats.tokens < max_new_tokens)
-            go, all_fine = torch.stack((active.any(), fine)).tolist()
+            # The step's one host read: whether any row goes on, whether the last step's values were finite,
+            # and the fewest tokens an active row has left. Never draft past a row's budget: a step emits at
+            # most k + 1 tokens, and the positions it processes stay below prompt + max_new_tokens <= max_seq_len.
+            left = torch.where(active, max_new_tokens - stats.tokens, max_new_tokens).min()
+            go, all_fine, left = torch.stack((active.any().long(), fine.long(), left)).tolist()
             if not all_fine:
                 for what, values, used in checks:
                     check_usable(what, decode_step, values, used)
             if not go:
                 break
-            # Never draft past a row's budget: a step emits at most k + 1 tokens, and the positions it
-            # processes stay below prompt + max_new_tokens <= max_seq_len.
-            left = int((max_new_tokens - stats.tokens)[active].min())
             k = min(gamma, left - 1)
             with stats.timed("draft"):
                 draft = drafter.propose(k, sampling, generator) if k > 0 else Draft.empty(b, device)
@@ -193,7 +194,7 @@ def speculative_generate(
             kept = torch.zeros(b, draft.length + 1, dtype=torch.bool, device=device)
             kept.scatter_(1, path, True)  # a path is padded by repeating its last accepted node
             kept &= active[:, None]
-            target.commit(kept)
+            target.commit(kept, prefix=draft.parents is None)  # a chain keeps a prefix: no host read
             # The rule chose every row's tokens from p at the kept nodes (a chain: positions 0..accepted),
             # and divided by q at the children of kept nodes; nothing else it computed was used.
             decode_step, checks = decode_step + 1, [(TARGET_LOGITS, verified.logits, kept)]
