@@ -1,9 +1,10 @@
 """Every decoding method on a CUDA GPU: the draft model, prompt lookup, Medusa (chain and tree), the prophet
 (chain and tree), the block prophet (chain and tree), sequential heads (chain and tree) and early exit, each
-in the one speculative loop on a ragged batch and on one prompt, eager and compiled (compile=True), plus the
-Hugging Face adapter. At T = 0 every output must be token-identical to plain decoding on the same device; at
-T = 1 (a seeded torch.Generator on the device) the loop's invariants must hold: every row gets its budget of
-tokens, every id is in the vocabulary, the target's cache holds exactly each row's prompt and emitted tokens
+in the one speculative loop on a ragged batch and on one prompt, eager, compiled (compile=True) and replayed
+as CUDA graphs (compile=graph), in fp32 and in bf16, plus the Hugging Face adapter. At T = 0 every output
+must be token-identical to plain decoding on the same device (in the same dtype); at T = 1 (a seeded
+torch.Generator on the device) the loop's invariants must hold: every row gets its budget of tokens, every id
+is in the vocabulary, the target's cache holds exactly each row's prompt and emitted tokens
 (all but the pending last one), and the same seed gives the same tokens.
 
 The models are the CPU tests' small random-weight ones, built by their builders (tests/conftest.py's make_lm,
@@ -173,14 +174,16 @@ METHODS: dict[str, Method] = {
 }
 
 
-def on_device(name: str, device: torch.device) -> tuple[nn.Module, nn.Module | None]:
+def on_device(
+    name: str, device: torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, nn.Module | None]:
     """The method's base (conftest's small LM) and its module, built on the CPU from fixed seeds (the same
-    weights on every device) and moved to `device`."""
+    weights on every device) and moved to `device` in `dtype` (what dtype=bf16 decodes in)."""
     base = make_lm()
     module = METHODS[name].module(base) if METHODS[name].module is not None else None
-    base.to(device)
+    base.to(device=device, dtype=dtype)
     if module is not None:
-        module.to(device)
+        module.to(device=device, dtype=dtype)
     return base, module
 
 
@@ -194,7 +197,7 @@ def decode(
     *,
     temperature: float = 0.0,
     seed: int = 0,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> tuple[Generation, list[int]]:
     """One speculative run on a fresh target; its output and the target's cache length per row after it."""
     target = make_target(base, compile=compile, widths=WIDTHS) if compile else make_target(base)
@@ -249,9 +252,12 @@ def check_drafter_cache(drafter: object, out: Generation, prompts: list[list[int
         assert context == [len(prompts[0]) + len(out.tokens[0])]
 
 
-def check_exact(name: str, device: torch.device, prompts: list[list[int]], *, compile: bool) -> Generation:
-    """At T = 0 the method's output equals plain decoding's on the same device, and the invariants hold."""
-    base, module = on_device(name, device)
+def check_exact(
+    name: str, device: torch.device, prompts: list[list[int]], *, compile: bool | str, dtype=torch.float32
+) -> Generation:
+    """At T = 0 the method's output equals plain decoding's on the same device in the same dtype (eager), and
+    the invariants hold."""
+    base, module = on_device(name, device, dtype)
     reference = plain(base, prompts)
     drafter = METHODS[name].drafter(module, base, compile)
     out, lengths = decode(base, drafter, prompts, compile=compile)
@@ -263,10 +269,12 @@ def check_exact(name: str, device: torch.device, prompts: list[list[int]], *, co
     return out
 
 
-def check_sampling(name: str, device: torch.device, prompts: list[list[int]], *, compile: bool) -> None:
+def check_sampling(
+    name: str, device: torch.device, prompts: list[list[int]], *, compile: bool | str, dtype=torch.float32
+) -> None:
     """At T = 1 the invariants hold and a second run with the same seed (fresh target, fresh drafter) emits
     the same tokens."""
-    base, module = on_device(name, device)
+    base, module = on_device(name, device, dtype)
     runs = []
     for _ in range(2):
         drafter = METHODS[name].drafter(module, base, compile)
@@ -300,6 +308,35 @@ def test_compiled_greedy_equals_plain_and_sampling_keeps_the_invariants(device: 
     through torch.compile, on the ragged batch; T = 0 then T = 1 with the same shapes (no second compile)."""
     check_exact(name, device, BATCHES["ragged"], compile=True)
     check_sampling(name, device, BATCHES["ragged"], compile=True)
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_graph_greedy_equals_plain_and_sampling_keeps_the_invariants(device: torch.device, name: str) -> None:
+    """compile=graph: every extend of the target and every step of the drafter's own decoder replayed from a
+    CUDA graph (on a CPU dry run: the same static buffers, run eagerly), ragged batch, T = 0 then T = 1."""
+    check_exact(name, device, BATCHES["ragged"], compile="graph")
+    check_sampling(name, device, BATCHES["ragged"], compile="graph")
+
+
+def test_graph_mode_captures_real_graphs_and_replays_them(device: torch.device) -> None:
+    """On a GPU every entry of the target's step holds a captured CUDA graph, and a second generation of the
+    same shapes replays them (its cache took the first one's buffers) instead of capturing again."""
+    base, module = on_device("draft_model", device)
+    target = make_target(base, compile="graph", widths=WIDTHS)
+    for _ in range(2):
+        drafter = METHODS["draft_model"].drafter(module, base, "graph")
+        speculative_generate(target, drafter, PROMPTS[:1], max_new_tokens=NEW_TOKENS, spec=SpecConfig(gamma=GAMMA))
+    step = target.engine.step
+    assert step.captures == len(step.graphs) <= len(WIDTHS)
+    assert all((entry.graph is not None) == (device.type == "cuda") for entry in step.graphs.values())
+
+
+@pytest.mark.parametrize("compile", [False, "graph"])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_bf16_greedy_equals_bf16_plain(device: torch.device, name: str, compile: bool | str) -> None:
+    """dtype=bf16: the target and the drafter in bf16; T = 0 output identical to plain decoding in bf16 (what a
+    bf16 result is exact against), ragged batch, eager and graph."""
+    check_exact(name, device, BATCHES["ragged"], compile=compile, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("engine", ["hf", "lean"])

@@ -9,10 +9,13 @@ dropped cache's buffers, zeroed, to the next cache of the same shape, so a graph
 import pytest
 import torch
 
+from experiments.lib import precision
+from experiments.lib.precision import resolve_decode_dtype
 from tests.conftest import make_lm
 from verify.backends import cache as cache_module
 from verify.backends.cache import StaticCache
 from verify.backends.graphs import GraphedStep, check_mode, static_step
+from verify.backends.lean import lean
 from verify.backends.target import Target
 from verify.drafters.draft_model import DraftModelDrafter
 from verify.loop.plain import plain_generate
@@ -212,3 +215,31 @@ def test_a_chain_step_reads_the_device_once(name):
     reads = count_host_reads(run)
     steps = int(outputs[-1].stats.forwards.sum()) - 1  # verification steps after the prefill
     assert steps >= 5 and reads <= steps + 1 + 2 * 2 + 2 + CHAINS[name], f"{reads} host reads in {steps} steps"
+
+
+# ---------------------------------------------------------------------------------------- decode precision
+
+
+def test_auto_decodes_in_fp32_on_a_cpu_and_in_bf16_on_a_gpu_that_has_it(monkeypatch):
+    cpu = resolve_decode_dtype("auto", torch.device("cpu"))
+    assert (cpu["used"], cpu["dtype"]) == ("fp32", torch.float32) and "measured slower" in cpu["reason"]
+    monkeypatch.setattr(precision, "native_bf16", lambda device: (True, "GPU supports native bf16"))
+    assert resolve_decode_dtype("auto", torch.device("cuda"))["dtype"] == torch.bfloat16
+    monkeypatch.setattr(precision, "native_bf16", lambda device: (False, "GPU lacks native bf16"))
+    assert resolve_decode_dtype("auto", torch.device("cuda"))["dtype"] == torch.float32
+    assert resolve_decode_dtype("bf16", torch.device("cpu"))["dtype"] == torch.bfloat16  # asked: obeyed
+
+
+@pytest.mark.parametrize("bad", ["fp16", "BF16", None, 32, "float32"])
+def test_bad_decode_dtypes_are_one_line_errors(bad):
+    with pytest.raises(ValueError, match=r"^dtype=.*: must be one of auto, fp32, bf16$"):
+        resolve_decode_dtype(bad, torch.device("cpu"))
+
+
+def test_a_cast_model_gets_a_new_engine_in_its_dtype():
+    """module.to(bf16) swaps the parameters' storage without bumping their versions: the engine built before
+    (in fp32) must not be handed out again."""
+    lm = make_lm()
+    assert lean(lm).decoder.dtype == torch.float32
+    lm.to(torch.bfloat16)
+    assert lean(lm).decoder.dtype == torch.bfloat16 and lean(lm) is lean(lm)

@@ -29,9 +29,11 @@ RECOMPILE_LIMIT = 256
 _BUILT: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
-def _weights_version(params: tuple[Tensor, ...]) -> int:
-    # in-place updates (optimizer steps, load_state_dict) bump a tensor's version counter
-    return sum(p._version for p in params)
+def _weights_version(params: tuple[Tensor, ...]) -> tuple[int, int]:
+    # in-place updates (optimizer steps, load_state_dict) bump a tensor's version counter; a cast or a move
+    # (`module.to(torch.bfloat16)`, as dtype=bf16 decodes) swaps the parameters' storage instead, which the
+    # first one's address shows (the engine holds the old tensors: it would still compute in fp32)
+    return sum(p._version for p in params), params[0].data_ptr() if params else 0
 
 
 def lean(module: nn.Module, build=None, *, compile: bool | str = False, vocab: Tensor | None = None):
