@@ -372,6 +372,7 @@ def softcapped():
     [
         (lambda: HFTarget(make_lm()), r"HFTarget takes an HFBase, got TransformerWrapper"),
         (lambda: HFTarget(llama(), compile=True), r"compile=True: the Hugging Face adapter runs eager only"),
+        (lambda: HFTarget(llama(), compile="graph"), r"compile='graph': the Hugging Face adapter runs eager only"),
         (lambda: make_target(gpt2(), engine="lean"), r"GPT2LMHeadModel: the lean engine runs LlamaForCausalLM"),
         (
             lambda: make_target(make_lm(), engine="hf"),

@@ -233,7 +233,10 @@ class HFTarget:
         if not isinstance(base, HFBase):
             raise ValueError(f"HFTarget takes an HFBase, got {type(base).__name__}")
         if compile:
-            raise ValueError("compile=True: the Hugging Face adapter runs eager only; use compile=false")
+            raise ValueError(
+                f"compile={compile!r}: the Hugging Face adapter runs eager only (its cache grows every step); "
+                "use compile=false, or engine=lean for a Llama"
+            )
         self.attention = base.hf.config._attn_implementation
         if self.attention not in MASK_FORMS:
             raise ValueError(
