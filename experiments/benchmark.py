@@ -277,7 +277,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         "max_new_tokens": cfg.decode.max_new_tokens,
         "repeats": cfg.repeats,
         "device": str(device),
-        "dtype": str(precision["dtype"]).removeprefix("torch."),  # what the target and drafters decoded in
+        "dtype": str(next(base.parameters()).dtype).removeprefix("torch."),  # what the target decoded in
         "precision": {k: precision[k] for k in ("requested", "used", "reason")},
         # the target's shape, printed in the table's header: the regime every speedup below belongs to
         "base": {

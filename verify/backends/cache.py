@@ -57,10 +57,11 @@ def write_kv(k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, slots: Tensor) 
     return k_buf.scatter_(2, index, k), v_buf.scatter_(2, index, v)
 
 
-# Buffers of dropped caches, by (layers, shape, device, dtype), for the next cache of that shape. A decode step
-# replayed as a CUDA graph (verify/backends/graphs.py) is captured on its cache's buffer addresses: a new cache
-# per generation would capture again every time, a recycled one replays. Each shape keeps at most POOL_SETS
-# sets of at most POOL_BYTES, so a huge batch's cache is not held after it is dropped.
+# Buffers of dropped caches, by (layers, shape, device, dtype, inference or not), for the next cache of
+# that shape. A decode step replayed as a CUDA graph (verify/backends/graphs.py) is captured on its cache's
+# buffer addresses: a new cache per generation would capture again every time, a recycled one replays. Each
+# shape keeps at most POOL_SETS sets of at most POOL_BYTES, so a huge batch's cache is not held after it is
+# dropped.
 _POOL: dict[tuple, list[tuple[list[Tensor], list[Tensor]]]] = {}
 POOL_SETS, POOL_BYTES = 2, 1 << 27
 

@@ -59,9 +59,7 @@ def lean(module: nn.Module, build=None, *, compile: bool | str = False, vocab: T
     params = tuple(module.parameters())
     engine = build(module) if vocab is None else build(module, vocab)
     check_against_reference(module, engine)
-    if compile == "graph":  # the eager step, captured as CUDA graphs (on a CPU replayed eagerly: graphs.py)
-        engine.step, engine.compiled = static_step(engine.forward, compile), True
-    elif compile:
+    if compile is True:
         # Inductor's on-disk cache lets a second process skip code generation (26 s -> 7 s here); keep
         # it with the project's other caches unless the user chose a place.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(os.path.join(".cache", "inductor")))
@@ -72,6 +70,7 @@ def lean(module: nn.Module, build=None, *, compile: bool | str = False, vocab: T
             torch._dynamo.config.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT
         )
         torch._dynamo.config.fail_on_recompile_limit_hit = True
+    if compile:  # torch.compile'd, or the eager step captured as CUDA graphs (graphs.py)
         engine.step, engine.compiled = static_step(engine.forward, compile, options=COMPILE_OPTIONS), True
     built[key] = (params, _weights_version(params), engine)
     return engine
