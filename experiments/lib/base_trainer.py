@@ -63,6 +63,11 @@ def model_config(cfg: DictConfig) -> dict[str, Any]:
 
 def validate_config(cfg: DictConfig) -> None:
     """Every check that needs no data or model, so a bad value fails in milliseconds with one line."""
+    if "base" not in cfg:  # base=smollm2 (conf/base/smollm2.yaml) names a pretrained model, not sizes
+        raise ValueError(
+            "this base is pretrained (it sets base_checkpoint, not sizes): train_base trains from scratch, "
+            "use base=tiny|small|llama_small|..., or give the pretrained one to train_drafter or benchmark"
+        )
     try:  # surfaces missing values (???) and interpolations that cannot resolve
         OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as e:

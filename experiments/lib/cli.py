@@ -47,6 +47,7 @@ from typing import Any, NoReturn, TypeVar
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
+from omegaconf.errors import InterpolationResolutionError
 
 __all__ = [
     "USER_ERRORS",
@@ -68,7 +69,12 @@ F = TypeVar("F", bound=Callable)
 
 
 def one_line(error: BaseException) -> str:
-    """The exception's message with all whitespace (newlines included) collapsed to single spaces."""
+    """The exception's message with all whitespace (newlines included) collapsed to single spaces. A config
+    resolver's own error (`${pretrained:...}` with its wheel missing) comes wrapped by OmegaConf as
+    "<Type> raised while resolving interpolation: <message>" plus lines naming the key: the message alone."""
+    if isinstance(error, InterpolationResolutionError):
+        inner = str(error).split("\n")[0].split(" raised while resolving interpolation: ", 1)[-1]
+        return " ".join(inner.split()) or type(error).__name__
     text = " ".join(str(error).split())
     return text or type(error).__name__
 

@@ -45,6 +45,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from experiments.lib.cli import EXIT_USER_ERROR, one_line, runtime_fault
+from experiments.lib.pretrained import register_resolver
+
+register_resolver()  # ${pretrained:...} in conf/base/*.yaml: registered before any entry point composes
 
 __all__ = ["hydra_preflight"]
 
