@@ -24,8 +24,9 @@ from x_transformers import AutoregressiveWrapper
 from experiments.lib.checkpoint import load_lm
 from experiments.lib.cli import exit_on_user_error
 from experiments.lib.decode_checks import check_checkpoints, check_decode, check_prompts, check_run, command_line_keys
-from experiments.lib.methods import checkpoint_for, get_prompts
+from experiments.lib.methods import checkpoint_for
 from experiments.lib.preflight import hydra_preflight
+from experiments.lib.prompt_set import get_prompts
 from experiments.lib.settings import check_bool, check_int
 from verify.backends.hf import HFBase
 from verify.backends.target import Target

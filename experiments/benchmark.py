@@ -25,6 +25,7 @@ import logging
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +36,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.lib.by_category import category_batches, category_figures, per_category
 from experiments.lib.calibrate import (
     cached_verify_cost,
     choose_chain_budget,
@@ -52,13 +54,13 @@ from experiments.lib.methods import (
     FAMILY_METHODS,
     check_drafters_before_base,
     checkpoint_for,
-    get_prompts,
     make_methods,
     recorded_config,
     verify_widths,
 )
 from experiments.lib.precision import decode_in, resolve_decode_dtype
 from experiments.lib.preflight import hydra_preflight
+from experiments.lib.prompt_set import add_second_turns, get_prompt_set, get_prompts
 from experiments.lib.report import mode, repeated_ngram_share, write_report
 from experiments.lib.settings import resolve_device
 from verify.backends.choose import make_target
@@ -112,12 +114,18 @@ def summarize_stats(stats: list[DecodeStats]) -> dict[str, Any]:
 
 
 def bench_temperature(
-    cfg: DictConfig, setups: list[dict], batches: list[list[list[int]]], temperature: float, eos_id: EosId
+    cfg: DictConfig,
+    setups: list[dict],
+    batches: list[list[list[int]]],
+    temperature: float,
+    eos_id: EosId,
+    labels: list[str],
 ) -> tuple[list[dict], list[dict]]:
     """Plain and every method in every setting at one temperature: warm-up, interleaved rounds, medians.
 
     Speedup is against the FASTEST plain decoding of the same round (over all settings), so a method
-    only counts as faster if it beats the best plain decoder a user could pick instead."""
+    only counts as faster if it beats the best plain decoder a user could pick instead. `labels` is each
+    batch's prompt category: with several, every row also carries its figures per category."""
     sampling, rule = sampling_for(cfg.decode, temperature)
     for s in setups:
         s["chosen"] = choose_budgets(cfg, s, sampling, eos_id) if cfg.budget == "auto" else {}
@@ -140,7 +148,7 @@ def bench_temperature(
             eos_id=eos_id,
         )
         e["warmup_s"] = time.perf_counter() - start
-        e["rounds"] = []
+        e["rounds"], e["category_rounds"] = [], []
     for r in range(cfg.repeats):
         for e in entries:
             torch.set_num_threads(e["setup"]["threads"])
@@ -155,10 +163,12 @@ def bench_temperature(
                 eos_id=eos_id,
             )
             e["rounds"].append((tokens, summarize_stats(stats)))
+            e["category_rounds"].append(per_category(stats, labels, summarize_stats))
     fastest = [
         max(e["rounds"][r][1]["tokens_per_s"] for e in entries if e["factory"] is None) for r in range(cfg.repeats)
     ]
     plain_of = {id(e["setup"]): e for e in entries if e["factory"] is None}
+    plain_entries = list(plain_of.values())
     # How much of plain decoding's own output at this temperature repeats an earlier 4-gram of its row: a
     # base looping at T=0 makes drafting trivially easy, so every row carries this figure beside its tau.
     # One figure per temperature (the first setting's plain decoding, its rounds pooled: at T=0 they are
@@ -182,6 +192,7 @@ def bench_temperature(
             "speedup": statistics.median(speedups),
             "speedups": speedups,
             "warmup_s": e["warmup_s"],
+            "categories": category_figures(e, plain_entries),
         }
         if e["factory"] is None:
             plains.append({**common, "tokens_per_s_rounds": [m["tokens_per_s"] for m in per_round]})
@@ -233,12 +244,18 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     decode_in(base, precision)  # drafters load in the base's dtype (make_methods)
     # an id or a list of ids (a Hugging Face model's generation_config may list several: checkpoint.hf_eos_id)
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
-    prompts = get_prompts(cfg, tokenizer, base_meta)
+    prompt_set = get_prompt_set(cfg, tokenizer, base_meta)
     # Every target before any drafter trains: bad prompts, or compile on a base that cannot, fail first.
     targets = [make_target(base, compile=compiled, widths=widths) for _, compiled in settings]
-    targets[0].check_tokens(prompts, max_new_tokens=cfg.decode.max_new_tokens)
+    targets[0].check_tokens(prompt_set.ids, max_new_tokens=cfg.decode.max_new_tokens)
+    if cfg.prompts.turns == 2:  # the model's own first answers, then the second turns
+        prompt_set = add_second_turns(
+            prompt_set, tokenizer, target=targets[0], max_new_tokens=cfg.decode.max_new_tokens, eos_id=eos_id
+        )
+        targets[0].check_tokens(prompt_set.ids, max_new_tokens=cfg.decode.max_new_tokens)
+    prompts = prompt_set.ids
     methods, loaded = make_methods(cfg, base, base_meta, base_ckpt, tokenizer)
-    batches = [prompts[i : i + cfg.decode.batch_size] for i in range(0, len(prompts), cfg.decode.batch_size)]
+    batches, labels = category_batches(prompts, prompt_set.categories, cfg.decode.batch_size)
     setups = []
     for (threads, compiled), target in zip(settings, targets):
         threads = threads if threads is not None else torch.get_num_threads()
@@ -260,7 +277,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         setups.append(setup)
     plains, rows = [], []
     for temperature in temperatures:
-        plain, method_rows = bench_temperature(cfg, setups, batches, temperature, eos_id)
+        plain, method_rows = bench_temperature(cfg, setups, batches, temperature, eos_id, labels)
         plains += plain
         rows += method_rows
     results = {
@@ -273,6 +290,12 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         "cpu": cpu_model(),  # kept for readers of results written before device_info
         "device_info": device_info(device),  # the GPU's name, memory, torch and CUDA versions on a GPU
         "prompts": len(prompts),
+        "prompt_set": {
+            "source": cfg.prompts.set or cfg.prompts.file or "heldout",
+            "chat": bool(cfg.prompts.chat),
+            "turns": cfg.prompts.turns,
+            "categories": dict(sorted(Counter(prompt_set.categories).items())),
+        },
         "batch_size": cfg.decode.batch_size,
         "max_new_tokens": cfg.decode.max_new_tokens,
         "repeats": cfg.repeats,

@@ -32,6 +32,7 @@ from rich.table import Table
 from rich.text import Text
 from tokenizers import Tokenizer
 
+from experiments.lib.chat import ChatTemplate, chat_template_for, encode_special
 from experiments.lib.checkpoint import load_lm
 from experiments.lib.cli import USER_ERRORS, exit_on_user_error, one_line
 from experiments.lib.decode_checks import (
@@ -155,6 +156,8 @@ def check_config(cfg: DictConfig) -> tuple[SamplingConfig, SpecConfig, str]:
     if not check_bool("interactive", cfg.interactive):
         check_prompt(cfg.prompt)
     check_int("max_new_tokens", cfg.max_new_tokens)
+    if check_bool("prompts.chat", cfg.prompts.chat) and cfg.prompts.system is not None:
+        check_prompt_text(cfg.prompts.system, "prompts.system", " (or null for the template's own)")
     check_mode(cfg.compile)
     check_bool("stop_at_eos", cfg.stop_at_eos)
     check_int("warmup_tokens", cfg.warmup_tokens, minimum=0)
@@ -199,6 +202,7 @@ class Session:
     spec: SpecConfig
     rule: str
     cfg: DictConfig
+    template: ChatTemplate | None = None  # prompts.chat=true: the base's chat template
     warm: bool = False
 
 
@@ -216,7 +220,8 @@ def load_session(cfg: DictConfig, checked: tuple[SamplingConfig, SpecConfig, str
     # an id or a list of ids (a Hugging Face model's generation_config may list several: checkpoint.hf_eos_id)
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
     target = make_target(base, compile=cfg.compile, widths=verify_widths(cfg, [spec.gamma]))
-    return Session(target, lambda: make(compile=cfg.compile), tokenizer, eos_id, sampling, spec, rule, cfg)
+    template = chat_template_for(base_meta, system=cfg.prompts.system) if cfg.prompts.chat else None
+    return Session(target, lambda: make(compile=cfg.compile), tokenizer, eos_id, sampling, spec, rule, cfg, template)
 
 
 def decode_both(s: Session, prompt: list[int], max_new_tokens: int) -> tuple[Generation, Generation, RecordingDrafter]:
@@ -231,7 +236,12 @@ def decode_both(s: Session, prompt: list[int], max_new_tokens: int) -> tuple[Gen
 
 def generate_one(s: Session, text: str) -> dict[str, Any]:
     """Decode one prompt both ways; the result record (texts, accepted mask, statistics)."""
-    prompt = encode(s.tokenizer, check_prompt(text))
+    text = check_prompt(text)
+    if s.template is not None:  # shown as the model reads it: the rendered conversation
+        text = s.template.render([text])
+        prompt = encode_special(s.tokenizer, text)
+    else:
+        prompt = encode(s.tokenizer, text)
     s.target.check_tokens([prompt], max_new_tokens=s.cfg.max_new_tokens)
     if not s.warm and s.cfg.warmup_tokens:
         decode_both(s, prompt, min(s.cfg.warmup_tokens, s.cfg.max_new_tokens))

@@ -33,6 +33,7 @@ from experiments.lib.checkpoint import (
     save_checkpoint,
 )
 from experiments.lib.lm import build_lm
+from experiments.lib.prompt_set import get_prompts
 from experiments.lib.report import repeated_ngram_share
 from verify.backends.target import Target
 from verify.loop.plain import plain_generate
@@ -655,7 +656,7 @@ def test_benchmark_rep4_is_plain_greedy_decodings_share(tiny_base: Path, drafter
     )
     bench_mod.benchmark(cfg)
     base, tokenizer, meta = load_lm(tiny_base)
-    prompts = methods.get_prompts(cfg, tokenizer, meta)
+    prompts = get_prompts(cfg, tokenizer, meta)
     assert cfg.decode.batch_size == 1 and cfg.stop_at_eos  # so: one prompt at a time, stopping at EOS
     greedy = [
         plain_generate(Target(base), [p], max_new_tokens=40, eos_id=meta["data"]["eos_id"]).tokens[0] for p in prompts

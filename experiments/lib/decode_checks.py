@@ -31,6 +31,7 @@ from experiments.lib.methods import (
     checkpoint_recipe,
 )
 from experiments.lib.precision import resolve_decode_dtype
+from experiments.lib.prompt_set import PROMPT_SETS
 from experiments.lib.prompts import load_prompts
 from experiments.lib.rundir import check_writable
 from experiments.lib.settings import check_bool, check_int, check_number, resolve_device
@@ -168,12 +169,29 @@ _ANY_TEXT = Tokenizer(models.WordLevel({"?": 0}, unk_token="?"))
 
 
 def check_prompts(node: DictConfig) -> None:
-    """prompts.num_prompts and prompt_len, and a prompts file: read and parsed once before any work."""
+    """prompts.num_prompts and prompt_len, the set, chat and turns settings, and a prompts file: read and
+    parsed once before any work."""
     check_int("prompts.num_prompts", node.num_prompts)
     check_int("prompts.prompt_len", node.prompt_len)
+    chosen = node.get("set")
+    if chosen is not None and chosen not in PROMPT_SETS:
+        raise ValueError(
+            f"prompts.set={chosen!r}: must be null (held-out windows or prompts.file) or one of {PROMPT_SETS}"
+        )
+    chat = check_bool("prompts.chat", node.get("chat", False))
+    system = node.get("system")
+    if system is not None and (not isinstance(system, str) or not system.strip()):
+        raise ValueError(f"prompts.system={system!r}: give a non-empty text, or null for the template's own")
+    turns = node.get("turns", 1)
+    if isinstance(turns, bool) or turns not in (1, 2):
+        raise ValueError(f"prompts.turns={turns!r}: must be 1 or 2")
+    if turns == 2 and not chat:
+        raise ValueError("prompts.turns=2: a second turn follows the model's answer in a chat; set prompts.chat=true")
     path = node.get("file")
     if path is None:
         return
+    if chosen is not None:
+        raise ValueError(f"prompts.file={path!r} and prompts.set={chosen!r}: give one of them")
     if not isinstance(path, str):
         raise ValueError(f"prompts.file={path!r}: must be a path or null")
     if Path(path).is_dir():

@@ -6,8 +6,8 @@ prompt, no weights) or `<family>_<mode>` for each drafter family of experiments/
 its modes (chain, tree). This module holds the registry (METHODS, and check_methods of a config's list of
 them), where each method's checkpoint comes from (an explicit directory, or the artifact cache of
 experiments/lib/artifacts.py, trained on first use), and make_methods, which loads them and returns one
-factory of a fresh drafter per method. The held-out prompts every method decodes (get_prompts) are here
-too. The rest of a decoding config's checks, before any of this runs, are experiments/lib/decode_checks.py's.
+factory of a fresh drafter per method. The prompts every method decodes are experiments/lib/prompt_set.py's.
+The rest of a decoding config's checks, before any of this runs, are experiments/lib/decode_checks.py's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from experiments.lib.data import base_data_config, prepare_data, token_counts
 from experiments.lib.families import FAMILIES, TREE_FAMILIES, call_with_settings, load_drafter
 from experiments.lib.families import family as find_family
 from experiments.lib.lm import build_lm
-from experiments.lib.prompts import heldout_prompts, load_prompts
 from medusa.trees import accuracies_from_metrics
 from verify.common.vocab import frequent_tokens
 from verify.drafters.draft_model import DraftModelDrafter
@@ -272,17 +271,3 @@ def drafter_vocab(cfg: DictConfig, base_meta: dict, vocab_size: int) -> torch.Te
     if ids is not None:
         log.info("drafter vocabulary: the %d most frequent training tokens of %d", ids.numel(), vocab_size)
     return ids
-
-
-def get_prompts(cfg: DictConfig, tokenizer, base_meta: dict) -> list[list[int]]:
-    """The prompts (token ids) every method decodes: the first prompts.num_prompts of prompts.file, or
-    held-out windows of the base's own corpus (prompt_len tokens each, drawn with cfg.seed)."""
-    if cfg.prompts.file:
-        prompts = load_prompts(cfg.prompts.file, tokenizer)
-        return prompts[: cfg.prompts.num_prompts]
-    data = prepare_data(**base_data_config(base_meta, OmegaConf.to_container(cfg.data, resolve=True)))
-    if data.tokenizer.to_str() != tokenizer.to_str():
-        raise ValueError(
-            tokenizer_mismatch("the data config", data.tokenizer, tokenizer, "pass the base's data config")
-        )
-    return heldout_prompts(data, num_prompts=cfg.prompts.num_prompts, prompt_len=cfg.prompts.prompt_len, seed=cfg.seed)

@@ -70,13 +70,12 @@ def gguf_file(name: str) -> Path:
     try:
         files = metadata.files(spec.distribution) or []
     except metadata.PackageNotFoundError:
-        raise ValueError(f"base={name}: the wheel {spec.distribution} is not installed; {_install_hint(spec)}") from None
+        hint = _install_hint(spec)
+        raise ValueError(f"base={name}: the wheel {spec.distribution} is not installed; {hint}") from None
     found = [f for f in files if f.name == spec.file]
     path = Path(found[0].locate()) if found else None
     if path is None or not path.is_file():
-        raise ValueError(
-            f"base={name}: the installed {spec.distribution} holds no {spec.file}; {_install_hint(spec)}"
-        )
+        raise ValueError(f"base={name}: the installed {spec.distribution} holds no {spec.file}; {_install_hint(spec)}")
     return path
 
 

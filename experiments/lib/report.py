@@ -26,6 +26,7 @@ from typing import Any
 
 import matplotlib
 
+from experiments.lib.by_category import category_table
 from experiments.lib.calibrate import device_line, format_cost_table
 from experiments.lib.cli import write_atomic
 
@@ -105,14 +106,15 @@ def header_line(results: dict) -> str:
     'CPU: <model>', or 'GPU: <name> (<memory> GiB), torch <version>, CUDA <version>; host CPU: <model>' for a
     run on a GPU (calibrate.device_line; results written before device_info have their cpu alone)."""
     header = [device_line(results)] if device_line(results) else []
-    header += [f"base: {base_line(results['base'])}"] if results.get("base") else []
+    header += [f"base: {base_line(results['base'], results.get('dtype', 'float32'))}"] if results.get("base") else []
     return "; ".join(header) + "\n\n" if header else ""
 
 
-def base_line(base: dict) -> str:
-    """'10.5M parameters (256 x 8)', float32 decoding: the target's size, which sets what a draft can win."""
+def base_line(base: dict, dtype: str = "float32") -> str:
+    """'10.5M parameters (256 x 8), bfloat16 decoding': the target's size, which sets what a draft can win, and
+    the precision it decoded in (results.json's `dtype`, read from the decoded weights)."""
     shape = f" ({base['dim']} x {base['depth']})" if "dim" in base and "depth" in base else ""
-    return f"{base['parameters'] / 1e6:.1f}M parameters{shape}, float32 decoding"
+    return f"{base['parameters'] / 1e6:.1f}M parameters{shape}, {dtype} decoding"
 
 
 def plain_step(results: dict, row: dict) -> float:
@@ -224,7 +226,7 @@ def write_report(results: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(out_dir / "results.json", json.dumps(results, indent=2, default=str))
     cpu = header_line(results)
-    table = markdown_table(results) + verdict(results)
+    table = markdown_table(results) + verdict(results) + category_table(results, mode)
     text = cpu + table + checkpoint_lines(results) + warmup_lines(results) + cost_lines(results)
     write_atomic(out_dir / "results.md", text)
     if results["methods"]:

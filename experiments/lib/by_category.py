@@ -1,0 +1,81 @@
+"""Figures per prompt category, as Spec-Bench reports them: speedup and tau of every method on each category
+(coding, summarization, qa, ...) beside the whole set, and the mean over categories.
+
+Acceptance depends on the task (a summary copies its source, free prose does not), so a single figure over a
+mix hides where a drafter pays. A category's speedup is computed like the whole set's: per timing round, the
+method's tokens/s on that category's prompts over the fastest plain decoding's tokens/s on the same prompts
+in the same round, then the median over rounds. Batches never mix categories (`category_batches`), so each
+batch's statistics belong to one category.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["category_batches", "category_figures", "category_table", "per_category"]
+
+
+def category_batches(
+    ids: list[list[int]], categories: list[str], batch_size: int
+) -> tuple[list[list[list[int]]], list[str]]:
+    """(batches of at most batch_size prompts, each batch's category): prompts grouped by category (categories
+    in order of first appearance, prompts in order within each), then cut into batches."""
+    groups: dict[str, list[list[int]]] = {}
+    for prompt, category in zip(ids, categories):
+        groups.setdefault(category, []).append(prompt)
+    batches, labels = [], []
+    for category, prompts in groups.items():
+        for i in range(0, len(prompts), batch_size):
+            batches.append(prompts[i : i + batch_size])
+            labels.append(category)
+    return batches, labels
+
+
+def per_category(stats: list, labels: list[str], summarize: Callable[[list], dict]) -> dict[str, dict]:
+    """One round's `summarize` of each category's batches; {} when the prompts have a single category."""
+    categories = list(dict.fromkeys(labels))
+    if len(categories) < 2:
+        return {}
+    return {c: summarize([s for s, label in zip(stats, labels) if label == c]) for c in categories}
+
+
+def category_figures(entry: dict, plains: list[dict]) -> dict[str, dict[str, float]]:
+    """{category: {speedup, tau, tokens_per_s}} of one entry (a method or plain decoding in one setting) from
+    its rounds' per-category summaries (`entry["category_rounds"]`), against the fastest of `plains` per round."""
+    rounds = entry["category_rounds"]
+    out = {}
+    for category in rounds[0] if rounds else {}:
+        fastest = [max(p["category_rounds"][r][category]["tokens_per_s"] for p in plains) for r in range(len(rounds))]
+        speedups = [m[category]["tokens_per_s"] / f for m, f in zip(rounds, fastest)]
+        out[category] = {
+            "speedup": statistics.median(speedups),
+            "tau": statistics.median(m[category]["tau"] for m in rounds),
+            "tokens_per_s": statistics.median(m[category]["tokens_per_s"] for m in rounds),
+        }
+    return out
+
+
+def category_table(results: dict[str, Any], mode: Callable[[dict], str]) -> str:
+    """Markdown: one row per method, setting and temperature; per category 'speedup (tau)'; then the mean
+    over categories and the whole set's figure. Empty when the run had a single category."""
+    rows = [r for r in results["methods"] if r.get("categories")]
+    if not rows:
+        return ""
+    names = list(rows[0]["categories"])
+    header = "| method | mode | T | " + " | ".join(names) + " | mean | overall |"
+    lines = [
+        "\nSpeedup (tau) per category, as Spec-Bench reports; mean = the mean over categories, overall = the "
+        "whole set:\n",
+        header,
+        "|" + "|".join(["---"] * (header.count("|") - 1)) + "|",
+    ]
+    for row in rows:
+        cells = [f"{row['categories'][c]['speedup']:.2f}x ({row['categories'][c]['tau']:.2f})" for c in names]
+        mean = statistics.mean(row["categories"][c]["speedup"] for c in names)
+        lines.append(
+            f"| {row['name']} | {mode(row)} | {row['temperature']:g} | {' | '.join(cells)} | {mean:.2f}x "
+            f"| {row['speedup']:.2f}x ({row['tau']:.2f}) |"
+        )
+    return "\n".join(lines) + "\n"
