@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.lib.checkpoint import load_lm, tokenizer_mismatch
 from experiments.lib.cli import exit_on_user_error
 from experiments.lib.data import base_data_config, prepare_data
-from experiments.lib.features import check_features_config, feature_spec, open_features
+from experiments.lib.features import check_features_config, default_seq_len, feature_spec, open_features
 from experiments.lib.preflight import hydra_preflight
 from experiments.lib.settings import resolve_device
 
@@ -38,7 +38,7 @@ def run(cfg: DictConfig) -> dict:
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     base, tokenizer, base_meta = load_lm(cfg.base_checkpoint, device=str(resolve_device(cfg.device)))
-    seq_len = cfg.seq_len if cfg.seq_len is not None else base.max_seq_len
+    seq_len = default_seq_len(cfg.seq_len, base.max_seq_len)
     if not 2 <= seq_len <= base.max_seq_len:
         raise ValueError(f"seq_len={seq_len}: must lie in [2, the base's context {base.max_seq_len}]")
     data = prepare_data(**base_data_config(base_meta, OmegaConf.to_container(cfg.data, resolve=True)))

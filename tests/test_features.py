@@ -254,3 +254,12 @@ def test_draft_model_refuses_another_vocabulary():
     batch = teacher_batch(base, stream(34).view(2, 17), top_k=4)
     with pytest.raises(ValueError, match="50 tokens, the base 97"):
         draft_family.loss(other, base, batch)
+
+
+def test_default_window_is_independent_of_a_long_context():
+    """seq_len null: the base's context, but never a pretrained base's 8,192 positions per window."""
+    from experiments.lib.features import DEFAULT_WINDOW, default_seq_len
+
+    assert DEFAULT_WINDOW == 512
+    assert default_seq_len(None, 8192) == 512 and default_seq_len(None, 256) == 256
+    assert default_seq_len(1024, 8192) == 1024  # an explicit window is the user's

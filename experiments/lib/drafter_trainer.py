@@ -39,7 +39,13 @@ from experiments.lib.data import base_data_fix, prepare_data, token_counts
 from experiments.lib.distributed import Dist, main_first, shard
 from experiments.lib.families import Family, call_with_settings
 from experiments.lib.families import family as find_family
-from experiments.lib.features import check_features_config, feature_spec, open_features, teacher_batch
+from experiments.lib.features import (
+    check_features_config,
+    default_seq_len,
+    feature_spec,
+    open_features,
+    teacher_batch,
+)
 from experiments.lib.lm import count_parameters
 from experiments.lib.precision import check_precision, resolve_precision
 from experiments.lib.settings import check_loop_config, check_positive_int, check_recipe, data_recipe, require
@@ -72,7 +78,7 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.seq_len is not None and (
         not isinstance(cfg.seq_len, int) or isinstance(cfg.seq_len, bool) or cfg.seq_len < 2
     ):
-        raise ValueError(f"seq_len must be an integer >= 2 or null (the base's context), got {cfg.seq_len!r}")
+        raise ValueError(f"seq_len must be an integer >= 2 or null (the base's context up to 512), got {cfg.seq_len!r}")
     check_loop_config(cfg)
     check_features_config(OmegaConf.to_container(cfg.features, resolve=True))
     check_precision(cfg.precision)
@@ -285,7 +291,7 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     torch.manual_seed(cfg.seed)  # the same initial drafter on every rank
     base, tokenizer, base_meta = load_lm(cfg.base_checkpoint, device=str(device))
     base.requires_grad_(False)
-    seq_len = cfg.seq_len if cfg.seq_len is not None else base.max_seq_len
+    seq_len = default_seq_len(cfg.seq_len, base.max_seq_len)
     if seq_len > base.max_seq_len:
         raise ValueError(f"seq_len={seq_len} exceeds the base's context max_seq_len={base.max_seq_len}")
     batch_size = cfg.batch_size or cfg.drafter.batch_size

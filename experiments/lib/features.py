@@ -44,6 +44,10 @@ from verify.training.features import FeatureBatch
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
+# Positions per training window when seq_len is null: the base's context, up to this. A pretrained base's
+# context (SmolLM2: 8,192) would make each window's cached features 8,192 x width floats (200 windows: 2.1 GB)
+# and a drafter needs far less context than the base was trained on to learn the next few tokens.
+DEFAULT_WINDOW = 512
 SOURCES = ("corpus", "greedy", "sample")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -365,3 +369,8 @@ def feature_spec(features: dict, *, base_meta: dict, data, seq_len: int, layers:
         dtype=features["dtype"],
         seed=features["seed"],
     )
+
+
+def default_seq_len(seq_len: int | None, max_seq_len: int) -> int:
+    """The training window: `seq_len` when given, else the base's context `max_seq_len` up to DEFAULT_WINDOW."""
+    return seq_len if seq_len is not None else min(max_seq_len, DEFAULT_WINDOW)
