@@ -42,6 +42,7 @@ from experiments.lib.calibrate import (
     choose_chain_budget,
     choose_tree_budget,
     cpu_model,
+    decode_precision,
     device_info,
     format_cost_table,
 )
@@ -58,7 +59,7 @@ from experiments.lib.methods import (
     recorded_config,
     verify_widths,
 )
-from experiments.lib.precision import decode_in, resolve_decode_dtype
+from experiments.lib.precision import decode_in
 from experiments.lib.preflight import hydra_preflight
 from experiments.lib.prompt_set import add_second_turns, get_prompt_set, get_prompts
 from experiments.lib.report import mode, repeated_ngram_share, write_report
@@ -239,7 +240,13 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     check_drafters_before_base(cfg)  # a drafter setting its training would refuse, before the base loads or trains
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
-    precision = resolve_decode_dtype(cfg.dtype, device)
+    precision = decode_precision(
+        cfg.dtype,
+        base,
+        device,
+        key_parts={"base": base_meta["fingerprint"]},
+        cache_dir=cfg.budget_search.cache_dir,
+    )
     log.info("decoding in %s (dtype=%s: %s)", precision["used"], precision["requested"], precision["reason"])
     decode_in(base, precision)  # drafters load in the base's dtype (make_methods)
     # an id or a list of ids (a Hugging Face model's generation_config may list several: checkpoint.hf_eos_id)

@@ -32,6 +32,7 @@ from rich.table import Table
 from rich.text import Text
 from tokenizers import Tokenizer
 
+from experiments.lib.calibrate import CALIBRATION_DIR, decode_precision
 from experiments.lib.chat import ChatTemplate, chat_template_for, encode_special
 from experiments.lib.checkpoint import load_lm
 from experiments.lib.cli import USER_ERRORS, exit_on_user_error, one_line
@@ -215,7 +216,9 @@ def load_session(cfg: DictConfig, checked: tuple[SamplingConfig, SpecConfig, str
     check_drafters_before_base(methods_config(cfg))  # before the base loads or trains
     base_ckpt = checkpoint_for(cfg, "base")
     base, tokenizer, base_meta = load_lm(base_ckpt, device=str(device))
-    decode_in(base, resolve_decode_dtype(cfg.dtype, device))  # drafters load in the base's dtype
+    key_parts = {"base": base_meta["fingerprint"]}
+    precision = decode_precision(cfg.dtype, base, device, key_parts=key_parts, cache_dir=CALIBRATION_DIR)
+    decode_in(base, precision)  # drafters load in the base's dtype
     make = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[0][cfg.method]
     # an id or a list of ids (a Hugging Face model's generation_config may list several: checkpoint.hf_eos_id)
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None

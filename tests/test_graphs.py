@@ -220,9 +220,17 @@ def test_a_chain_step_reads_the_device_once(name):
 # ---------------------------------------------------------------------------------------- decode precision
 
 
-def test_auto_decodes_in_fp32_on_a_cpu_and_in_bf16_on_a_gpu_that_has_it(monkeypatch):
-    cpu = resolve_decode_dtype("auto", torch.device("cpu"))
-    assert (cpu["used"], cpu["dtype"]) == ("fp32", torch.float32) and "measured slower" in cpu["reason"]
+def test_auto_decodes_in_the_measured_faster_dtype_on_a_cpu_and_in_bf16_on_a_gpu_that_has_it(monkeypatch):
+    monkeypatch.setattr(precision, "native_bf16", lambda device: (True, "CPU has amx_bf16"))
+    cpu = resolve_decode_dtype("auto", torch.device("cpu"))  # nothing measured: fp32
+    assert (cpu["used"], cpu["dtype"]) == ("fp32", torch.float32) and "not measured" in cpu["reason"]
+    faster = resolve_decode_dtype("auto", torch.device("cpu"), {"fp32": 0.064, "bf16": 0.036})
+    assert faster["dtype"] == torch.bfloat16 and "36.0 ms in bf16, 64.0 ms in fp32" in faster["reason"]
+    slower = resolve_decode_dtype("auto", torch.device("cpu"), {"fp32": 0.010, "bf16": 0.012})
+    assert slower["dtype"] == torch.float32
+    monkeypatch.setattr(precision, "native_bf16", lambda device: (False, "CPU lacks amx_bf16 and avx512_bf16"))
+    emulated = resolve_decode_dtype("auto", torch.device("cpu"), {"fp32": 0.064, "bf16": 0.036})
+    assert emulated["dtype"] == torch.float32 and "emulated" in emulated["reason"]  # never on an emulating CPU
     monkeypatch.setattr(precision, "native_bf16", lambda device: (True, "GPU supports native bf16"))
     assert resolve_decode_dtype("auto", torch.device("cuda"))["dtype"] == torch.bfloat16
     monkeypatch.setattr(precision, "native_bf16", lambda device: (False, "GPU lacks native bf16"))

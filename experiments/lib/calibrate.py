@@ -11,6 +11,7 @@ not, since they depend on the drafter, the prompts and the sampling settings.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from experiments.lib.cli import write_atomic
+from experiments.lib.precision import native_bf16, resolve_decode_dtype
 from verify.backends.target import Target
 from verify.common.numerics import EosId
 from verify.loop.sampling import SamplingConfig
@@ -233,6 +235,40 @@ def cached_verify_cost(
     )
     log.info("verify cost: measured and wrote %s", path)
     return costs
+
+
+# ------------------------------------------------------------------------------------ decode precision
+
+CALIBRATION_DIR = ".cache/calibration"  # benchmark.yaml's budget_search.cache_dir; generate has no setting of it
+DTYPE_KS = (1, 8)  # a plain step and an 8-token verification: what decoding a draft alternates between
+
+
+def measure_decode_dtypes(
+    base: torch.nn.Module, *, key_parts: dict, cache_dir: str | Path = ".cache/calibration"
+) -> dict[str, float]:
+    """{"fp32", "bf16"}: seconds of a 1-token step plus an 8-token verification of `base` (loaded in fp32) on
+    its eager lean engine in each dtype, measured on a bf16 copy (the fp32 weights stay as they are) and
+    cached like verify costs. What dtype=auto decides by on a CPU (precision.resolve_decode_dtype)."""
+    from verify.backends.choose import make_target  # the lean engine of either kind of base
+
+    scores = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        model = base if dtype == torch.float32 else copy.deepcopy(base).to(dtype)
+        costs = cached_verify_cost(
+            make_target(model), key_parts={**key_parts, "dtype": name}, cache_dir=cache_dir, ks=DTYPE_KS
+        )
+        scores[name] = sum(costs.values())
+    return scores
+
+
+def decode_precision(
+    requested: Any, base: torch.nn.Module, device: torch.device, *, key_parts: dict, cache_dir: str | Path
+) -> dict[str, Any]:
+    """precision.resolve_decode_dtype, with the measurement auto needs on a CPU that computes bf16 natively."""
+    measured = None
+    if requested == "auto" and device.type == "cpu" and native_bf16(device)[0]:
+        measured = measure_decode_dtypes(base, key_parts=key_parts, cache_dir=cache_dir)
+    return resolve_decode_dtype(requested, device, measured)
 
 
 # ------------------------------------------------------------------------------------------- pilots

@@ -90,15 +90,20 @@ def autocast(used: str, device: torch.device) -> AbstractContextManager[Any]:
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def resolve_decode_dtype(requested: Any, device: torch.device) -> dict[str, Any]:
+def resolve_decode_dtype(
+    requested: Any, device: torch.device, measured: dict[str, float] | None = None
+) -> dict[str, Any]:
     """The dtype the target and every drafter decode in: {"requested", "used" ("bf16" or "fp32"), "reason",
     "dtype" (the torch dtype)}; a one-line ValueError for anything but auto, fp32 or bf16.
 
-    auto is bf16 on a GPU that computes it natively and fp32 on every CPU: on this project's reference CPU
-    (AMD EPYC with avx512_bf16) an eager 1-token step of the 10.5M base took 8.1 ms in bf16 against 6.4 ms in
-    fp32 (one thread: at this size the step is dominated by per-op overhead and bf16 adds conversions), so
-    native bf16 on a CPU is no reason to decode in it. Losslessness is relative to the target in the chosen
-    precision: bf16 speculative output equals bf16 plain decoding, not fp32's."""
+    auto is bf16 on a GPU that computes it natively. On a CPU it follows measurement: `measured` holds each
+    dtype's cost of a decode step plus an 8-token verification on this base and machine
+    (experiments/lib/calibrate.py `measure_decode_dtypes`), and auto takes bf16 only where the CPU computes
+    it natively (AMX or AVX512_BF16) and it measured cheaper. Why not a fixed rule: on the project's 10.5M
+    base an eager bf16 step took 8.1 ms against 6.4 ms in fp32 (per-op overhead dominates and bf16 adds
+    conversions), while on SmolLM2-135M with prepacked weights an 8-token verification costs about half of
+    fp32's. Without a measurement, auto stays fp32 on a CPU. Losslessness is relative to the target in the
+    chosen precision: bf16 speculative output equals bf16 plain decoding, not fp32's."""
     if not isinstance(requested, str) or requested not in PRECISIONS:
         raise ValueError(f"dtype={requested!r}: must be one of {', '.join(PRECISIONS)}")
     if requested != "auto":
@@ -107,7 +112,13 @@ def resolve_decode_dtype(requested: Any, device: torch.device) -> dict[str, Any]
         native, reason = native_bf16(device)
         used = "bf16" if native else "fp32"
     else:
-        used, reason = "fp32", f"{device.type}: auto decodes in fp32 off the GPU (bf16 steps measured slower)"
+        native, why = native_bf16(device)
+        if not native or measured is None:
+            used, reason = "fp32", f"{device.type}: {why}; " + ("not measured" if native else "bf16 would be emulated")
+        else:
+            used = "bf16" if measured["bf16"] < measured["fp32"] else "fp32"
+            ms = {k: f"{1e3 * v:.1f} ms" for k, v in measured.items()}
+            reason = f"{device.type}: {why}; step + 8-token verify {ms['bf16']} in bf16, {ms['fp32']} in fp32"
     return {"requested": requested, "used": used, "reason": reason, "dtype": DTYPES[used]}
 
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from verify.backends.cache import StaticCache, visibility, write_kv
 from verify.backends.engine import LeanDecoder, LeanLM, UnsupportedModel, block_depth
+from verify.backends.packed import linear
 
 
 def _check_config(config) -> None:
@@ -140,18 +141,18 @@ class LlamaDecoder(LeanDecoder):
         for index, (kind, w) in enumerate(self.blocks if blocks is None else self.blocks[: 2 * blocks]):
             h = F.rms_norm(x, (self.dim,), w[0], self.eps)
             if kind == "a":
-                q, k, v = F.linear(h, w[1], w[2]).split((q_width, kv_width, kv_width), dim=-1)
+                q, k, v = linear(h, w[1], w[2]).split((q_width, kv_width, kv_width), dim=-1)
                 q = _rotate_halves(rearrange(q, "b n (h d) -> b h n d", h=self.heads), cos, sin)
                 k = _rotate_halves(rearrange(k, "b n (h d) -> b h n d", h=self.kv_heads), cos, sin)
                 k_all, v_all = write_kv(
                     k_buf[layer], v_buf[layer], k, rearrange(v, "b n (h d) -> b h n d", h=self.kv_heads), slots
                 )
                 attended = _attend_grouped(q, k_all, v_all, mask, self.scale)
-                x = x + F.linear(rearrange(attended, "b h n d -> b n (h d)"), w[3], w[4])
+                x = x + linear(rearrange(attended, "b h n d -> b n (h d)"), w[3], w[4])
                 layer += 1
             else:
-                gate, up = F.linear(h, w[1]).chunk(2, dim=-1)
-                x = x + F.linear(F.silu(gate) * up, w[2])
+                gate, up = linear(h, w[1]).chunk(2, dim=-1)
+                x = x + linear(F.silu(gate) * up, w[2])
             if index in ends:
                 saved[ends[index]] = x
         if blocks is not None:
