@@ -8,7 +8,8 @@ summary is one method at one temperature in one job, labelled with that job's sw
 results is listed under "Failed jobs" with its error, or as "no result (killed or still running)" when it
 left neither file. Writes summary.md, summary.json (in job order, the rows and one entry per job without
 results, each with a "status": ok, failed or no result) and speedup_vs_gamma.png into the multirun dir, each
-atomically (a reader never sees half a file).
+atomically (a reader never sees half a file). Runs on prompts with categories (prompts=chat_mix, a Spec-Bench
+file) also get a table of speedup and tau per category.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from experiments.lib.by_category import category_table
 from experiments.lib.cli import FAILED_FILE, one_line, user_message, write_atomic
 from experiments.lib.report import mode, plt
 
@@ -134,6 +136,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def categories(rows: list[dict]) -> str:
+    """Speedup and tau per prompt category of every row that has them (a run on a set with categories,
+    such as prompts=chat_mix or a Spec-Bench file), each row labelled by its job's swept overrides."""
+    ok = [row for row in rows if row["status"] == "ok"]
+    return category_table({"methods": ok}, lambda row: f"{row['overrides']} {row['mode']}".strip())
+
+
 def failed_table(rows: list[dict]) -> str:
     """The jobs without results: empty when every job has its results."""
     failed = [row for row in rows if row["status"] != "ok"]
@@ -176,7 +185,7 @@ def summarize(sweep_dir: str | Path) -> list[dict]:
             f"{sweep_dir} holds no */results.json and no job directories: is it a benchmark multirun directory?"
         )
     rows = swept(rows)
-    write_atomic(sweep_dir / "summary.md", table(rows) + failed_table(rows))
+    write_atomic(sweep_dir / "summary.md", table(rows) + categories(rows) + failed_table(rows))
     write_atomic(sweep_dir / "summary.json", json.dumps(rows, indent=2, default=str) + "\n")
     ok = [row for row in rows if row["status"] == "ok"]
     if ok:  # a sweep where every job failed has nothing to plot
@@ -193,7 +202,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError) as e:  # a missing or empty directory, one we may not write into, a full disk
         print(f"error: {user_message(e) or one_line(e)}", file=sys.stderr)
         return 2
-    print(table(rows) + failed_table(rows), end="")
+    print(table(rows) + categories(rows) + failed_table(rows), end="")
     return 0
 
 

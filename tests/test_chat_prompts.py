@@ -143,3 +143,22 @@ def test_good_prompt_settings_pass(tmp_path):
     path = tmp_path / "question.jsonl"
     path.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Why?"]}) + "\n")
     check_prompts(prompts_node(file=str(path), chat=True))
+
+
+def test_summarize_reports_per_category(tmp_path):
+    from experiments.summarize import summarize
+
+    row = {"name": "medusa_chain", "temperature": 0.0, "threads": 2, "compiled": False, "gamma": 4, "tau": 2.0}
+    for job, gamma in (("0", 2), ("1", 4)):
+        (tmp_path / job / ".hydra").mkdir(parents=True)
+        (tmp_path / job / ".hydra" / "overrides.yaml").write_text(f"- decode.gamma={gamma}\n- prompts=chat_mix\n")
+        cats = {"coding": {"speedup": 1.2 * gamma, "tau": 2.5, "tokens_per_s": 9.0}}
+        if gamma == 4:
+            cats["qa"] = {"speedup": 0.9, "tau": 1.5, "tokens_per_s": 7.0}
+        methods = [{**row, "gamma": gamma, "speedup": 1.1, "categories": cats}]
+        (tmp_path / job / "results.json").write_text(json.dumps({"methods": methods}))
+    summarize(tmp_path)
+    text = (tmp_path / "summary.md").read_text()
+    assert "| method | mode | T | coding | qa | mean | overall |" in text
+    assert "| medusa_chain | decode.gamma=2 eager 2t | 0 | 2.40x (2.50) | - | 2.40x | 1.10x (2.00) |" in text
+    assert "| medusa_chain | decode.gamma=4 eager 2t | 0 | 4.80x (2.50) | 0.90x (1.50) | 2.85x | 1.10x (2.00) |" in text

@@ -63,7 +63,7 @@ def category_table(results: dict[str, Any], mode: Callable[[dict], str]) -> str:
     rows = [r for r in results["methods"] if r.get("categories")]
     if not rows:
         return ""
-    names = list(rows[0]["categories"])
+    names = list(dict.fromkeys(c for r in rows for c in r["categories"]))  # rows of several runs may differ
     header = "| method | mode | T | " + " | ".join(names) + " | mean | overall |"
     lines = [
         "\nSpeedup (tau) per category, as Spec-Bench reports; mean = the mean over categories, overall = the "
@@ -72,8 +72,9 @@ def category_table(results: dict[str, Any], mode: Callable[[dict], str]) -> str:
         "|" + "|".join(["---"] * (header.count("|") - 1)) + "|",
     ]
     for row in rows:
-        cells = [f"{row['categories'][c]['speedup']:.2f}x ({row['categories'][c]['tau']:.2f})" for c in names]
-        mean = statistics.mean(row["categories"][c]["speedup"] for c in names)
+        figures = row["categories"]
+        cells = [f"{figures[c]['speedup']:.2f}x ({figures[c]['tau']:.2f})" if c in figures else "-" for c in names]
+        mean = statistics.mean(f["speedup"] for f in figures.values())
         lines.append(
             f"| {row['name']} | {mode(row)} | {row['temperature']:g} | {' | '.join(cells)} | {mean:.2f}x "
             f"| {row['speedup']:.2f}x ({row['tau']:.2f}) |"
