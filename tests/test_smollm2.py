@@ -84,7 +84,16 @@ def test_loads_as_the_instruct_model(smol):
     assert meta["data"]["eos_id"] == EOS and tokenizer.id_to_token(EOS) == "<|im_end|>"
     # the template's markers are single special tokens, not their characters
     assert prompts[0][0] == tokenizer.token_to_id("<|im_start|>")
-    assert prompts[0][-3:] == [tokenizer.token_to_id("<|im_start|>"), *tokenizer.encode("assistant\n").ids]
+    assert prompts[0][-4:] == [tokenizer.token_to_id("<|im_start|>"), *tokenizer.encode("assistant\n").ids]
+
+
+def test_chat_prompts_are_what_transformers_feeds_the_model(smol_dir, smol):
+    _, _, _, prompts = smol
+    hf = ChatTemplate(smol_dir).hf
+    for chat, ours in zip(CHATS, prompts):
+        theirs = hf.apply_chat_template([{"role": "user", "content": chat}], tokenize=True, add_generation_prompt=True)
+        theirs = theirs["input_ids"] if not isinstance(theirs, list) else theirs
+        assert ours == list(theirs)
 
 
 def test_unknown_file_and_missing_wheel_are_one_line_errors(monkeypatch, tmp_path, smol_dir):
@@ -109,7 +118,12 @@ def test_fp32_lean_engine_equals_transformers_generate(smol):
         ours = plain_generate(target, [prompt], max_new_tokens=NEW, eos_id=EOS).tokens[0]
         assert ours == hf_greedy(base, prompt, NEW)
         spec = speculative_generate(
-            target, PromptLookupDrafter(max_ngram=3), [prompt], spec=SpecConfig(gamma=4), max_new_tokens=NEW, eos_id=EOS
+            target,
+            PromptLookupDrafter(vocab_size=49152, max_ngram=3),
+            [prompt],
+            spec=SpecConfig(gamma=4),
+            max_new_tokens=NEW,
+            eos_id=EOS,
         )
         assert spec.tokens[0] == ours
 
@@ -147,6 +161,11 @@ def test_bf16_speculative_equals_bf16_plain(smol, smol_bf16):
     target = make_target(smol_bf16)
     plain = plain_generate(target, prompts, max_new_tokens=NEW, eos_id=EOS).tokens  # a ragged batch of 3
     spec = speculative_generate(
-        target, PromptLookupDrafter(max_ngram=3), prompts, spec=SpecConfig(gamma=4), max_new_tokens=NEW, eos_id=EOS
+        target,
+        PromptLookupDrafter(vocab_size=49152, max_ngram=3),
+        prompts,
+        spec=SpecConfig(gamma=4),
+        max_new_tokens=NEW,
+        eos_id=EOS,
     )
     assert spec.tokens == plain
