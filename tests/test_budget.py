@@ -308,3 +308,21 @@ def test_timing_and_recording_wrappers_pass_the_optional_protocol_members_on():
         inner = Exit()
         wrap(inner).attach("the target")
         assert inner.target == "the target"
+
+
+def test_auto_dtype_is_measured_once_and_decides(monkeypatch, tmp_path):
+    """dtype=auto on a CPU with native bf16: both dtypes measured on the lean engine (the base's fp32 weights
+    untouched), cached, and the cheaper chosen; on a CPU that would emulate bf16 nothing is measured."""
+    from tests.conftest import make_lm
+
+    model = make_lm()
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(calibrate, "native_bf16", lambda device: (True, "CPU has amx_bf16"))
+    chosen = calibrate.decode_precision("auto", model, cpu, key_parts={"base": "t"}, cache_dir=tmp_path)
+    assert chosen["used"] in ("fp32", "bf16") and "8-token verify" in chosen["reason"]
+    assert next(model.parameters()).dtype == torch.float32  # measured on a copy
+    assert len(sorted(tmp_path.rglob("*.json"))) == 2  # one cost table per dtype
+    monkeypatch.setattr(calibrate, "measure_verify_cost", lambda *a, **k: pytest.fail("measured again"))
+    assert calibrate.decode_precision("auto", model, cpu, key_parts={"base": "t"}, cache_dir=tmp_path) == chosen
+    monkeypatch.setattr(calibrate, "native_bf16", lambda device: (False, "CPU lacks amx_bf16 and avx512_bf16"))
+    assert calibrate.decode_precision("auto", model, cpu, key_parts={"base": "u"}, cache_dir=tmp_path)["used"] == "fp32"

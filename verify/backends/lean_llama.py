@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
+from einops import rearrange, repeat
 from torch import Tensor, nn
 
-from verify.backends.cache import StaticCache, visibility, write_kv
+from verify.backends.cache import StaticCache, visibility
 from verify.backends.engine import LeanDecoder, LeanLM, UnsupportedModel, block_depth
-from verify.backends.packed import linear
 
 
 def _check_config(config) -> None:
@@ -54,14 +53,24 @@ def _rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat(x.chunk(2, dim=-1)[::-1], dim=-1) * sin
 
 
-def _attend_grouped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """q (b, h, n, dh) over k, v (b, g, S, dh), g kv heads shared by h / g query heads each, under mask
-    (b, 1, n, S): the queries of a group stack along n, so one matmul per group and no key is copied."""
-    b, h, n, _ = q.shape
-    q = rearrange(q, "b (g r) n d -> b g (r n) d", g=k.shape[1])
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (b, g, r n, S)
-    out = torch.matmul(scores.masked_fill(~mask.repeat(1, 1, h // k.shape[1], 1), float("-inf")).softmax(dim=-1), v)
-    return rearrange(out, "b g (r n) d -> b (g r) n d", n=n)
+def _group_bias(mask: Tensor, heads: int, kv_heads: int, dtype: torch.dtype) -> Tensor:
+    """mask (b, 1, n, S) -> the additive bias (b * g, r * n, S) of grouped attention (0 seen, -inf not): the r
+    query heads of a group stack along n, so the mask repeats r times. Built once per forward, not per layer."""
+    b, _, n, span = mask.shape
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return bias.expand(b, kv_heads, n, span).repeat(1, 1, heads // kv_heads, 1).reshape(-1, n * heads // kv_heads, span)
+
+
+def _attend_grouped(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """q (b, n, h, dh) over k, v (b, g, S, dh), g kv heads shared by h / g query heads each, under the additive
+    `_group_bias` -> (b, n, h * dh). The queries of a group stack along n, so one batched matmul (scale and
+    bias folded into it) covers every head and no key is copied."""
+    b, n, h, d = q.shape
+    g, span = k.shape[1], k.shape[2]
+    q = rearrange(q, "b n (g r) d -> (b g) (r n) d", g=g)
+    scores = torch.baddbmm(bias, q, k.reshape(b * g, span, d).transpose(1, 2), alpha=scale)
+    out = torch.bmm(scores.softmax(dim=-1), v.reshape(b * g, span, d))  # (b g, r n, d)
+    return rearrange(out, "(b g) (r n) d -> b n (g r d)", b=b, n=n)
 
 
 class LlamaDecoder(LeanDecoder):
@@ -133,28 +142,30 @@ class LlamaDecoder(LeanDecoder):
         n, capacity = x.shape[1], k_buf[0].shape[2]
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
         pos = slots if pos is None else pos
-        cos, sin = (rearrange(t[pos], "b n r -> b 1 n r") for t in self._table(capacity))
-        mask = visibility(start, n, allow, capacity)  # (b, 1, n, S)
-        q_width, kv_width = self.heads * self.dim_head, self.kv_heads * self.dim_head
+        cos, sin = (rearrange(t[pos], "b n r -> b n 1 r") for t in self._table(capacity))
+        # bf16 on a CPU: not SDPA, although its fused kernel is 3x faster at a few queries: past a few hundred
+        # keys its result for a query depends on how many queries share the call (measured: 4e-6 apart at 600
+        # keys), so a k-token verification would not equal k one-token steps; these bf16 matmuls are exact.
+        bias = _group_bias(visibility(start, n, allow, capacity), self.heads, self.kv_heads, x.dtype)
+        index = repeat(slots, "b n -> b h n d", h=self.kv_heads, d=self.dim_head)  # where keys/values go
+        rotated = self.heads + self.kv_heads  # queries and keys: rotated together, as (b, n, heads, dh)
         layer, saved = 0, {}
         ends = {2 * i - 1: i for i in layers}
-        for index, (kind, w) in enumerate(self.blocks if blocks is None else self.blocks[: 2 * blocks]):
+        for i, (kind, w) in enumerate(self.blocks if blocks is None else self.blocks[: 2 * blocks]):
             h = F.rms_norm(x, (self.dim,), w[0], self.eps)
             if kind == "a":
-                q, k, v = linear(h, w[1], w[2]).split((q_width, kv_width, kv_width), dim=-1)
-                q = _rotate_halves(rearrange(q, "b n (h d) -> b h n d", h=self.heads), cos, sin)
-                k = _rotate_halves(rearrange(k, "b n (h d) -> b h n d", h=self.kv_heads), cos, sin)
-                k_all, v_all = write_kv(
-                    k_buf[layer], v_buf[layer], k, rearrange(v, "b n (h d) -> b h n d", h=self.kv_heads), slots
-                )
-                attended = _attend_grouped(q, k_all, v_all, mask, self.scale)
-                x = x + linear(rearrange(attended, "b h n d -> b n (h d)"), w[3], w[4])
+                qkv = rearrange(F.linear(h, w[1], w[2]), "b n (h d) -> b n h d", d=self.dim_head)
+                qk = _rotate_halves(qkv[:, :, :rotated], cos, sin)
+                k, v = (rearrange(t, "b n h d -> b h n d") for t in (qk[:, :, self.heads :], qkv[:, :, rotated:]))
+                k_all, v_all = k_buf[layer].scatter_(2, index, k), v_buf[layer].scatter_(2, index, v)
+                attended = _attend_grouped(qk[:, :, : self.heads], k_all, v_all, bias, self.scale)
+                x = x + F.linear(attended, w[3], w[4])
                 layer += 1
             else:
-                gate, up = linear(h, w[1]).chunk(2, dim=-1)
-                x = x + linear(F.silu(gate) * up, w[2])
-            if index in ends:
-                saved[ends[index]] = x
+                gate, up = F.linear(h, w[1]).chunk(2, dim=-1)
+                x = x + F.linear(F.silu(gate) * up, w[2])
+            if i in ends:
+                saved[ends[i]] = x
         if blocks is not None:
             return x
         hidden = F.rms_norm(x, (self.dim,), self.final_gain, self.eps)
