@@ -27,6 +27,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from verify.backends.cache import StaticCache, visibility, write_kv
+from verify.backends.packed import linear, pack
 
 _ATTN_OFF = dict(  # Attention attributes that must have these values (anything else changes the math)
     num_mem_kv=0,
@@ -333,15 +334,15 @@ class LeanDecoder:
         for index, (kind, w) in enumerate(self.blocks if blocks is None else self.blocks[: 2 * blocks]):
             h = F.layer_norm(x, (self.dim,), w[0])
             if kind == "a":
-                qkv = rearrange(F.linear(h, w[1], w[2]), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+                qkv = rearrange(linear(h, w[1], w[2]), "b n (three h d) -> three b h n d", three=3, h=self.heads)
                 q, k = _rotate(qkv[:2], cos, sin)  # one rotation for queries and keys together
                 k_all, v_all = write_kv(k_buf[layer], v_buf[layer], k, qkv[2], slots)  # (b, h, S, dh)
-                x = x + F.linear(
+                x = x + linear(
                     rearrange(_attend(q, k_all, v_all, mask, self.scale), "b h n d -> b n (h d)"), w[3], w[4]
                 )
                 layer += 1
             else:
-                x = x + F.linear(F.gelu(F.linear(h, w[1], w[2])), w[3], w[4])
+                x = x + linear(F.gelu(linear(h, w[1], w[2])), w[3], w[4])
             if index in ends:
                 saved[ends[index]] = x
         if blocks is not None:
@@ -391,6 +392,14 @@ class LeanLM:
         self.vocab_size, self.max_seq_len = wrapper.num_tokens, wrapper.max_seq_len
         self.step, self.compiled = self.forward, False  # or its compiled version (`lean(..., compile=True)`)
         self.block_steps: dict = {}  # decode mode -> `forward_blocks` in it (an early-exit drafter's step)
+
+    def pack_weights(self) -> None:
+        """Eager bf16 on a CPU: every weight matrix of the blocks and the output layer prepacked for oneDNN
+        (verify/backends/packed.py), once; anything else is left as it is. Results are bitwise the same."""
+        self.decoder.blocks = [
+            (kind, tuple(pack(t) if i else t for i, t in enumerate(w))) for kind, w in self.decoder.blocks
+        ]
+        self.head_weight = pack(self.head_weight)
 
     def __call__(
         self,
@@ -447,5 +456,5 @@ class LeanLM:
     ) -> tuple[Tensor, ...]:
         out = self.decoder.forward(F.embedding(tokens, self.embedding), k_buf, v_buf, start, pos, allow, layers)
         hidden, states = out if layers else (out, None)
-        logits = F.linear(hidden, self.head_weight, self.head_bias)
+        logits = linear(hidden, self.head_weight, self.head_bias)
         return (logits, hidden) if states is None else (logits, hidden, states)

@@ -58,6 +58,8 @@ def lean(module: nn.Module, build=None, *, compile: bool | str = False, vocab: T
         return cached[2]
     params = tuple(module.parameters())
     engine = build(module) if vocab is None else build(module, vocab)
+    if not compile and hasattr(engine, "pack_weights"):  # eager bf16 on a CPU: weights prepacked for oneDNN
+        engine.pack_weights()
     check_against_reference(module, engine)
     if compile is True:
         # Inductor's on-disk cache lets a second process skip code generation (26 s -> 7 s here); keep

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from verify.backends.cache import StaticCache, visibility
 from verify.backends.engine import LeanDecoder, LeanLM, UnsupportedModel, block_depth
+from verify.backends.packed import linear
 
 
 def _check_config(config) -> None:
@@ -154,16 +155,16 @@ class LlamaDecoder(LeanDecoder):
         for i, (kind, w) in enumerate(self.blocks if blocks is None else self.blocks[: 2 * blocks]):
             h = F.rms_norm(x, (self.dim,), w[0], self.eps)
             if kind == "a":
-                qkv = rearrange(F.linear(h, w[1], w[2]), "b n (h d) -> b n h d", d=self.dim_head)
+                qkv = rearrange(linear(h, w[1], w[2]), "b n (h d) -> b n h d", d=self.dim_head)
                 qk = _rotate_halves(qkv[:, :, :rotated], cos, sin)
                 k, v = (rearrange(t, "b n h d -> b h n d") for t in (qk[:, :, self.heads :], qkv[:, :, rotated:]))
                 k_all, v_all = k_buf[layer].scatter_(2, index, k), v_buf[layer].scatter_(2, index, v)
                 attended = _attend_grouped(qk[:, :, : self.heads], k_all, v_all, bias, self.scale)
-                x = x + F.linear(attended, w[3], w[4])
+                x = x + linear(attended, w[3], w[4])
                 layer += 1
             else:
-                gate, up = F.linear(h, w[1]).chunk(2, dim=-1)
-                x = x + F.linear(F.silu(gate) * up, w[2])
+                gate, up = linear(h, w[1]).chunk(2, dim=-1)
+                x = x + linear(F.silu(gate) * up, w[2])
             if i in ends:
                 saved[ends[i]] = x
         if blocks is not None:
