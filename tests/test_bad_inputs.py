@@ -289,7 +289,7 @@ BENCHMARK = [
     ("prompts.file={blank_txt}", "holds no prompts"),
     (
         "prompts.file={no_prompt_jsonl}",
-        "no_prompt.jsonl:2 must be a JSON string or an object with a string field 'prompt'",
+        "no_prompt.jsonl:2 must be a JSON string, an object with a string field 'prompt', or a Spec-Bench question",
     ),
     ("prompts.file={prompts_json}", "name a JSON-lines file .jsonl"),
     ("prompts.file={latin1_txt}", "is not UTF-8 text"),
@@ -353,7 +353,10 @@ BASELINE = [
     ("repeats=0", "repeats=0"),
     ("seed=[0]", "seed=[0]"),
     ("prompts.num_prompts=0", "prompts.num_prompts=0"),
-    ("prompts.file={no_prompt_jsonl}", "must be a JSON string or an object with a string field 'prompt'"),
+    (
+        "prompts.file={no_prompt_jsonl}",
+        "must be a JSON string, an object with a string field 'prompt', or a Spec-Bench question",
+    ),
     ("base_checkpoint={sequential}", "is a drafter checkpoint (kind=drafter)"),
     ("base_checkpoint={truncated}", "corrupted or truncated"),
 ]

@@ -23,8 +23,11 @@ GROUPS = ["base", "data", "optim", "logger", "experiment"]  # the groups train_b
 REQUIRED = {"data=files": ["data.paths=[experiments]"], "data=hub": ["data.hub_name=some/dataset"]}
 
 
+PRETRAINED = {"smollm2"}  # conf/base/ files that name a pretrained base (base_checkpoint), not sizes
+
+
 def options(group: str) -> list[str]:
-    names = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    names = sorted(p.stem for p in (CONF / group).glob("*.yaml") if not (group == "base" and p.stem in PRETRAINED))
     # experiment files named base_* are train_base recipes; the others configure the benchmark
     # (composed in tests/test_experiments.py)
     return [n for n in names if n.startswith("base_")] if group == "experiment" else names
@@ -51,6 +54,17 @@ def test_every_group_has_options() -> None:
 def test_every_option_composes_and_validates(choice: str) -> None:
     cfg = make_cfg(choice, *REQUIRED.get(choice, []))
     validate_config(cfg)  # resolves every interpolation, checks every value, builds nothing
+
+
+@pytest.mark.parametrize("name", sorted(PRETRAINED))
+def test_a_pretrained_base_is_every_entry_points_base_checkpoint_and_not_trained(name: str) -> None:
+    for entry in ("benchmark", "generate", "train_drafter", "cache_features", "peer"):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(entry, overrides=[f"base={name}"])
+        assert OmegaConf.to_container(cfg)["base_checkpoint"] == f"${{pretrained:{name},artifacts}}", entry
+    assert (CONF / "base" / f"{name}.yaml").read_text().startswith("# @package _global_")
+    with pytest.raises(ValueError, match="this base is pretrained .*: train_base trains from scratch"):
+        validate_config(make_cfg(f"base={name}"))
 
 
 @pytest.mark.parametrize("name", options("base"))
