@@ -5,8 +5,7 @@ name in conf/ (train_seq2seq's is conf/seq2seq.yaml): train_base, cache_features
 generate, baseline, peer, grow_tree, train_seq2seq, summarize, curves. An entry point parses its config and
 calls the library; it never imports another entry point.
 
-experiments/lib/ is the library they share: model building (lm), data and prompts, the feature cache,
-checkpoints, the artifact cache, the one training loop (training) with the base and drafter trainers, the
-drafter-family registry (families), the methods registry and config checks of the decoding entry points,
-reporting, loggers, command-line error handling (cli). tests/test_structure.py checks these rules.
+experiments/lib/ is the library they share, as subpackages that stack one way (common, data, store, families,
+training, methods, report, cli; lowest first, listed in experiments/lib/__init__.py). tests/test_structure.py
+checks these rules.
 """

@@ -5,8 +5,8 @@
 Our plain decoding is the baseline of every speedup, so it must be at least as fast as the library's
 generate. Both run greedy with a KV cache, batch 1, one prompt at a time, interleaved over `repeats`
 rounds after a warm-up; the outputs must be identical. Prints one JSON object as the last line.
-It reads the benchmark's config, checked by experiments/lib/decode_checks.py; its prompts and base checkpoint
-come from experiments/lib/methods.py, as the benchmark's do.
+It reads the benchmark's config, checked by experiments/lib/methods/decode_checks.py; its prompts and base checkpoint
+come from experiments/lib/methods/registry.py, as the benchmark's do.
 """
 
 from __future__ import annotations
@@ -21,13 +21,19 @@ import torch
 from omegaconf import DictConfig, ListConfig
 from x_transformers import AutoregressiveWrapper
 
-from experiments.lib.checkpoint import load_lm
-from experiments.lib.cli import exit_on_user_error
-from experiments.lib.decode_checks import check_checkpoints, check_decode, check_prompts, check_run, command_line_keys
-from experiments.lib.methods import checkpoint_for
-from experiments.lib.preflight import hydra_preflight
-from experiments.lib.prompt_set import get_prompts
-from experiments.lib.settings import check_bool, check_int
+from experiments.lib.cli.preflight import hydra_preflight
+from experiments.lib.common.errors import exit_on_user_error
+from experiments.lib.methods.decode_checks import (
+    check_checkpoints,
+    check_decode,
+    check_prompts,
+    check_run,
+    command_line_keys,
+)
+from experiments.lib.methods.prompt_set import get_prompts
+from experiments.lib.methods.registry import checkpoint_for
+from experiments.lib.store.checkpoint import load_lm
+from experiments.lib.training.settings import check_bool, check_int
 from verify.backends.hf import HFBase
 from verify.backends.target import Target
 from verify.loop.plain import plain_generate

@@ -13,9 +13,9 @@ run fails loudly. Writes results.json, results.md and PNG plots into its run dir
 and prints one JSON object as the last line of standard output.
 
 This file holds the protocol itself (timing rounds, table rows, budget=auto's choices). The methods and
-their drafters come from experiments/lib/methods.py; every setting is checked first by
-experiments/lib/decode_checks.py (check_benchmark); the figures of a round are verify/loop/stats.py's
-DecodeStats pooled over the round's batches; the report is experiments/lib/report.py's.
+their drafters come from experiments/lib/methods/registry.py; every setting is checked first by
+experiments/lib/methods/decode_checks.py (check_benchmark); the figures of a round are verify/loop/stats.py's
+DecodeStats pooled over the round's batches; the report is experiments/lib/report/results.py's.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.lib.by_category import category_batches, category_figures, per_category
-from experiments.lib.calibrate import (
+from experiments.lib.cli.preflight import hydra_preflight
+from experiments.lib.common.errors import exit_on_user_error
+from experiments.lib.families.registry import FAMILIES, TREE_FAMILIES
+from experiments.lib.methods.calibrate import (
     cached_verify_cost,
     choose_chain_budget,
     choose_tree_budget,
@@ -46,12 +48,9 @@ from experiments.lib.calibrate import (
     device_info,
     format_cost_table,
 )
-from experiments.lib.checkpoint import load_lm
-from experiments.lib.cli import exit_on_user_error
-from experiments.lib.decode_checks import check_benchmark, check_exact, sampling_for
-from experiments.lib.families import FAMILIES, TREE_FAMILIES
-from experiments.lib.lm import count_parameters
-from experiments.lib.methods import (
+from experiments.lib.methods.decode_checks import check_benchmark, check_exact, sampling_for
+from experiments.lib.methods.prompt_set import add_second_turns, get_prompt_set, get_prompts
+from experiments.lib.methods.registry import (
     FAMILY_METHODS,
     check_drafters_before_base,
     checkpoint_for,
@@ -59,11 +58,12 @@ from experiments.lib.methods import (
     recorded_config,
     verify_widths,
 )
-from experiments.lib.precision import decode_in
-from experiments.lib.preflight import hydra_preflight
-from experiments.lib.prompt_set import add_second_turns, get_prompt_set, get_prompts
-from experiments.lib.report import mode, repeated_ngram_share, write_report
-from experiments.lib.settings import resolve_device
+from experiments.lib.report.by_category import category_batches, category_figures, per_category
+from experiments.lib.report.results import mode, repeated_ngram_share, write_report
+from experiments.lib.store.checkpoint import load_lm
+from experiments.lib.store.lm import count_parameters
+from experiments.lib.training.precision import decode_in
+from experiments.lib.training.settings import resolve_device
 from verify.backends.choose import make_target
 from verify.backends.target import Target
 from verify.common.numerics import EosId
@@ -346,7 +346,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
 
 
 def compile_widths(cfg: DictConfig, spec: SpecConfig) -> tuple[int, ...]:
-    """Verify widths a compiled target pads to (experiments/lib/methods.py verify_widths): at a fixed budget
+    """Verify widths a compiled target pads to (experiments/lib/methods/registry.py verify_widths): at a fixed budget
     the chains' decode.gamma; with budget=auto every gamma and tree size its search may try instead."""
     if cfg.budget != "auto":
         return verify_widths(cfg, [spec.gamma])

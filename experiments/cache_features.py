@@ -19,12 +19,12 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.lib.checkpoint import load_lm, tokenizer_mismatch
-from experiments.lib.cli import exit_on_user_error
-from experiments.lib.data import base_data_config, prepare_data
-from experiments.lib.features import check_features_config, default_seq_len, feature_spec, open_features
-from experiments.lib.preflight import hydra_preflight
-from experiments.lib.settings import resolve_device
+from experiments.lib.cli.preflight import hydra_preflight
+from experiments.lib.common.errors import exit_on_user_error
+from experiments.lib.data.pipeline import base_data_config, prepare_data
+from experiments.lib.store.checkpoint import load_lm, tokenizer_mismatch
+from experiments.lib.training.features import check_features_config, default_seq_len, feature_spec, open_features
+from experiments.lib.training.settings import resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ warm-up): timings here are a demonstration; experiments.benchmark measures speed
 temperature 0 a lossless rule must reproduce plain decoding token for token, or this fails loudly.
 
 The settings are checked, and the method's drafter made, by the library the benchmark uses:
-experiments/lib/decode_checks.py and experiments/lib/methods.py. This file holds the console tool itself.
+experiments/lib/methods/decode_checks.py and experiments/lib/methods/registry.py. This file holds the console tool
+itself.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from rich.table import Table
 from rich.text import Text
 from tokenizers import Tokenizer
 
-from experiments.lib.calibrate import CALIBRATION_DIR, decode_precision
-from experiments.lib.chat import ChatTemplate, chat_template_for, encode_special
-from experiments.lib.checkpoint import load_lm
-from experiments.lib.cli import USER_ERRORS, exit_on_user_error, one_line
-from experiments.lib.decode_checks import (
+from experiments.lib.cli.preflight import hydra_preflight
+from experiments.lib.common.errors import USER_ERRORS, exit_on_user_error, one_line
+from experiments.lib.data.chat import ChatTemplate, chat_template_for, encode_special
+from experiments.lib.data.prompts import check_prompt_text
+from experiments.lib.methods.calibrate import CALIBRATION_DIR, decode_precision
+from experiments.lib.methods.decode_checks import (
     check_checkpoints,
     check_decode,
     check_exact,
@@ -47,7 +49,7 @@ from experiments.lib.decode_checks import (
     command_line_keys,
     sampling_for,
 )
-from experiments.lib.methods import (
+from experiments.lib.methods.registry import (
     DRAFTER_KINDS,
     METHODS,
     check_drafters_before_base,
@@ -56,10 +58,9 @@ from experiments.lib.methods import (
     make_methods,
     verify_widths,
 )
-from experiments.lib.precision import decode_in, resolve_decode_dtype
-from experiments.lib.preflight import hydra_preflight
-from experiments.lib.prompts import check_prompt_text
-from experiments.lib.settings import check_bool, check_int
+from experiments.lib.store.checkpoint import load_lm
+from experiments.lib.training.precision import decode_in, resolve_decode_dtype
+from experiments.lib.training.settings import check_bool, check_int
 from verify.backends.choose import make_target
 from verify.backends.graphs import check_mode
 from verify.backends.target import Target, TargetOutput

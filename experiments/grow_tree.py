@@ -19,9 +19,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from experiments.lib.checkpoint import load_checkpoint
-from experiments.lib.cli import exit_on_user_error
-from experiments.lib.preflight import hydra_preflight
+from experiments.lib.cli.preflight import hydra_preflight
+from experiments.lib.common.errors import exit_on_user_error
+from experiments.lib.store.checkpoint import load_checkpoint
 from medusa.trees import tree_from_accuracies
 
 # The families whose trees are static trees of head ranks (FAMILIES[...].head_tree), and the module setting

@@ -14,7 +14,8 @@ Batch 1 for every pair (transformers' assisted generation and prompt lookup take
 batch sizes our batched decoding is timed beside transformers' batched plain generate.
 tau = new tokens per forward of the target (for transformers counted by a hook on the target's
 backbone); tokens/s = new tokens over wall time; ratio = ours / theirs, median over interleaved rounds.
-Its settings are checked with experiments/lib/decode_checks.py's and experiments/lib/settings.py's validators.
+Its settings are checked with experiments/lib/methods/decode_checks.py's and experiments/lib/training/settings.py's
+validators.
 """
 
 from __future__ import annotations
@@ -31,16 +32,16 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.lib.artifacts import ensure
-from experiments.lib.calibrate import cpu_model, device_info, device_line
-from experiments.lib.checkpoint import is_hf_directory, load_lm, read_meta, tokenizer_mismatch
-from experiments.lib.cli import exit_on_user_error, write_atomic
-from experiments.lib.data import base_data_config, prepare_data
-from experiments.lib.decode_checks import check_checkpoints, check_prompt_lookup, check_run
-from experiments.lib.preflight import hydra_preflight
-from experiments.lib.prompts import heldout_prompts
-from experiments.lib.rundir import check_writable
-from experiments.lib.settings import check_bool, check_int
+from experiments.lib.cli.preflight import hydra_preflight
+from experiments.lib.common.errors import exit_on_user_error, write_atomic
+from experiments.lib.data.pipeline import base_data_config, prepare_data
+from experiments.lib.data.prompts import heldout_prompts
+from experiments.lib.methods.calibrate import cpu_model, device_info, device_line
+from experiments.lib.methods.decode_checks import check_checkpoints, check_prompt_lookup, check_run
+from experiments.lib.store.checkpoint import is_hf_directory, load_lm, read_meta, tokenizer_mismatch
+from experiments.lib.store.rundir import check_writable
+from experiments.lib.training.artifacts import ensure
+from experiments.lib.training.settings import check_bool, check_int
 from verify.backends.choose import ENGINES, make_target
 from verify.backends.hf import HFBase
 from verify.drafters.draft_model import DraftModelDrafter

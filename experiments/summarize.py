@@ -3,8 +3,8 @@
     python -m experiments.summarize multirun/benchmark/2026-11-22_10-00-00
 
 Every job directory under the multirun holds Hydra's .hydra/overrides.yaml and, when the job got that far,
-results.json (experiments/benchmark.py) or failed.json (experiments/lib/cli.py: a job that failed). A row of the
-summary is one method at one temperature in one job, labelled with that job's swept overrides; a job without
+results.json (experiments/benchmark.py) or failed.json (experiments/lib/common/errors.py: a job that failed). A row of
+the summary is one method at one temperature in one job, labelled with that job's swept overrides; a job without
 results is listed under "Failed jobs" with its error, or as "no result (killed or still running)" when it
 left neither file. Writes summary.md, summary.json (in job order, the rows and one entry per job without
 results, each with a "status": ok, failed or no result) and speedup_vs_gamma.png into the multirun dir, each
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from experiments.lib.by_category import category_table
-from experiments.lib.cli import FAILED_FILE, one_line, user_message, write_atomic
-from experiments.lib.report import mode, plt
+from experiments.lib.common.errors import FAILED_FILE, one_line, user_message, write_atomic
+from experiments.lib.report.by_category import category_table
+from experiments.lib.report.results import mode, plt
 
 COLUMNS = (
     "overrides",

@@ -5,7 +5,7 @@
     python -m experiments.train_base hydra.run.dir=outputs/train_base/<run>   # resume a crashed run
     torchrun --standalone --nproc_per_node 2 -m experiments.train_base hydra.run.dir=outputs/train_base/<run>
 
-The work is experiments.lib.base_trainer.train(cfg), a plain function tests call with a composed config.
+The work is experiments.lib.training.base_trainer.train(cfg), a plain function tests call with a composed config.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import json
 import hydra
 from omegaconf import DictConfig
 
-from experiments.lib.base_trainer import train
-from experiments.lib.cli import exit_on_user_error
-from experiments.lib.preflight import hydra_preflight
+from experiments.lib.cli.preflight import hydra_preflight
+from experiments.lib.common.errors import exit_on_user_error
+from experiments.lib.training.base_trainer import train
 
 
 @hydra_preflight

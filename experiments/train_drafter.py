@@ -7,8 +7,8 @@ head) on a frozen base, by self-distillation.
     python -m experiments.train_drafter drafter=draft base_checkpoint=...
     torchrun --standalone --nproc_per_node 2 -m experiments.train_drafter drafter=medusa base_checkpoint=...
 
-The work is experiments.lib.drafter_trainer.train(cfg); the families are registered in
-experiments/lib/families.py.
+The work is experiments.lib.training.drafter_trainer.train(cfg); the families are registered in
+experiments/lib/families/registry.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import json
 import hydra
 from omegaconf import DictConfig
 
-from experiments.lib.cli import exit_on_user_error
-from experiments.lib.drafter_trainer import train
-from experiments.lib.preflight import hydra_preflight
+from experiments.lib.cli.preflight import hydra_preflight
+from experiments.lib.common.errors import exit_on_user_error
+from experiments.lib.training.drafter_trainer import train
 
 
 @hydra_preflight

@@ -1,13 +1,13 @@
 """Encoder-decoder targets end to end: train a target and a smaller draft encoder-decoder on stdlib
-function -> docstring summary (experiments/lib/seq2seq_data.py), then benchmark plain decoding against
-draft-model and prompt-lookup speculative decoding on held-out pairs (experiments/lib/seq2seq_bench.py).
+function -> docstring summary (experiments/lib/data/seq2seq.py), then benchmark plain decoding against
+draft-model and prompt-lookup speculative decoding on held-out pairs (experiments/lib/report/seq2seq_bench.py).
 
     python -m experiments.train_seq2seq                                  # mode=all: train both, benchmark
     python -m experiments.train_seq2seq mode=train train.target_minutes=3 train.draft_minutes=1
     python -m experiments.train_seq2seq mode=bench checkpoints=outputs/seq2seq/<run>
 
 `run(cfg)` is a plain function (tests call it through Hydra's compose API); `main` only wraps it. The
-run directory gets target/ and draft/, each a training run of the shared loop (experiments/lib/training.py:
+run directory gets target/ and draft/, each a training run of the shared loop (experiments/lib/training/loop.py:
 checkpoint/ the weights of the lowest validation loss, validated every train.eval_every steps; last/ the
 latest, written every train.checkpoint_every steps; metrics.jsonl), and the benchmark's results.md /
 results.json. Rerun with the same run directory after a crash: a finished model is reused, an unfinished
@@ -31,24 +31,15 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from x_transformers import XTransformer
 
-from experiments.lib.checkpoint import checkpoint_exists, load_checkpoint, load_model, read_meta, save_checkpoint
-from experiments.lib.cli import exit_on_user_error
-from experiments.lib.data import prepare_data
-from experiments.lib.distributed import Dist
-from experiments.lib.preflight import hydra_preflight
-from experiments.lib.rundir import RunLock, check_checkpoint_dir
-from experiments.lib.seq2seq_bench import benchmark
-from experiments.lib.seq2seq_data import Pairs, pad_batch, seq2seq_pairs
-from experiments.lib.settings import (
-    check_bool,
-    check_int,
-    check_number,
-    check_recipe,
-    data_recipe,
-    require,
-    resolve_device,
-)
-from experiments.lib.training import (
+from experiments.lib.cli.preflight import hydra_preflight
+from experiments.lib.common.errors import exit_on_user_error
+from experiments.lib.data.pipeline import prepare_data
+from experiments.lib.data.seq2seq import Pairs, pad_batch, seq2seq_pairs
+from experiments.lib.report.seq2seq_bench import benchmark
+from experiments.lib.store.checkpoint import checkpoint_exists, load_checkpoint, load_model, read_meta, save_checkpoint
+from experiments.lib.store.rundir import RunLock, check_checkpoint_dir
+from experiments.lib.training.distributed import Dist
+from experiments.lib.training.loop import (
     CHECKPOINT_DIRS,
     SEED_STRIDE,
     LoopSettings,
@@ -58,6 +49,15 @@ from experiments.lib.training import (
     make_optimizer,
     prepare_run_dir,
     resume_point,
+)
+from experiments.lib.training.settings import (
+    check_bool,
+    check_int,
+    check_number,
+    check_recipe,
+    data_recipe,
+    require,
+    resolve_device,
 )
 from verify.common.numerics import is_finite_number
 from verify.loop.sampling import SamplingConfig

@@ -1,4 +1,4 @@
-"""The sequential (Hydra) heads' training side, as registered in experiments/lib/families.py.
+"""The sequential (Hydra) heads' training side, as registered in experiments/lib/families/registry.py.
 
 The same three functions, signatures and conventions as medusa/train.py (read its docstring):
 

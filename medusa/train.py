@@ -1,6 +1,6 @@
-"""Medusa's training side, as registered in experiments/lib/families.py (the drafter training loop calls it).
+"""Medusa's training side, as registered in experiments/lib/families/registry.py (the drafter training loop calls it).
 
-The entry point owns the loop and hands over a FeatureBatch (experiments/lib/features.py): tokens (B, T + 1)
+The entry point owns the loop and hands over a FeatureBatch (experiments/lib/training/features.py): tokens (B, T + 1)
 and the frozen base's outputs on tokens[:, :-1]: hidden (B, T, d) and its top-k next-token distribution
 (top_ids, top_logp (B, T, k)). These three functions are Medusa's:
 

@@ -1,4 +1,4 @@
-"""The block prophet's training side, as registered in experiments/lib/families.py: `build`, `loss`, `evaluate`
+"""The block prophet's training side, as registered in experiments/lib/families/registry.py: `build`, `loss`, `evaluate`
 (the inference side, make_drafter, is in prophet/block_drafter.py). The batch is a FeatureBatch of the
 feature cache for inputs tokens[:, :-1]: hidden f_0 .. f_{T-1}, the base's top-k next-token distribution at
 each index, and for a fused prophet the residual states of its blocks.

@@ -1,8 +1,8 @@
-"""The prophet's training side, as registered in experiments/lib/families.py.
+"""The prophet's training side, as registered in experiments/lib/families/registry.py.
 
 Three functions, nothing else: `build` the module on a frozen base, its `loss` on a batch, `evaluate`
 its multi-step agreement with the base (the inference side, make_drafter, is in prophet/drafter.py).
-The loop hands over a FeatureBatch (experiments/lib/features.py) for inputs tokens[:, :-1]: hidden (B, T, d) =
+The loop hands over a FeatureBatch (experiments/lib/training/features.py) for inputs tokens[:, :-1]: hidden (B, T, d) =
 f_0 .. f_{T-1} (final hidden, after the final norm), the base's top-k next-token distribution
 (top_ids, top_logp (B, T, k)) and, for a prophet with fuse_layers, the residual states of those blocks.
 

@@ -64,11 +64,11 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: str):
-    """Checkpoint directory of a tiny base trained through experiments.lib.base_trainer.train (the recipe is
+    """Checkpoint directory of a tiny base trained through experiments.lib.training.base_trainer.train (the recipe is
     tests/test_experiments.py's BASE), one per test module."""
     from pathlib import Path
 
-    from experiments.lib import base_trainer
+    from experiments.lib.training import base_trainer
     from tests.test_experiments import BASE, make_cfg
 
     out_dir = tmp_path_factory.mktemp("base")

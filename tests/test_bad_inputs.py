@@ -31,10 +31,14 @@ from experiments import baseline
 from experiments import benchmark as bench_mod
 from experiments import generate as gen
 from experiments import peer as peer_mod
-from experiments.lib import artifacts, decode_checks, methods, preflight, report
-from experiments.lib.checkpoint import save_checkpoint
-from experiments.lib.cli import USER_ERRORS, write_atomic
-from experiments.lib.lm import build_lm
+from experiments.lib.cli import preflight
+from experiments.lib.common.errors import USER_ERRORS, write_atomic
+from experiments.lib.methods import decode_checks
+from experiments.lib.methods import registry as methods
+from experiments.lib.report import results as report
+from experiments.lib.store.checkpoint import save_checkpoint
+from experiments.lib.store.lm import build_lm
+from experiments.lib.training import artifacts
 
 ROOT = Path(__file__).resolve().parents[1]
 PARSER = OverridesParser.create()
@@ -171,7 +175,7 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     def work(*args, **kwargs):
         raise AssertionError("a model was loaded or trained before the settings were checked")
 
-    # Where each name is looked up: the entry points load the base; experiments/lib/methods.py trains artifacts
+    # Where each name is looked up: the entry points load the base; experiments/lib/methods/registry.py trains artifacts
     # (checkpoint_for), loads drafters and draft models, and reads the corpus (prompts, the drafters' vocabulary).
     for module, names in (
         (bench_mod, ("load_lm",)),
@@ -495,7 +499,7 @@ def test_report_on_a_full_disk_keeps_the_previous_results(tmp_path: Path, monkey
 
 
 def test_artifact_result_on_a_full_disk_leaves_no_partial_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from experiments.lib import base_trainer
+    from experiments.lib.training import base_trainer
 
     monkeypatch.setattr(base_trainer, "train", lambda cfg: {"step": 1})
     monkeypatch.setattr(os, "fsync", full_disk)
@@ -603,7 +607,7 @@ def test_every_family_passes_the_stand_in_check_with_good_settings(base: str, fa
 
 # --------------------------------------------------------------------- failures inside Hydra, before main(cfg)
 # Hydra composes the config and creates the run directory before the entry point's code runs; hydra_preflight
-# (experiments/lib/preflight.py) checks both first. The entry points run in this process (sys.argv as typed), with
+# (experiments/lib/cli/preflight.py) checks both first. The entry points run in this process (sys.argv as typed), with
 # their work replaced by a stub: a check that lets a bad command line through reaches the stub, not the work.
 
 

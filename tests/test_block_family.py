@@ -16,10 +16,13 @@ from omegaconf import OmegaConf
 
 from experiments import benchmark as bench_mod
 from experiments.grow_tree import HEADS, grow
-from experiments.lib import decode_checks, drafter_trainer, families, methods
-from experiments.lib.checkpoint import load_lm
-from experiments.lib.features import teacher_batch
-from experiments.lib.lm import build_lm
+from experiments.lib.families import registry as families
+from experiments.lib.methods import decode_checks
+from experiments.lib.methods import registry as methods
+from experiments.lib.store.checkpoint import load_lm
+from experiments.lib.store.lm import build_lm
+from experiments.lib.training import drafter_trainer
+from experiments.lib.training.features import teacher_batch
 from prophet import block_drafter, block_train
 from prophet.block import BlockProphet
 from prophet.block_drafter import BlockProphetDrafter

@@ -129,8 +129,8 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from experiments.lib import calibrate  # noqa: E402
-from experiments.lib.calibrate import (  # noqa: E402
+from experiments.lib.methods import calibrate  # noqa: E402
+from experiments.lib.methods.calibrate import (  # noqa: E402
     cached_verify_cost,
     choose_chain_budget,
     choose_tree_budget,
@@ -288,7 +288,7 @@ def test_timing_and_recording_wrappers_pass_the_optional_protocol_members_on():
     drafter.target_layers; an early-exit drafter needs `attach(target)`. A wrapper that hid either would
     make every such pilot or recording fail; one that invented them would change what the loop does."""
     from experiments.generate import RecordingDrafter
-    from experiments.lib.calibrate import _BeginTimer
+    from experiments.lib.methods.calibrate import _BeginTimer
 
     class Fused:
         vocab_size, target_layers = 7, (2, 5)

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.lib import chat_mix
-from experiments.lib.by_category import category_batches, category_figures, category_table, per_category
-from experiments.lib.decode_checks import check_prompts
-from experiments.lib.prompts import Question, read_questions, select_questions, write_questions
-from experiments.lib.report import mode
-from experiments.lib.sources import is_validation
+from experiments.lib.data import chat_mix
+from experiments.lib.data.prompts import Question, read_questions, select_questions, write_questions
+from experiments.lib.data.sources import is_validation
+from experiments.lib.methods.decode_checks import check_prompts
+from experiments.lib.report.by_category import category_batches, category_figures, category_table, per_category
+from experiments.lib.report.results import mode
 
 
 def test_spec_bench_questions_round_trip(tmp_path):

@@ -13,10 +13,10 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.lib.base_trainer import validate_config
-from experiments.lib.data import prepare_data
-from experiments.lib.lm import count_parameters
-from experiments.lib.settings import data_recipe
+from experiments.lib.data.pipeline import prepare_data
+from experiments.lib.store.lm import count_parameters
+from experiments.lib.training.base_trainer import validate_config
+from experiments.lib.training.settings import data_recipe
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ["base", "data", "optim", "logger", "experiment"]  # the groups train_base composes
@@ -70,7 +70,7 @@ def test_a_pretrained_base_is_every_entry_points_base_checkpoint_and_not_trained
 @pytest.mark.parametrize("name", options("base"))
 def test_base_presets_build(name: str) -> None:
     cfg = make_cfg(f"base={name}")
-    assert cfg.base._target_ == "experiments.lib.lm.build_lm"
+    assert cfg.base._target_ == "experiments.lib.store.lm.build_lm"
     assert cfg.base.num_tokens == cfg.data.vocab_size and cfg.base.max_seq_len == 256
     model = instantiate(cfg.base)
     assert 1e6 < count_parameters(model) < 12e6
@@ -185,8 +185,8 @@ def test_generate_after_make_demo_trains_nothing() -> None:
     """`make demo` (benchmark experiment=demo) and the README's next command (generate, no overrides) name the
     same artifact of every kind: same recipe, same overrides of train_base / train_drafter, same hash, and the
     same drafters and vocabulary, so generate reuses the demo's artifacts/<kind>-<hash> instead of training."""
-    from experiments.lib.artifacts import ENTRY, _compose, recipe_key
-    from experiments.lib.methods import artifact_overrides
+    from experiments.lib.methods.registry import artifact_overrides
+    from experiments.lib.training.artifacts import ENTRY, _compose, recipe_key
 
     demo = compose_entry("benchmark", "experiment=demo")
     generate = compose_entry("generate")

@@ -19,15 +19,15 @@ import numpy as np
 import pytest
 import torch
 
-from experiments.lib import data as D
-from experiments.lib import id_cache, sources
-from experiments.lib.cli import one_line
-from experiments.lib.data import prepare_data, sample_batch, token_counts
-from experiments.lib.features import corpus_windows
-from experiments.lib.id_cache import PreparedData
-from experiments.lib.prompts import document_regions, heldout_prompts
-from experiments.lib.tokenizer import tokenizer_sample
-from experiments.lib.training import batch_for_step, validation_blocks
+from experiments.lib.common.errors import one_line
+from experiments.lib.data import id_cache, sources
+from experiments.lib.data import pipeline as D
+from experiments.lib.data.id_cache import PreparedData
+from experiments.lib.data.pipeline import prepare_data, sample_batch, token_counts
+from experiments.lib.data.prompts import document_regions, heldout_prompts
+from experiments.lib.data.tokenizer import tokenizer_sample
+from experiments.lib.training.features import corpus_windows
+from experiments.lib.training.loop import batch_for_step, validation_blocks
 
 WORDS = ["def", "return", "self", "value", "items", "index", "parse", "line", "token", "count", "None", "True"]
 needs_proc_maps = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")

@@ -10,7 +10,7 @@ is in the vocabulary, the target's cache holds exactly each row's prompt and emi
 The models are the CPU tests' small random-weight ones, built by their builders (tests/conftest.py's make_lm,
 test_medusa.py's perturb, test_early_exit.py's noisy_head, test_hf.py's Llama) on the CPU and then moved to the
 device, as a checkpoint's modules are. The head and prophet families are distilled briefly from the base first
-(their family's own build and loss, experiments/lib/families.py): random ones are never right at T = 0, and
+(their family's own build and loss, experiments/lib/families/registry.py): random ones are never right at T = 0, and
 then no accepted draft would ever be committed. With one prompt, a drafter's own cache (draft model, early
 exit on its own cache, the prophets' feature caches) must hold the emitted context too.
 
@@ -34,7 +34,7 @@ import pytest
 import torch
 from torch import nn
 
-from experiments.lib.families import FAMILIES
+from experiments.lib.families.registry import FAMILIES
 from medusa import drafter as medusa_drafter
 from medusa import sequential_drafter
 from prophet import block_drafter
@@ -62,7 +62,7 @@ NEW_TOKENS = 24
 GAMMA = 3
 TREE_NODES = 8
 # A compiled target pads every extend to one of these widths: plain decoding's 1, a chain's gamma + 1 and a
-# tree's nodes + 1 (experiments/lib/methods.py verify_widths), so each test compiles a few programs only.
+# tree's nodes + 1 (experiments/lib/methods/registry.py verify_widths), so each test compiles a few programs only.
 WIDTHS = (1, GAMMA + 1, TREE_NODES + 1)
 BATCHES = {"one": PROMPTS[:1], "ragged": PROMPTS}  # PROMPTS: four prompts of 8, 5, 11 and 3 tokens
 
@@ -140,7 +140,7 @@ def exit_head(base: nn.Module) -> nn.Module:
     return noisy_head(base, layer=1)  # conftest's base has 2 blocks: draft from the first
 
 
-# Every method of experiments/lib/methods.py, its drafter made by its family's make_drafter as the benchmark
+# Every method of experiments/lib/methods/registry.py, its drafter made by its family's make_drafter as the benchmark
 # makes it; early exit both on the target's own cache and on a cache of its own (allocated on the device).
 METHODS: dict[str, Method] = {
     "draft_model": Method(noisy_copy, lambda m, base, c: DraftModelDrafter(m, compile=c)),

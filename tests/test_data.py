@@ -1,5 +1,5 @@
-"""Fast tests for the data pipeline (experiments/lib/data.py, sources.py, tokenizer.py, id_cache.py) and
-experiments/lib/prompts.py (small corpora, tmp cache dirs)."""
+"""Fast tests for the data pipeline (experiments/lib/data/pipeline.py, sources.py, tokenizer.py, id_cache.py) and
+experiments/lib/data/prompts.py (small corpora, tmp cache dirs)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from experiments.lib import data as D
-from experiments.lib import id_cache, sources
-from experiments.lib.data import prepare_data, sample_batch
-from experiments.lib.prompts import document_regions, heldout_prompts, load_prompts
-from experiments.lib.sources import stdlib_files
+from experiments.lib.data import id_cache, sources
+from experiments.lib.data import pipeline as D
+from experiments.lib.data.pipeline import prepare_data, sample_batch
+from experiments.lib.data.prompts import document_regions, heldout_prompts, load_prompts
+from experiments.lib.data.sources import stdlib_files
 
 SMALL = dict(source="stdlib", max_files=40, vocab_size=512)
 

@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from experiments.lib import exit_family
-from experiments.lib.features import teacher_batch
+from experiments.lib.families import early_exit as exit_family
+from experiments.lib.training.features import teacher_batch
 from prophet.model import base_features
 from tests.conftest import make_lm
 from tests.test_lossless import NEW, PROMPT, TRIALS, VOCAB, chi_square, exact_joint

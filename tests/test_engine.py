@@ -5,7 +5,7 @@ import pytest
 import torch
 from x_transformers import Decoder, TransformerWrapper
 
-from experiments.lib.lm import build_lm
+from experiments.lib.store.lm import build_lm
 from verify.backends.cache import tree_attention
 from verify.backends.engine import LeanDecoder, UnsupportedModel
 from verify.backends.lean import check_against_reference, lean

@@ -23,8 +23,12 @@ from omegaconf import DictConfig, OmegaConf
 from experiments import baseline as baseline_mod
 from experiments import benchmark as bench_mod
 from experiments import summarize as summ_mod
-from experiments.lib import artifacts, base_trainer, decode_checks, drafter_trainer, families, methods
-from experiments.lib.checkpoint import (
+from experiments.lib.families import registry as families
+from experiments.lib.methods import decode_checks
+from experiments.lib.methods import registry as methods
+from experiments.lib.methods.prompt_set import get_prompts
+from experiments.lib.report.results import repeated_ngram_share
+from experiments.lib.store.checkpoint import (
     RESERVED_META_KEYS,
     CheckpointError,
     fingerprint,
@@ -32,9 +36,8 @@ from experiments.lib.checkpoint import (
     load_lm,
     save_checkpoint,
 )
-from experiments.lib.lm import build_lm
-from experiments.lib.prompt_set import get_prompts
-from experiments.lib.report import repeated_ngram_share
+from experiments.lib.store.lm import build_lm
+from experiments.lib.training import artifacts, base_trainer, drafter_trainer
 from verify.backends.target import Target
 from verify.loop.plain import plain_generate
 
@@ -113,7 +116,7 @@ def options(group: str) -> list[str]:
 # ------------------------------------------------------------------------------------------ fixtures
 
 
-# cache_dir and tiny_base (a base trained through experiments.lib.base_trainer.train): tests/conftest.py
+# cache_dir and tiny_base (a base trained through experiments.lib.training.base_trainer.train): tests/conftest.py
 
 
 def drafter_cfg(family: str, base: Path, cache_dir: str, out_dir: Path, *overrides: str) -> DictConfig:
@@ -241,7 +244,7 @@ def test_train_drafter_composes_with_each_drafter(family: str) -> None:
     cfg = make_cfg("train_drafter", f"drafter={family}", "base_checkpoint=/some/base", "out_dir=/tmp/unused")
     assert cfg.drafter.package == family
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    drafter_trainer.validate_config(cfg)  # also checks the family is registered (experiments.lib.families)
+    drafter_trainer.validate_config(cfg)  # also checks the family is registered (experiments.lib.families.registry)
 
 
 def test_train_drafter_null_base_is_one_line_error() -> None:
@@ -411,7 +414,7 @@ def test_load_drafter_same_base_and_another_base(family: str, drafters: dict, ti
 def test_drafter_training_reads_the_cache_instead_of_running_the_base(
     use_cache: bool, tiny_base: Path, cache_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from experiments.lib import features
+    from experiments.lib.training import features
 
     calls = []
     original = features.base_features

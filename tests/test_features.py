@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from experiments.lib import draft_family
-from experiments.lib.features import (
+from experiments.lib.families import draft as draft_family
+from experiments.lib.store.lm import build_lm
+from experiments.lib.training.features import (
     FeatureCache,
     FeatureSpec,
     StaleFeatures,
@@ -19,7 +20,6 @@ from experiments.lib.features import (
     teacher_batch,
     write_features,
 )
-from experiments.lib.lm import build_lm
 from prophet.model import base_features
 from verify.backends.target import Target
 from verify.loop.plain import plain_generate
@@ -258,7 +258,7 @@ def test_draft_model_refuses_another_vocabulary():
 
 def test_default_window_is_independent_of_a_long_context():
     """seq_len null: the base's context, but never a pretrained base's 8,192 positions per window."""
-    from experiments.lib.features import DEFAULT_WINDOW, default_seq_len
+    from experiments.lib.training.features import DEFAULT_WINDOW, default_seq_len
 
     assert DEFAULT_WINDOW == 512
     assert default_seq_len(None, 8192) == 512 and default_seq_len(None, 256) == 256

@@ -14,9 +14,9 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from experiments import generate as gen
-from experiments.lib.base_trainer import train
-from experiments.lib.checkpoint import load_lm
-from experiments.lib.methods import DRAFTER_KINDS, METHODS
+from experiments.lib.methods.registry import DRAFTER_KINDS, METHODS
+from experiments.lib.store.checkpoint import load_lm
+from experiments.lib.training.base_trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST_BASE = [

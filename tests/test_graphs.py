@@ -9,8 +9,8 @@ dropped cache's buffers, zeroed, to the next cache of the same shape, so a graph
 import pytest
 import torch
 
-from experiments.lib import precision
-from experiments.lib.precision import resolve_decode_dtype
+from experiments.lib.training import precision
+from experiments.lib.training.precision import resolve_decode_dtype
 from tests.conftest import make_lm
 from verify.backends import cache as cache_module
 from verify.backends.cache import StaticCache

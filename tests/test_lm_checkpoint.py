@@ -14,8 +14,9 @@ import torch
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer, models
 
-from experiments.lib import checkpoint as ckpt_mod
-from experiments.lib.checkpoint import (
+from experiments.lib.common.errors import exit_on_user_error
+from experiments.lib.store import checkpoint as ckpt_mod
+from experiments.lib.store.checkpoint import (
     CheckpointError,
     checkpoint_exists,
     fingerprint,
@@ -23,8 +24,7 @@ from experiments.lib.checkpoint import (
     load_lm,
     save_checkpoint,
 )
-from experiments.lib.cli import exit_on_user_error
-from experiments.lib.lm import build_lm, count_parameters
+from experiments.lib.store.lm import build_lm, count_parameters
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 SMALL = dict(num_tokens=64, dim=32, depth=1, heads=4, max_seq_len=32)
@@ -347,7 +347,7 @@ def test_the_project_imports_and_refuses_llama_without_transformers():
         "import prophet.model, medusa.drafter, verify.backends.hf, verify.drafters.early_exit\n"
         "import verify.loop.speculative\n"
         "import experiments.benchmark, experiments.generate, experiments.train_drafter, experiments.peer\n"
-        "from experiments.lib.lm import build_lm\n"
+        "from experiments.lib.store.lm import build_lm\n"
         "try:\n    build_lm(arch='llama', num_tokens=10, dim=8, depth=1, heads=2, max_seq_len=8)\n"
         "except ValueError as e:\n    print(e)\n"
     )

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from experiments.lib.features import teacher_batch
-from experiments.lib.lm import build_lm
+from experiments.lib.store.lm import build_lm
+from experiments.lib.training.features import teacher_batch
 from medusa import train
 from medusa.drafter import MedusaDrafter, make_drafter
 from medusa.heads import MedusaHeads, ResBlock
@@ -431,7 +431,7 @@ def test_grow_tree_command_reads_measured_accuracies(tmp_path):
     import subprocess
     import sys
 
-    from experiments.lib.checkpoint import save_checkpoint
+    from experiments.lib.store.checkpoint import save_checkpoint
     from verify.loop.tree import sort_paths
 
     base = build_lm(num_tokens=64, dim=16, depth=1, heads=2, max_seq_len=32)

@@ -1,4 +1,4 @@
-"""The installed-packages corpus (experiments/lib/packages.py): dedup by content, split by package, byte cap,
+"""The installed-packages corpus (experiments/lib/data/packages.py): dedup by content, split by package, byte cap,
 file filter, bad settings; and that the real site-packages gives a corpus many times the stdlib's."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments.lib import packages as P
-from experiments.lib.data import prepare_data
-from experiments.lib.sources import stdlib_files
+from experiments.lib.data import packages as P
+from experiments.lib.data.pipeline import prepare_data
+from experiments.lib.data.sources import stdlib_files
 
 
 def _code(name: str, n: int) -> str:

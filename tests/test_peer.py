@@ -16,11 +16,11 @@ pytest.importorskip("transformers")
 
 from experiments import baseline  # noqa: E402
 from experiments import peer as peer_mod
-from experiments.lib import base_trainer, drafter_trainer  # noqa: E402
-from experiments.lib.checkpoint import CheckpointError, load_lm  # noqa: E402
-from experiments.lib.data import prepare_data  # noqa: E402
-from experiments.lib.lm import build_lm  # noqa: E402
-from experiments.lib.tokenizer import load_tokenizer  # noqa: E402
+from experiments.lib.data.pipeline import prepare_data  # noqa: E402
+from experiments.lib.data.tokenizer import load_tokenizer  # noqa: E402
+from experiments.lib.store.checkpoint import CheckpointError, load_lm  # noqa: E402
+from experiments.lib.store.lm import build_lm  # noqa: E402
+from experiments.lib.training import base_trainer, drafter_trainer  # noqa: E402
 from tests.test_experiments import DATA, make_cfg  # noqa: E402
 from verify.backends.hf import HFBase  # noqa: E402
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.lib import precision
-from experiments.lib.precision import autocast, check_precision, native_bf16, resolve_precision
+from experiments.lib.training import precision
+from experiments.lib.training.precision import autocast, check_precision, native_bf16, resolve_precision
 
 CPU = torch.device("cpu")
 PLAIN_AVX512 = {"fpu", "sse4_2", "avx2", "avx512f", "avx512bw"}  # AVX-512 without its bf16 extension

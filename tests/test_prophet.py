@@ -16,8 +16,8 @@ from einops import repeat
 from omegaconf import OmegaConf
 
 import prophet.drafter as drafter_module
-from experiments.lib.features import teacher_batch
-from experiments.lib.lm import build_lm
+from experiments.lib.store.lm import build_lm
+from experiments.lib.training.features import teacher_batch
 from prophet import train
 from prophet.drafter import ProphetDrafter, _settled, make_drafter
 from prophet.model import Prophet, base_features

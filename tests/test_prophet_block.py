@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import prophet.block_drafter as block_drafter
-from experiments.lib.features import teacher_batch
+from experiments.lib.training.features import teacher_batch
 from medusa.trees import node_table
 from prophet import block_train
 from prophet.block import BlockProphet, block_attention

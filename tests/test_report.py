@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from experiments.lib.report import repeated_ngram_share
+from experiments.lib.report.results import repeated_ngram_share
 
 
 def test_no_repeats_is_zero() -> None:
@@ -112,7 +112,7 @@ def results_fixture() -> dict:
 def test_the_table_shows_the_regime_and_the_time_outside_draft_and_target() -> None:
     """verify/step and draft/step divide by plain decoding's seconds per token in the SAME setting; rest % is
     what neither drafting nor the target took."""
-    from experiments.lib.report import markdown_table
+    from experiments.lib.report.results import markdown_table
 
     lines = markdown_table(results_fixture()).splitlines()
     fast = next(line for line in lines if line.startswith("| fast "))
@@ -122,7 +122,7 @@ def test_the_table_shows_the_regime_and_the_time_outside_draft_and_target() -> N
 
 
 def test_the_verdict_names_the_fastest_method_per_temperature() -> None:
-    from experiments.lib.report import verdict
+    from experiments.lib.report.results import verdict
 
     line = verdict(results_fixture())
     assert line.count("\n") == 2 and line.startswith("\nVerdict: ")
@@ -131,7 +131,7 @@ def test_the_verdict_names_the_fastest_method_per_temperature() -> None:
 
 
 def test_the_header_names_the_cpu_and_the_base() -> None:
-    from experiments.lib.report import header_line
+    from experiments.lib.report.results import header_line
 
     results = {"cpu": "AMD EPYC", "base": {"parameters": 10_500_000, "dim": 256, "depth": 8}}
     assert header_line(results) == "CPU: AMD EPYC; base: 10.5M parameters (256 x 8), float32 decoding\n\n"
@@ -148,7 +148,7 @@ def fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
 
     import torch
 
-    from experiments.lib import calibrate
+    from experiments.lib.methods import calibrate
 
     monkeypatch.setattr(calibrate, "cpu_model", lambda: "AMD EPYC 9454")
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
@@ -158,7 +158,7 @@ def fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_cuda_run_describes_its_gpu(fake_h100: None) -> None:
-    from experiments.lib.calibrate import device_description, device_info
+    from experiments.lib.methods.calibrate import device_description, device_info
 
     info = device_info("cuda")
     assert info == {
@@ -178,7 +178,7 @@ def test_a_cuda_run_describes_its_gpu(fake_h100: None) -> None:
 def test_a_cpu_run_describes_its_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from experiments.lib import calibrate
+    from experiments.lib.methods import calibrate
 
     monkeypatch.setattr(calibrate, "cpu_model", lambda: "AMD EPYC 9454")
     info = calibrate.device_info("cpu")
@@ -189,7 +189,7 @@ def test_a_cpu_run_describes_its_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_machine_key_of_a_gpu_names_it(fake_h100: None) -> None:
     """A cost table measured on a CPU (or on another GPU) must never be read back on this GPU."""
-    from experiments.lib.calibrate import machine_key
+    from experiments.lib.methods.calibrate import machine_key
 
     gpu, cpu = machine_key("cuda"), machine_key("cpu")
     assert gpu.startswith("AMD EPYC 9454 | torch 2.11.0+cu130 | ") and "NVIDIA H100 80GB HBM3" in gpu
@@ -198,8 +198,8 @@ def test_the_machine_key_of_a_gpu_names_it(fake_h100: None) -> None:
 
 
 def test_the_header_names_the_gpu_of_a_cuda_run(fake_h100: None) -> None:
-    from experiments.lib.calibrate import device_info
-    from experiments.lib.report import header_line
+    from experiments.lib.methods.calibrate import device_info
+    from experiments.lib.report.results import header_line
 
     results = {"cpu": "AMD EPYC 9454", "device_info": device_info("cuda"), "base": {"parameters": 10_500_000}}
     assert header_line(results) == (
@@ -211,7 +211,7 @@ def test_the_header_names_the_gpu_of_a_cuda_run(fake_h100: None) -> None:
 
 
 def test_the_report_says_which_checkpoint_each_row_used() -> None:
-    from experiments.lib.report import checkpoint_lines
+    from experiments.lib.report.results import checkpoint_lines
 
     results = {
         "base_record": {"checkpoint": "runs/base/checkpoint", "step": 1381, "selected": None, "last_step": None},

@@ -8,7 +8,7 @@ import pytest
 import torch
 from x_transformers import Decoder, Encoder, TransformerWrapper, XTransformer
 
-from experiments.lib.seq2seq_data import function_docstrings
+from experiments.lib.data.seq2seq import function_docstrings
 from tests.test_lossless import NEW, TRIALS, chi_square
 from verify.backends.engine import UnsupportedModel
 from verify.drafters.prompt_lookup import PromptLookupDrafter
@@ -561,7 +561,7 @@ def test_bad_settings_raise_one_line_errors_before_any_work(override, match):
 def test_train_and_benchmark_end_to_end(tmp_path):
     import json
 
-    from experiments.lib.checkpoint import load_checkpoint
+    from experiments.lib.store.checkpoint import load_checkpoint
     from experiments.train_seq2seq import run
 
     cfg = seq2seq_cfg(*TINY, f"data.cache_dir={tmp_path / 'data'}")
@@ -580,8 +580,8 @@ def test_train_and_benchmark_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_a_crash_during_the_draft_keeps_the_target_and_resumes_the_draft(tmp_path, monkeypatch):
-    from experiments.lib import training
-    from experiments.lib.checkpoint import load_checkpoint
+    from experiments.lib.store.checkpoint import load_checkpoint
+    from experiments.lib.training import loop as training
     from experiments.train_seq2seq import run
 
     def cfg(*more):

@@ -401,7 +401,7 @@ def test_grow_tree_reads_sequential_checkpoints_and_refuses_others(package, tmp_
     from omegaconf import OmegaConf
 
     from experiments.grow_tree import grow
-    from experiments.lib.checkpoint import save_checkpoint
+    from experiments.lib.store.checkpoint import save_checkpoint
     from tests.conftest import make_lm
 
     base = make_lm(num_tokens=64, dim=16, depth=1)

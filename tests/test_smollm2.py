@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.lib import pretrained
-from experiments.lib.chat import ChatTemplate
-from experiments.lib.checkpoint import load_lm
+from experiments.lib.data.chat import ChatTemplate
+from experiments.lib.store import pretrained
+from experiments.lib.store.checkpoint import load_lm
 from verify.backends.choose import make_target
 from verify.drafters.prompt_lookup import PromptLookupDrafter
 from verify.loop.plain import plain_generate

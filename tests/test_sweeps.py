@@ -26,7 +26,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from experiments import summarize as summ_mod
-from experiments.lib import cli
+from experiments.lib.common import errors as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -50,7 +50,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from experiments.lib.cli import exit_on_user_error
+from experiments.lib.common.errors import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path=".", config_name="app")
@@ -585,7 +585,7 @@ def test_slurm_launcher_writes_a_valid_sbatch_script(tmp_path: Path, monkeypatch
 
 
 def test_write_atomic_files_get_the_umask_mode_and_leave_no_temporary(tmp_path: Path) -> None:
-    from experiments.lib.cli import write_atomic
+    from experiments.lib.common.errors import write_atomic
 
     old = os.umask(0o022)
     try:

@@ -13,10 +13,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from experiments.lib import base_trainer, precision, training
-from experiments.lib.base_trainer import train
-from experiments.lib.checkpoint import load_checkpoint, load_lm
-from experiments.lib.training import MetricsFile, lr_at
+from experiments.lib.store.checkpoint import load_checkpoint, load_lm
+from experiments.lib.training import base_trainer, precision
+from experiments.lib.training import loop as training
+from experiments.lib.training.base_trainer import train
+from experiments.lib.training.loop import MetricsFile, lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 # A model and corpus small enough for a few seconds per run; 30 stdlib files, a 512-token BPE.

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.lib import base_trainer, drafter_trainer, training
-from experiments.lib.checkpoint import CheckpointError, load_checkpoint
-from experiments.lib.rundir import RunDirectoryInUse, RunLock
-from experiments.lib.training import MetricsFile
+from experiments.lib.store.checkpoint import CheckpointError, load_checkpoint
+from experiments.lib.store.rundir import RunDirectoryInUse, RunLock
+from experiments.lib.training import base_trainer, drafter_trainer
+from experiments.lib.training import loop as training
+from experiments.lib.training.loop import MetricsFile
 from tests.test_experiments import BASE, FAMILIES, drafter_cfg, make_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +143,7 @@ def _cli_overrides(cfg, extra: list[str]) -> list[str]:
 def test_an_unfinished_artifact_is_resumed_not_reused(
     tiny_base: Path, cache_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from experiments.lib import artifacts
+    from experiments.lib.training import artifacts
     from tests.test_experiments import DRAFTER
 
     recipe = [
@@ -184,7 +185,7 @@ def test_second_training_in_the_same_directory_fails_at_once(
 
 def test_lock_is_released_when_the_holder_dies(tmp_path: Path) -> None:
     code = (
-        f"from experiments.lib.rundir import RunLock; l = RunLock({str(tmp_path)!r}).__enter__(); "
+        f"from experiments.lib.store.rundir import RunLock; l = RunLock({str(tmp_path)!r}).__enter__(); "
         "import os; os.kill(os.getpid(), 9)"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT)
@@ -199,7 +200,7 @@ def test_second_process_in_the_same_directory_gets_one_line(tmp_path: Path) -> N
         [
             sys.executable,
             "-c",
-            "import sys, time; from experiments.lib.rundir import RunLock; "
+            "import sys, time; from experiments.lib.store.rundir import RunLock; "
             f"l = RunLock({str(tmp_path)!r}).__enter__(); print('locked', flush=True); time.sleep(60)",
         ],
         cwd=ROOT,
@@ -456,7 +457,7 @@ def test_a_job_needing_an_artifact_another_job_is_training_waits_and_reuses_it(
     """Parallel sweep jobs share artifacts: the second waits for the first's lock instead of failing."""
     import threading
 
-    from experiments.lib import artifacts
+    from experiments.lib.training import artifacts
 
     real_train = base_trainer.train
     recipe = [*BASE, f"data.cache_dir={cache_dir}", "max_steps=2", "optim.warmup_steps=1", *FP32]
@@ -614,7 +615,7 @@ def test_early_stopping_after_patience_validations_without_improvement(
 ) -> None:
     calls = scripted_val_losses(monkeypatch, losses)
     cfg = base_cfg(tmp_path, cache_dir, "max_steps=6", "eval_every=1", "checkpoint_every=1", "patience=2", *extra)
-    with caplog.at_level("INFO", logger="experiments.lib.training"):
+    with caplog.at_level("INFO", logger="experiments.lib.training.loop"):
         result = base_trainer.train(cfg)
     assert result["stopped_by"] == "patience" and result["step"] == stop_step and len(calls) == stop_step
     assert [r.message for r in caplog.records if "early stop" in r.message] == [

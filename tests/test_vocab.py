@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from experiments.lib.data import token_counts
-from experiments.lib.id_cache import PreparedData
+from experiments.lib.data.id_cache import PreparedData
+from experiments.lib.data.pipeline import token_counts
 from medusa import drafter as medusa_drafter
 from medusa import train as medusa_train
 from medusa.drafter import MedusaDrafter

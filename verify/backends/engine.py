@@ -3,7 +3,7 @@
 x-transformers is the training network; at decode time its forward is mostly Python and dispatch
 (an eager step of the 10.5M-parameter base costs about 4x its weight matmuls) and its cache grows by
 concatenation. `LeanDecoder` reads the weights of an x-transformers `AttentionLayers` (pre-norm
-LayerNorm, rotary attention, GELU feed-forward, final norm: what `experiments.lib.lm.build_lm` and the
+LayerNorm, rotary attention, GELU feed-forward, final norm: what `experiments.lib.store.lm.build_lm` and the
 prophet build) into a few fused tensors and runs them with plain torch ops:
 
 - one fused qkv matmul per layer; keys are rotated once, when written, from a precomputed table;

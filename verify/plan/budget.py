@@ -5,7 +5,7 @@ A verification step emits E tokens (accepted drafts plus the target's own token)
     seconds per step = C(k + 1) + draft seconds + fixed seconds
 
 where C(n) is one target forward over n new tokens (the pending token plus k draft tokens), measured
-on this machine (experiments/lib/calibrate.py). Decoding N tokens takes N / E steps plus a prefill that
+on this machine (experiments/lib/methods/calibrate.py). Decoding N tokens takes N / E steps plus a prefill that
 does not depend on the budget, so the budget with the most E / seconds-per-step decodes fastest.
 
 Pure functions: no timing, no I/O. Units: seconds, tokens; k counts new tokens in one forward.

@@ -5,7 +5,7 @@ the base's distribution for the same token (Medusa-2 and EAGLE train this way), 
 figure is agreement with the base's top-1, which is what greedy acceptance measures.
 
 The teacher is stored sparse: the base's `k` most likely tokens and their log-probabilities (over the
-full vocabulary), `ids (..., k)` and `logp (..., k)`, computed once in fp32 (experiments/lib/features.py).
+full vocabulary), `ids (..., k)` and `logp (..., k)`, computed once in fp32 (experiments/lib/training/features.py).
 Three targets:
 - `kl`: cross-entropy to the teacher renormalised over its top-k, i.e. KL(p_topk || q) up to a constant.
   With k = 16 the top-k holds most of the base's mass on this corpus, and the student's full softmax

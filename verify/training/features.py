@@ -1,7 +1,7 @@
 """`FeatureBatch`: what every drafter family's loss reads, the tokens and the frozen base's outputs on them.
 
-The feature cache (experiments/lib/features.py) writes and streams these batches; the families' losses
-(medusa/, prophet/, experiments/lib/draft_family.py) read them. Kept here, below the families, so that a
+The feature cache (experiments/lib/training/features.py) writes and streams these batches; the families' losses
+(medusa/, prophet/, experiments/lib/families/draft.py) read them. Kept here, below the families, so that a
 drafter package needs nothing from the experiment harness to define its loss.
 """
 

@@ -1,0 +1,112 @@
+"""Early exit as a drafter family: an exit head trained on one layer of the frozen base.
+
+The drafter (verify/drafters/early_exit.py) runs the base's own first `layer` blocks and reads the next token
+from the residual state after block `layer` through this head. The head is what is trained: the
+base's final LayerNorm (its gain copied), `num_layers` residual blocks x + SiLU(Linear(x)) started at
+zero, then a trainable copy of the base's output layer. So a fresh head is the "logit lens" (the
+base's own norm and output layer applied to an intermediate state), and training starts there.
+
+Training reads layer `layer`'s states from the feature cache (the drafter trainer asks for that layer) and
+distils the base's own next-token distribution at the same position (verify/training/distill.py).
+The training side of a family (registered in experiments/lib/families/registry.py): build, loss, evaluate; the inference
+side is verify.drafters.early_exit.make_drafter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from medusa.heads import ResBlock, copy_linear
+from prophet.model import base_depth
+from verify.backends.engine import check_layers
+from verify.backends.lean import lean
+from verify.common.vocab import subset_linear, trim_linear
+from verify.drafters.early_exit import check_lean_base
+from verify.training.distill import agreement, check_target, distill_loss, student_top1, subset_index
+from verify.training.features import FeatureBatch
+
+__all__ = ["build", "loss", "evaluate"]
+
+
+class ExitHead(nn.Module):
+    """Layer `layer`'s residual states (..., d) -> next-token logits (..., V), or (..., N) over sorted ids `vocab`."""
+
+    def __init__(self, *, layer: int, norm_gain: Tensor, projection: nn.Linear, num_layers: int = 1):
+        super().__init__()
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+            raise ValueError(
+                f"num_layers={num_layers!r}: must be an integer >= 0 (0: the norm and the output layer only)"
+            )
+        self.layer, self.vocab_size = layer, projection.out_features
+        dim, w = projection.in_features, projection.weight
+        self.norm = nn.LayerNorm(dim, bias=False, device=w.device, dtype=w.dtype)  # eps 1e-5, as x-transformers'
+        with torch.no_grad():
+            self.norm.weight.copy_(norm_gain)
+        self.blocks = nn.Sequential(*[ResBlock(dim, device=w.device, dtype=w.dtype) for _ in range(num_layers)])
+        self.projection = copy_linear(projection)
+
+    def forward(self, state: Tensor, vocab: Tensor | None = None) -> Tensor:
+        """Training: the subset's rows are gathered per call, so their gradients reach the full projection."""
+        return subset_linear(self.blocks(self.norm(state)), self.projection, vocab)
+
+    @torch.no_grad()
+    def for_decoding(self, vocab: Tensor | None = None) -> Callable[[Tensor], Tensor]:
+        """The head as a function for the drafter, its output layer trimmed to `vocab` once (not every step)."""
+        weight, bias = trim_linear(self.projection, vocab)  # (N, d), (N,) or None
+        return lambda state: F.linear(self.blocks(self.norm(state)), weight, bias)
+
+
+def build(base: nn.Module, *, layer: int, num_layers: int = 1) -> ExitHead:
+    """A fresh exit head on block `layer` of `base` (1 .. depth - 1: the last block's state is the base's
+    own output)."""
+    check_lean_base(base)
+    layer = check_layers([layer], base_depth(base), name="drafter.module.layer")[0]
+    final = lean(base).decoder.final_gain  # x-transformers' LayerNorm gain (gamma + unit offset), or None
+    gain = torch.ones(base.to_logits.in_features, device=base.to_logits.weight.device) if final is None else final
+    return ExitHead(layer=layer, norm_gain=gain, projection=base.to_logits, num_layers=num_layers)
+
+
+def _state(module: ExitHead, batch: FeatureBatch) -> Tensor:
+    """Layer `layer`'s states (B, T, d) from the batch (the drafter trainer asks the cache for exactly that layer)."""
+    batch.check()
+    if batch.layers is None or batch.layers.shape[2] != 1:
+        got = None if batch.layers is None else tuple(batch.layers.shape)
+        raise ValueError(
+            f"an exit head on layer {module.layer} needs the batch's states of that one layer (B, T, 1, d); got {got}"
+        )
+    return batch.layers[:, :, 0]
+
+
+def loss(
+    module: ExitHead, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None, target: str = "kl"
+) -> tuple[Tensor, dict[str, float]]:
+    """Cross-entropy of the head's next-token distribution at every position to the base's (`kl`), its
+    top-1 (`argmax`) or the corpus token (`true`); metrics `loss` and `agree`."""
+    check_target(target)
+    logits = module(_state(module, batch), vocab)  # (B, T, N)
+    index = subset_index(vocab, module.vocab_size, logits.device)
+    total = distill_loss(
+        logits.flatten(0, 1),
+        top_ids=batch.top_ids.flatten(0, 1),
+        top_logp=batch.top_logp.flatten(0, 1),
+        true_ids=batch.tokens[:, 1:].flatten(),
+        target=target,
+        index=index,
+    )
+    values = torch.stack([total.detach(), agreement(logits.detach(), batch.top_ids, vocab)]).tolist()  # one host sync
+    return total, {"loss": values[0], "agree": values[1]}
+
+
+@torch.no_grad()
+def evaluate(
+    module: ExitHead, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None
+) -> dict[str, float]:
+    """`agree`: how often the head's top-1 is the base's own top-1 after the same prefix (what accepts a
+    greedy draft token); `top1`: how often it is the corpus token."""
+    top = student_top1(module(_state(module, batch), vocab), vocab)  # (B, T) full-vocabulary ids
+    values = torch.stack([(top == batch.top_ids[..., 0]).float().mean(), (top == batch.tokens[:, 1:]).float().mean()])
+    return dict(zip(("agree", "top1"), values.tolist()))
