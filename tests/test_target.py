@@ -121,3 +121,28 @@ def test_bad_prompts_rejected_before_work(lm):
     # no prompt can fit: the error is about max_new_tokens (it read "at most ... = -4" of the prompt's length)
     with pytest.raises(ValueError, match=r"^max_new_tokens=100: must be less than the model's max_seq_len=96 \("):
         target.check_tokens([[1]], max_new_tokens=100)
+
+
+def test_a_long_context_model_gets_a_cache_sized_to_the_prompt_and_grows_past_it():
+    """A model with a long context (SmolLM2: 8,192 positions) gets room for the longest prompt and ROOM new
+    tokens, not its whole context; a longer generation grows the cache, and the output is what a cache of
+    the model's whole context gives."""
+    from tests.conftest import make_lm
+    from verify.backends import target as target_module
+    from verify.loop.plain import plain_generate
+
+    model = make_lm(max_seq_len=2048)
+    prompts = [[5, 9, 3, 5, 9, 3, 7], [4, 4, 2]]
+    short = Target(model)
+    short.prefill(prompts)
+    assert short.cache.capacity == 512 + short.max_draft + 1  # 7 + ROOM (256), up to a power of two
+    out = plain_generate(short, prompts, max_new_tokens=600).tokens  # past 512 slots: the cache grows
+    assert short.cache.capacity > 512 + short.max_draft + 1
+    whole = Target(model)
+    original = target_module.ROOM
+    try:
+        target_module.ROOM = 4096  # a cache of the model's whole context
+        assert plain_generate(whole, prompts, max_new_tokens=600).tokens == out
+        assert whole.cache.capacity == 2048 + whole.max_draft + 1
+    finally:
+        target_module.ROOM = original

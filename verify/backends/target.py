@@ -83,6 +83,9 @@ def check_prompts(prompts: list[list[int]], *, vocab_size: int, max_seq_len: int
             )
 
 
+ROOM = 256  # new tokens a prefill's cache has room for beyond the longest prompt before it grows
+
+
 class Target:
     """A frozen causal LM (an x-transformers TransformerWrapper with rotary positions, or an HFBase around a
     transformers Llama) plus its KV cache.
@@ -143,9 +146,12 @@ class Target:
         """Run the prompts; returns outputs for every prompt position, left-padded (row b ends at index W - 1)."""
         tokens, lengths = pad_prompts(prompts, self.pad_id, self.device)
         self.cache = None  # dropped first, so that the new cache can take its buffers (a graph replays on them)
-        self.cache = self.engine.decoder.new_cache(
-            len(prompts), self.max_seq_len + self.max_draft + 1, device=self.device
-        )
+        # Room for the longest prompt and ROOM new tokens (a power of two: few distinct shapes for a compiled
+        # step), not the model's whole context: a compiled step attends over every slot, and SmolLM2's 8,192
+        # made its step 2x slower than eager. A longer generation grows the cache by doubling.
+        longest = max(len(p) for p in prompts)
+        capacity = min(self.max_seq_len, 1 << (longest + ROOM - 1).bit_length()) + self.max_draft + 1
+        self.cache = self.engine.decoder.new_cache(len(prompts), capacity, device=self.device)
         logits, hidden, *states = self.engine(tokens, self.cache, eager=True, layers=self.layers)
         self.cache.commit(torch.arange(tokens.shape[1], device=self.device) < lengths[:, None])  # drop the padding
         layers = right_to_left(states[0], lengths) if states else None  # left-padded like hidden
