@@ -169,3 +169,45 @@ def test_bf16_speculative_equals_bf16_plain(smol, smol_bf16):
         eos_id=EOS,
     )
     assert spec.tokens == plain
+
+
+def engine_costs_cfg(tmp_path, *overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("engine_costs", overrides=[f"out_dir={tmp_path}", *overrides])
+
+
+def test_engine_costs_measures_the_real_base_beside_generate(smol_dir, tmp_path):
+    from experiments.engine_costs import run
+
+    cfg = engine_costs_cfg(
+        tmp_path,
+        f"base_checkpoint={smol_dir}",
+        "dtypes=[bf16]",
+        "ks=[1,4]",
+        "repeats=1",
+        "prompt_len=16",
+        "max_new_tokens=4",
+        "rounds=1",
+    )
+    (row,) = run(cfg)["rows"]
+    assert row["dtype"] == "bf16" and row["step_ms"] > 0 and set(row["verify_over_step"]) == {1, 4}
+    assert row["lean_tokens_per_s"] > 0 and row["generate_tokens_per_s"] > 0
+    assert "| bf16 | eager |" in (tmp_path / "costs.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("dtypes=[fp16]", "dtypes=\\['fp16'\\]: 'fp16' is not one of fp32, bf16"),
+        ("ks=[]", "ks=.*: give a non-empty list"),
+        ("compile=[maybe]", "compile="),
+        ("repeats=0", "repeats"),
+    ],
+)
+def test_engine_costs_refuses_bad_settings_before_loading(tmp_path, override, message):
+    from experiments.engine_costs import run
+
+    with pytest.raises(ValueError, match=message):
+        run(engine_costs_cfg(tmp_path, "base_checkpoint=/nonexistent", override))

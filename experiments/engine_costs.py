@@ -1,0 +1,164 @@
+"""What a decode step of a base costs on this machine, per precision and compile mode: the regime every
+speedup of a drafter belongs to.
+
+    python -m experiments.engine_costs base=smollm2
+    python -m experiments.engine_costs base=smollm2 'compile=[false,true]' dtypes=[bf16]
+    python -m experiments.engine_costs base_checkpoint=<dir> generate=false
+
+For each (dtype, compile) setting: the base's 1-token step on the project's lean engine, the cost of verifying
+k tokens relative to it (verify(k)/step: a drafter pays only where this stays near 1), prefill tokens/s,
+the compile time of each width (compiled settings), and for a Hugging Face base plain greedy decoding on the
+lean engine against transformers' own `generate` on the same weights and dtype (tokens/s, median over
+rounds). The base is loaded in fp32 and cast per setting on a copy. Writes costs.json and costs.md into
+the run directory and prints the table, then one JSON object as the last line.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, ListConfig
+
+from experiments.lib.cli.preflight import hydra_preflight
+from experiments.lib.common.errors import exit_on_user_error, write_atomic
+from experiments.lib.methods.calibrate import device_info, device_line, measure_verify_cost
+from experiments.lib.methods.decode_checks import check_run
+from experiments.lib.store.checkpoint import load_lm
+from experiments.lib.training.precision import DTYPES
+from experiments.lib.training.settings import check_bool, check_int
+from verify.backends.choose import make_target
+from verify.backends.graphs import check_mode
+from verify.backends.hf import HFBase
+from verify.loop.plain import plain_generate
+
+
+def check_config(cfg: DictConfig) -> None:
+    """One-line errors for every setting, before the base loads."""
+    check_run(cfg)
+    for name in ("prompt_len", "repeats", "max_new_tokens", "rounds"):
+        check_int(name, cfg[name])
+    check_bool("generate", cfg.generate)
+    for key in ("dtypes", "ks", "compile", "compile_widths"):
+        if not isinstance(cfg[key], ListConfig) or not cfg[key]:
+            raise ValueError(f"{key}={cfg[key]!r}: give a non-empty list")
+    for d in cfg.dtypes:
+        if d not in DTYPES:
+            raise ValueError(f"dtypes={list(cfg.dtypes)!r}: {d!r} is not one of {', '.join(DTYPES)}")
+    for k in list(cfg.ks) + list(cfg.compile_widths):
+        check_int("ks and compile_widths entries", k)
+    for mode in cfg.compile:
+        check_mode(mode)
+
+
+def time_plain(target, model, prompt: list[int], *, new: int, rounds: int, hf: bool) -> dict[str, float]:
+    """tokens/s of plain greedy decoding on the lean engine and (a Hugging Face base) transformers' generate,
+    interleaved, `new` tokens each (EOS ignored, so both emit the same number), medians over rounds."""
+    ours, theirs = [], []
+    for _ in range(rounds + 1):  # the first round warms both up
+        start = time.perf_counter()
+        plain_generate(target, [prompt], max_new_tokens=new)
+        ours.append(new / (time.perf_counter() - start))
+        if hf:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                model.hf.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            theirs.append(new / (time.perf_counter() - start))
+    out = {"lean_tokens_per_s": statistics.median(ours[1:])}
+    if hf:
+        out["generate_tokens_per_s"] = statistics.median(theirs[1:])
+        out["ratio"] = out["lean_tokens_per_s"] / out["generate_tokens_per_s"]
+    return out
+
+
+def compile_times(target, widths: list[int], prompt_len: int) -> dict[int, float]:
+    """Seconds of the first extend of each width: the compilation (or capture) a compiled setting pays once."""
+    target.prefill([list(range(1, prompt_len + 1))])
+    seconds = {}
+    for k in widths:
+        start = time.perf_counter()
+        target.extend(torch.ones(1, k, dtype=torch.long, device=target.device))
+        target.commit(torch.zeros(1, k, dtype=torch.bool, device=target.device))
+        seconds[k] = time.perf_counter() - start
+    return seconds
+
+
+def measure_setting(base, dtype: str, mode, cfg: DictConfig, prompt: list[int]) -> dict[str, Any]:
+    model = base if dtype == "fp32" else copy.deepcopy(base).to(DTYPES[dtype])
+    widths = tuple(sorted(set(cfg.compile_widths) | set(cfg.ks))) if mode else (1,)
+    target = make_target(model, compile=mode, widths=widths)
+    row: dict[str, Any] = {"dtype": dtype, "compile": mode}
+    if mode:
+        row["compile_s"] = compile_times(target, list(cfg.compile_widths), cfg.prompt_len)
+    costs = measure_verify_cost(target, ks=tuple(cfg.ks), prompt_len=cfg.prompt_len, repeats=cfg.repeats)
+    row["step_ms"] = 1e3 * costs[1]
+    row["verify_over_step"] = {k: c / costs[1] for k, c in costs.items()}
+    start = time.perf_counter()
+    target.prefill([list(range(1, cfg.prompt_len + 1))])
+    row["prefill_tokens_per_s"] = cfg.prompt_len / (time.perf_counter() - start)
+    if cfg.generate:
+        hf = isinstance(model, HFBase) and not mode  # generate is eager: compared with the eager engine only
+        row |= time_plain(target, model, prompt, new=cfg.max_new_tokens, rounds=cfg.rounds, hf=hf)
+    return row
+
+
+def _cell(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[dict], ks: list[int]) -> str:
+    """Markdown: a row per setting; v(k) = verify(k) / step."""
+    wide = [k for k in ks if k > 1]
+    head = "| dtype | mode | step ms | " + " | ".join(f"v({k})" for k in wide)
+    head += " | prefill tok/s | plain tok/s | generate tok/s | ratio | compile s |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        mode = {False: "eager", True: "compiled"}.get(r["compile"], str(r["compile"]))
+        ratios = " | ".join(_cell(r["verify_over_step"].get(k), ".2f") for k in wide)
+        compiled = ", ".join(f"{k}: {s:.0f}" for k, s in r.get("compile_s", {}).items()) or "-"
+        lines.append(
+            f"| {r['dtype']} | {mode} | {r['step_ms']:.1f} | {ratios} | {r['prefill_tokens_per_s']:.0f} "
+            f"| {_cell(r.get('lean_tokens_per_s'))} | {_cell(r.get('generate_tokens_per_s'))} "
+            f"| {_cell(r.get('ratio'), '.2f')} | {compiled} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    check_config(cfg)
+    device = check_run(cfg)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    base, tokenizer, _ = load_lm(cfg.base_checkpoint, device=str(device))
+    prompt = tokenizer.encode("The history of the printing press begins", add_special_tokens=False).ids
+    rows = [measure_setting(base, d, m, cfg, prompt) for d in cfg.dtypes for m in cfg.compile]
+    info = device_info(device)
+    header = f"{device_line({'device_info': info})}; {torch.get_num_threads()} threads; prompt {cfg.prompt_len}\n\n"
+    text = header + table(rows, list(cfg.ks))
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"base_checkpoint": str(cfg.base_checkpoint), "device_info": info, "threads": torch.get_num_threads()}
+    results["rows"] = rows
+    write_atomic(out / "costs.json", json.dumps(results, indent=2, default=str))
+    write_atomic(out / "costs.md", text)
+    print(text)
+    return results
+
+
+@hydra_preflight
+@hydra.main(version_base="1.3", config_path="../conf", config_name="engine_costs")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    results = run(cfg)
+    print(json.dumps({"rows": results["rows"]}, default=str), file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
