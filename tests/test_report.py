@@ -226,3 +226,19 @@ def test_the_report_says_which_checkpoint_each_row_used() -> None:
     assert lines[2] == "- medusa: runs/medusa/checkpoint step 800 (best of its run, run's last step 1000)"
     assert lines[3] == "- prophet: runs/prophet/checkpoint step 1000 (last of its run, run's last step 1000)"
     assert checkpoint_lines({}) == ""
+
+
+def test_the_header_names_the_decoded_dtype_and_the_prompt_set() -> None:
+    from experiments.lib.report.results import header_line
+
+    results = {
+        "cpu": "Intel Xeon",
+        "base": {"parameters": 134_515_008},
+        "dtype": "bfloat16",
+        "prompts": 12,
+        "prompt_set": {"source": "chat_mix", "chat": True, "turns": 2, "categories": {"coding": 4, "qa": 8}},
+    }
+    assert header_line(results) == (
+        "CPU: Intel Xeon; base: 134.5M parameters, bfloat16 decoding; "
+        "prompts: 12 from chat_mix, chat template, turns 1 and 2 (coding 4, qa 8)\n\n"
+    )

@@ -107,7 +107,17 @@ def header_line(results: dict) -> str:
     run on a GPU (calibrate.device_line; results written before device_info have their cpu alone)."""
     header = [device_line(results)] if device_line(results) else []
     header += [f"base: {base_line(results['base'], results.get('dtype', 'float32'))}"] if results.get("base") else []
+    header += [prompts_line(results)] if results.get("prompt_set") else []
     return "; ".join(header) + "\n\n" if header else ""
+
+
+def prompts_line(results: dict) -> str:
+    """'prompts: 12 from chat_mix, chat template, turns 1 and 2 (coding 2, qa 2, ...)'."""
+    ps = results["prompt_set"]
+    turns = ", turns 1 and 2" if ps.get("turns") == 2 else ""
+    counts = ", ".join(f"{c} {n}" for c, n in ps.get("categories", {}).items())
+    chat = ", chat template" if ps.get("chat") else ""
+    return f"prompts: {results['prompts']} from {ps['source']}{chat}{turns} ({counts})"
 
 
 def base_line(base: dict, dtype: str = "float32") -> str:
