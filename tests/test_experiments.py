@@ -626,8 +626,10 @@ def test_benchmark_files(bench_run: tuple[dict, Path], tiny_base: Path) -> None:
     lines = (out_dir / "results.md").read_text().splitlines()
     base = results["base"]  # the target's size, in the header beside the CPU
     assert base["parameters"] > 0 and {"dim", "depth"} <= set(base)
-    shape = f"{base['parameters'] / 1e6:.1f}M parameters ({base['dim']} x {base['depth']}), float32 decoding"
-    assert lines[0] == f"CPU: {results['cpu']}; base: {shape}"
+    # the dtype dtype=auto chose: measured on a CPU with native bf16, so either here
+    shape = f"{base['parameters'] / 1e6:.1f}M parameters ({base['dim']} x {base['depth']}), {results['dtype']} decoding"
+    assert results["dtype"] in ("float32", "bfloat16") and results["precision"]["requested"] == "auto"
+    assert lines[0] == f"CPU: {results['cpu']}; base: {shape}; prompts: 2 from heldout (heldout 2)"
     table = [line for line in lines if line.startswith("|")]
     assert table[0].startswith("| method | mode | T |")
     for t in ("0", "1"):
@@ -661,10 +663,11 @@ def test_benchmark_rep4_is_plain_greedy_decodings_share(tiny_base: Path, drafter
     base, tokenizer, meta = load_lm(tiny_base)
     prompts = get_prompts(cfg, tokenizer, meta)
     assert cfg.decode.batch_size == 1 and cfg.stop_at_eos  # so: one prompt at a time, stopping at EOS
+    results = json.loads((tmp_path / "results.json").read_text())
+    base = base.to(getattr(torch, results["dtype"]))  # the precision dtype=auto measured and chose
     greedy = [
         plain_generate(Target(base), [p], max_new_tokens=40, eos_id=meta["data"]["eos_id"]).tokens[0] for p in prompts
     ]
-    results = json.loads((tmp_path / "results.json").read_text())
     expected = repeated_ngram_share(prompts, greedy)
     assert 0 < expected and [r["repeat4"] for r in results["plain"] + results["methods"]] == [expected, expected]
 

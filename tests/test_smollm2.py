@@ -211,3 +211,21 @@ def test_engine_costs_refuses_bad_settings_before_loading(tmp_path, override, me
 
     with pytest.raises(ValueError, match=message):
         run(engine_costs_cfg(tmp_path, "base_checkpoint=/nonexistent", override))
+
+
+def test_a_second_turn_follows_the_models_own_greedy_answer(smol_dir, smol):
+    from experiments.lib.data.chat import second_turns
+    from experiments.lib.data.prompts import Question
+
+    base, tokenizer, _, prompts = smol
+    template = ChatTemplate(smol_dir, system="Be brief.")
+    questions = [Question((CHATS[1], "Now in one sentence."), "qa", 1), Question((CHATS[2],), "writing", 2)]
+    first = [template.encode(tokenizer, [q.turns[0]]) for q in questions]
+    target = make_target(base)
+    asked, ids = second_turns(questions, first, template, tokenizer, target=target, max_new_tokens=12, eos_id=EOS)
+    assert asked == questions[:1] and len(ids) == 1  # a one-turn question has no second turn
+    answer = tokenizer.decode(plain_generate(target, first[:1], max_new_tokens=12, eos_id=EOS).tokens[0])
+    text = tokenizer.decode(ids[0], skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert f"{CHATS[1]}<|im_end|>\n<|im_start|>assistant\n{answer.strip()}<|im_end|>" in text
+    assert text.endswith("<|im_start|>user\nNow in one sentence.<|im_end|>\n<|im_start|>assistant\n")

@@ -79,10 +79,9 @@ def get_prompts(cfg: DictConfig, tokenizer, base_meta: dict) -> list[list[int]]:
 def add_second_turns(prompts: PromptSet, tokenizer, *, target, max_new_tokens: int, eos_id) -> PromptSet:
     """prompts.turns=2: the set with every question's second turn appended (after the model's own greedy
     answer to the first, decoded with plain decoding on `target`), each in its question's category."""
-    first = [(q, ids) for q, ids in zip(prompts.questions, prompts.ids)]
     asked, ids = second_turns(
-        [q for q, _ in first],
-        [i for _, i in first],
+        prompts.questions,
+        prompts.ids,
         prompts.template,
         tokenizer,
         target=target,
