@@ -62,6 +62,8 @@ def test_a_pretrained_base_is_every_entry_points_base_checkpoint_and_not_trained
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose(entry, overrides=[f"base={name}"])
         assert OmegaConf.to_container(cfg)["base_checkpoint"] == f"${{pretrained:{name},artifacts}}", entry
+        if entry in ("benchmark", "generate"):  # no drafter trained on it by default: the training-free method
+            assert cfg.get("methods", [cfg.get("method")]) == ["prompt_lookup"], entry
     assert (CONF / "base" / f"{name}.yaml").read_text().startswith("# @package _global_")
     with pytest.raises(ValueError, match="this base is pretrained .*: train_base trains from scratch"):
         validate_config(make_cfg(f"base={name}"))
