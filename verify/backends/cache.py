@@ -51,9 +51,18 @@ def visibility(start: Tensor, n: int, allow: Tensor | None, capacity: int) -> Te
     return rearrange(seen | (rel < 0)[:, None, :], "b n s -> b 1 n s")
 
 
-def write_kv(k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
-    """Store new keys/values (b, h, n, dh) at slots (b, n) of one layer's buffers (b, h, S, dh), in place."""
-    index = repeat(slots, "b n -> b h n d", h=k.shape[1], d=k.shape[3])
+def kv_index(slots: Tensor, heads: int, dim_head: int) -> Tensor:
+    """slots (b, n) -> the scatter index (b, heads, n, dim_head) of `write_kv`: the same for every layer of a
+    forward, so a decoder builds it once per forward."""
+    return repeat(slots, "b n -> b h n d", h=heads, d=dim_head)
+
+
+def write_kv(
+    k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, slots: Tensor, index: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Store new keys/values (b, h, n, dh) at slots (b, n) of one layer's buffers (b, h, S, dh), in place;
+    `index` is kv_index(slots, h, dh) when the caller has it already."""
+    index = kv_index(slots, k.shape[1], k.shape[3]) if index is None else index
     return k_buf.scatter_(2, index, k), v_buf.scatter_(2, index, v)
 
 

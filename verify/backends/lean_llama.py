@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange, repeat
+from einops import rearrange
 from torch import Tensor, nn
 
-from verify.backends.cache import StaticCache, visibility
+from verify.backends.cache import StaticCache, kv_index, visibility, write_kv
 from verify.backends.engine import LeanDecoder, LeanLM, UnsupportedModel, block_depth
 from verify.backends.packed import linear
 
@@ -148,7 +148,7 @@ class LlamaDecoder(LeanDecoder):
         # keys its result for a query depends on how many queries share the call (measured: 4e-6 apart at 600
         # keys), so a k-token verification would not equal k one-token steps; these bf16 matmuls are exact.
         bias = _group_bias(visibility(start, n, allow, capacity), self.heads, self.kv_heads, x.dtype)
-        index = repeat(slots, "b n -> b h n d", h=self.kv_heads, d=self.dim_head)  # where keys/values go
+        index = kv_index(slots, self.kv_heads, self.dim_head)  # where keys/values go, in every layer
         rotated = self.heads + self.kv_heads  # queries and keys: rotated together, as (b, n, heads, dh)
         layer, saved = 0, {}
         ends = {2 * i - 1: i for i in layers}
@@ -158,7 +158,7 @@ class LlamaDecoder(LeanDecoder):
                 qkv = rearrange(linear(h, w[1], w[2]), "b n (h d) -> b n h d", d=self.dim_head)
                 qk = _rotate_halves(qkv[:, :, :rotated], cos, sin)
                 k, v = (rearrange(t, "b n h d -> b h n d") for t in (qk[:, :, self.heads :], qkv[:, :, rotated:]))
-                k_all, v_all = k_buf[layer].scatter_(2, index, k), v_buf[layer].scatter_(2, index, v)
+                k_all, v_all = write_kv(k_buf[layer], v_buf[layer], k, v, slots, index)
                 attended = _attend_grouped(qk[:, :, : self.heads], k_all, v_all, bias, self.scale)
                 x = x + linear(attended, w[3], w[4])
                 layer += 1
