@@ -46,24 +46,9 @@ def test_packed_linear_is_bitwise_f_linear_and_row_independent(rows):
 
 
 def llama():
-    transformers = pytest.importorskip("transformers")
-    from verify.backends.hf import HFBase
+    from tests.test_hf import llama as tiny_llama  # transformers is installed with the hf extra
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.5,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    return HFBase(transformers.LlamaForCausalLM(config)).eval()
+    return tiny_llama(dim=64)
 
 
 @needs_packing
