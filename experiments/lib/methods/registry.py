@@ -164,12 +164,15 @@ def make_methods(
 
     A factory takes `compile` (the drafter's own decoder steps through torch.compile) and drafter
     keyword overrides (a tree budget chosen by `budget=auto`)."""
-    vocab = drafter_vocab(cfg, base_meta, base.num_tokens)
+    names = check_methods(cfg.methods)
+    # Prompt lookup drafts from the context alone: the trimmed vocabulary (counted over the training corpus,
+    # seconds on a large tokenizer) is read only by the drafters that have an output layer.
+    vocab = drafter_vocab(cfg, base_meta, base.num_tokens) if set(names) - {"prompt_lookup"} else None
     check_untrained_drafters(cfg, base)
     methods: dict[str, Callable[..., Any]] = {}
     loaded: dict[str, dict] = {}
     trained: dict[str, tuple] = {}  # family -> (module, family, accuracies): chain and tree share one checkpoint
-    for name in check_methods(cfg.methods):
+    for name in names:
         if name == "draft_model":
             directory = checkpoint_for(cfg, "draft", base_ckpt, base_meta)
             draft_lm, meta = load_draft_model(directory, base, base_meta, tokenizer, vocab)
