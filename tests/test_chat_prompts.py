@@ -83,7 +83,7 @@ def test_chat_mix_has_the_promised_shape(mix):
 def test_chat_mix_code_comes_from_held_out_stdlib_files(mix):
     """Every function quoted in a code question is defined in a validation file of the stdlib corpus."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    functions = chat_mix._heldout_functions()
+    functions = chat_mix.stdlib_functions(validation=True)
     assert functions and all(is_validation(key.split(":")[0], 0.05) for key in functions)
     quoted = [q for q in mix if q.category in ("explanation", "documentation")]
     codes = {code for _, code, _ in functions.values()}

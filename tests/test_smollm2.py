@@ -96,6 +96,27 @@ def test_chat_prompts_are_what_transformers_feeds_the_model(smol_dir, smol):
         assert ours == list(theirs)
 
 
+def test_generated_data_prompts_are_chat_rendered_training_questions(smol):
+    """features.source=generated: each prompt is a training question in the base's own chat template, at most
+    prompt_len tokens, sorted by length (batches of similar lengths)."""
+    from experiments.lib.data.chat_train import chat_train_questions
+    from experiments.lib.training.features import FeatureSpec
+    from experiments.lib.training.generated import generation_prompts
+
+    _, tokenizer, meta, _ = smol
+    spec = FeatureSpec(base_fingerprint="b", data_key="d", seq_len=512, windows=12, source="generated", prompt_len=160)
+    prompts = generation_prompts(spec, tokenizer, meta)
+    assert len(prompts) == 12 and all(len(p) <= 160 for p in prompts)
+    assert [len(p) for p in prompts] == sorted(len(p) for p in prompts)
+    questions = {q for _, q in chat_train_questions(200)}
+    for p in prompts:
+        text = tokenizer.decode(p, skip_special_tokens=False)
+        assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
+        assert any(q in text for q in questions)
+    with pytest.raises(ValueError, match="fit in features.prompt_len=20 tokens"):
+        generation_prompts(replace(spec, prompt_len=20), tokenizer, meta)
+
+
 def test_unknown_file_and_missing_wheel_are_one_line_errors(monkeypatch, tmp_path, smol_dir):
     spec = pretrained.PRETRAINED["smollm2"]
     monkeypatch.setitem(pretrained.PRETRAINED, "smollm2", replace(spec, sha256="0" * 64))

@@ -35,7 +35,15 @@ from experiments.lib.data.prompts import Question
 from experiments.lib.data.seq2seq import function_docstrings
 from experiments.lib.data.sources import is_validation, stdlib_files
 
-__all__ = ["CATEGORIES", "QUESTIONS_PER_CATEGORY", "chat_mix_questions"]
+__all__ = [
+    "CATEGORIES",
+    "QUESTIONS_PER_CATEGORY",
+    "chat_mix_questions",
+    "code_question",
+    "passage",
+    "rank",
+    "stdlib_functions",
+]
 
 QUESTIONS_PER_CATEGORY = 16
 STDLIB_VAL_FRACTION = 0.05  # conf/data/stdlib.yaml's val_fraction: the held-out files
@@ -53,23 +61,23 @@ FOLLOW_UP = {
 CATEGORIES = tuple(FOLLOW_UP)
 
 
-def _rank(key: str) -> str:
+def rank(key: str) -> str:
     return hashlib.sha1(key.encode("utf-8")).hexdigest()
 
 
 def _first(candidates: dict[str, str], n: int) -> list[str]:
     """n values of `candidates` (key -> text) in the order of their keys' hashes: deterministic, unbiased."""
-    return [candidates[k] for k in sorted(candidates, key=_rank)[:n]]
+    return [candidates[k] for k in sorted(candidates, key=rank)[:n]]
 
 
-def _heldout_functions() -> dict[str, tuple[str, str, str]]:
-    """key -> (name, code without docstring, docstring summary) of every short function with a docstring in
-    the stdlib corpus's validation files."""
+def stdlib_functions(*, validation: bool) -> dict[str, tuple[str, str, str]]:
+    """key -> (name, code without docstring, docstring summary) of every short public function with a docstring
+    in the stdlib corpus's validation files (validation=True: the benchmark's) or its training files."""
     root = Path(sysconfig.get_paths()["stdlib"])
     found = {}
     for path in stdlib_files():
         name = path.relative_to(root).as_posix()
-        if not is_validation(name, STDLIB_VAL_FRACTION):
+        if is_validation(name, STDLIB_VAL_FRACTION) != validation:
             continue
         text = path.read_bytes().decode("utf-8", errors="replace")
         for fn, code, summary in function_docstrings(text):
@@ -89,23 +97,24 @@ def _signature(code: str) -> str:
     return "\n".join(head)
 
 
+def code_question(category: str, function: tuple[str, str, str]) -> str:
+    """The coding / explanation / documentation prompt about one (name, code, summary) function."""
+    fence = "```python\n{}\n```"
+    _, code, summary = function
+    if category == "coding":
+        signature = fence.format(_signature(code))
+        return f"Write a Python function with this signature:\n\n{signature}\n\nIt should do the following: {summary}"
+    if category == "explanation":
+        return f"Explain what this Python function does:\n\n{fence.format(code)}"
+    return f"Write a docstring for this Python function:\n\n{fence.format(code)}"
+
+
 def _code_questions(functions: dict[str, tuple[str, str, str]]) -> dict[str, list[str]]:
     """Three disjoint slices of the held-out functions, one per code category."""
-    keys = sorted(functions, key=_rank)
+    keys = sorted(functions, key=rank)
     n = QUESTIONS_PER_CATEGORY
-    write, explain, document = keys[:n], keys[n : 2 * n], keys[2 * n : 3 * n]
-    fence = "```python\n{}\n```"
-    return {
-        "coding": [
-            f"Write a Python function with this signature:\n\n{fence.format(_signature(functions[k][1]))}\n\n"
-            f"It should do the following: {functions[k][2]}"
-            for k in write
-        ],
-        "explanation": [f"Explain what this Python function does:\n\n{fence.format(functions[k][1])}" for k in explain],
-        "documentation": [
-            f"Write a docstring for this Python function:\n\n{fence.format(functions[k][1])}" for k in document
-        ],
-    }
+    slices = {"coding": keys[:n], "explanation": keys[n : 2 * n], "documentation": keys[2 * n : 3 * n]}
+    return {category: [code_question(category, functions[k]) for k in ks] for category, ks in slices.items()}
 
 
 def _prose(paragraph: str) -> bool:
@@ -121,7 +130,7 @@ def _prose(paragraph: str) -> bool:
     )
 
 
-def _passage(text: str, *, prose_only: bool = False) -> str | None:
+def passage(text: str, *, prose_only: bool = False) -> str | None:
     """The first paragraphs of `text` (only prose ones with prose_only; HTML tags and markdown images and
     links reduced to their text) up to PASSAGE_CHARS[1] characters, or None when shorter than [0]."""
     text = re.sub(r"\n{3,}", "\n\n", text.strip())
@@ -147,10 +156,10 @@ def _descriptions() -> dict[str, str]:
             continue
         message = Parser().parsestr(raw)
         body = message.get_payload() if not message.is_multipart() else ""
-        passage = _passage(str(body or message.get("Description") or ""), prose_only=True)
+        found_passage = passage(str(body or message.get("Description") or ""), prose_only=True)
         name = message.get("Name")
-        if passage and name:
-            found[name.lower()] = passage
+        if found_passage and name:
+            found[name.lower()] = found_passage
     return found
 
 
@@ -161,22 +170,22 @@ def _topics() -> dict[str, tuple[str, str]]:
     found = {}
     for key, text in topics.items():
         lines = text.strip().splitlines()
-        passage = _passage("\n".join(lines[2:]))  # a title, then its underline
-        if lines and passage:
-            found[key] = (lines[0].strip(), passage)
+        found_passage = passage("\n".join(lines[2:]))  # a title, then its underline
+        if lines and found_passage:
+            found[key] = (lines[0].strip(), found_passage)
     return found
 
 
 def chat_mix_questions() -> list[Question]:
     """The set, sorted by category (CATEGORIES' order); ids 1..N. A category short of candidates (a venv
     with few documented packages) gives what it has."""
-    texts = _code_questions(_heldout_functions())
+    texts = _code_questions(stdlib_functions(validation=True))
     texts["summarization"] = [
         f"Summarize the following project description in a few sentences:\n\n{p}"
         for p in _first(_descriptions(), QUESTIONS_PER_CATEGORY)
     ]
     topics = _topics()
-    keys = sorted(topics, key=_rank)
+    keys = sorted(topics, key=rank)
     n = QUESTIONS_PER_CATEGORY
     texts["qa"] = [f"What is this in Python: {topics[k][0]}? Explain it briefly, with an example." for k in keys[:n]]
     texts["rag"] = [

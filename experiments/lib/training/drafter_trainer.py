@@ -47,6 +47,7 @@ from experiments.lib.training.features import (
     open_features,
     teacher_batch,
 )
+from experiments.lib.training.generated import generation_prompts
 from experiments.lib.training.loop import (
     LoopSettings,
     LoopState,
@@ -247,7 +248,10 @@ class Batches:
             )
             started = time.perf_counter()
             with main_first(ctx):  # rank 0 writes the cache; the others open it after
-                self.cache = open_features(base, data.train_ids, self.spec, directory=f.dir, root=f.root)
+                prompts = generation_prompts(self.spec, data.tokenizer, base_meta)
+                self.cache = open_features(
+                    base, data.train_ids, self.spec, prompts=prompts, directory=f.dir, root=f.root
+                )
             self.cache_seconds = time.perf_counter() - started
 
     def __call__(self, step: int) -> FeatureBatch:

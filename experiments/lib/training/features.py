@@ -17,7 +17,9 @@ retrained base simply gets a new cache).
 
 Sources: `corpus` caches windows of the training split; `greedy` and `sample` cache the base's own
 continuations (T = 0 and T = 1) of the first `prompt_len` tokens of those windows: the text the drafter
-will really draft for.
+will really draft for; `generated` caches the base's own answers (half greedy, half at T = 1) to chat prompts
+of its own template, prompts of at most `prompt_len` tokens disjoint from every benchmark prompt
+(experiments/lib/training/generated.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from experiments.lib.training.generated import answer_windows, window_temperature
 from prophet.model import base_features
 from verify.backends.choose import make_target
 from verify.loop.plain import plain_generate
@@ -48,7 +51,7 @@ FORMAT_VERSION = 1
 # context (SmolLM2: 8,192) would make each window's cached features 8,192 x width floats (200 windows: 2.1 GB)
 # and a drafter needs far less context than the base was trained on to learn the next few tokens.
 DEFAULT_WINDOW = 512
-SOURCES = ("corpus", "greedy", "sample")
+SOURCES = ("corpus", "greedy", "sample", "generated")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -65,7 +68,8 @@ class FeatureSpec:
     seq_len: int  # positions per window (each window holds seq_len + 1 tokens)
     windows: int  # number of windows cached
     source: str = "corpus"
-    prompt_len: int = 32  # greedy / sample: corpus tokens before the base's own continuation
+    prompt_len: int = 32  # greedy / sample: corpus tokens before the base's own continuation; generated: the
+    # longest chat prompt kept
     layers: tuple[int, ...] = ()  # base blocks whose residual states are kept (1-based)
     top_k: int = 16  # teacher tokens kept per position
     dtype: str = "float16"  # storage of hidden and layer states (the teacher's log-probs stay float32)
@@ -186,10 +190,12 @@ def write_features(
     train_ids: Tensor,
     spec: FeatureSpec,
     *,
+    prompts: list[list[int]] | None = None,
     shard_windows: int = 256,
     batch_size: int = 16,
 ) -> Path:
-    """Compute and store the cache for `spec` (resumes an interrupted one); returns the directory."""
+    """Compute and store the cache for `spec` (resumes an interrupted one); returns the directory.
+    prompts: the chat prompts of source `generated` (generated.generation_prompts), one per window."""
     directory = Path(directory)
     meta = _check_meta(directory, spec)
     if meta is not None and meta.get("complete"):
@@ -221,15 +227,22 @@ def write_features(
     }
     _write_meta(directory, meta)
     device = next(base.parameters()).device
-    windows = corpus_windows(train_ids, seq_len=spec.seq_len, windows=spec.windows, seed=spec.seed)
+    if spec.source == "generated":
+        if prompts is None or len(prompts) != spec.windows:
+            raise ValueError(f"features.source=generated needs {spec.windows} prompts, got {prompts and len(prompts)}")
+        windows = prompts
+    else:
+        windows = corpus_windows(train_ids, seq_len=spec.seq_len, windows=spec.windows, seed=spec.seed)
     console = Console(stderr=True)
     with _progress(console) as progress:
         task = progress.add_task("features", total=spec.windows)
         for i in range(shards):
             rows = windows[i * shard_windows : (i + 1) * shard_windows]
             if not _shard_path(directory, i).exists():
-                _write_shard(directory, i, base, rows.to(device), spec, batch_size=batch_size)
-            progress.update(task, advance=rows.shape[0])
+                _write_shard(
+                    directory, i, base, rows, spec, batch_size=batch_size, device=device, start=i * shard_windows
+                )
+            progress.update(task, advance=len(rows))
     _write_meta(directory, {**meta, "complete": True})
     return directory
 
@@ -240,17 +253,40 @@ def _write_meta(directory: Path, meta: dict) -> None:
     os.replace(tmp, directory / "meta.json")  # atomic: meta.json is never half-written
 
 
-def _write_shard(directory: Path, i: int, base: nn.Module, rows: Tensor, spec: FeatureSpec, *, batch_size: int) -> None:
+def _write_shard(
+    directory: Path,
+    i: int,
+    base: nn.Module,
+    rows,
+    spec: FeatureSpec,
+    *,
+    batch_size: int,
+    device: torch.device,
+    start: int = 0,
+) -> None:
+    """rows: (n, T + 1) windows, or n chat prompts (lists of ids) for source `generated`; start: the index of
+    the shard's first window in the cache."""
     parts: dict[str, list[Tensor]] = {"tokens": [], "hidden": [], "top_ids": [], "top_logp": [], "layers": []}
-    for j, chunk in enumerate(rows.split(batch_size)):
-        if spec.source != "corpus":  # every chunk has its own seed, so a resumed shard samples the same text
-            chunk = continue_windows(
+    for j in range(0, len(rows), batch_size):
+        chunk, seed = rows[j : j + batch_size], spec.seed * 1_000_003 + i * 4099 + j // batch_size
+        if spec.source == "generated":  # batches alternate T = 0 and T = 1 across the whole cache
+            chunk = answer_windows(
                 base,
                 chunk,
+                seq_len=spec.seq_len,
+                temperature=window_temperature((start + j) // batch_size),
+                seed=seed,
+            )
+        elif spec.source != "corpus":  # every chunk has its own seed, so a resumed shard samples the same text
+            chunk = continue_windows(
+                base,
+                chunk.to(device),
                 prompt_len=spec.prompt_len,
-                seed=spec.seed * 1_000_003 + i * 4099 + j,
+                seed=seed,
                 temperature=0.0 if spec.source == "greedy" else 1.0,
             )
+        else:
+            chunk = chunk.to(device)
         batch = teacher_batch(base, chunk, layers=spec.layers, top_k=spec.top_k)
         store = DTYPES[spec.dtype]
         parts["tokens"].append(batch.tokens.int().cpu())
@@ -322,6 +358,7 @@ def open_features(
     train_ids: Tensor,
     spec: FeatureSpec,
     *,
+    prompts: list[list[int]] | None = None,
     directory: str | Path | None = None,
     root: str | Path = ".cache/features",
 ) -> FeatureCache:
@@ -329,7 +366,7 @@ def open_features(
 
     An explicit `directory` may hold more layers than `spec` asks for: one cache serves every drafter."""
     directory = Path(directory) if directory is not None else Path(root) / spec.key()
-    write_features(directory, base, train_ids, spec)
+    write_features(directory, base, train_ids, spec, prompts=prompts)
     return FeatureCache(directory, spec)
 
 
@@ -343,7 +380,7 @@ def check_features_config(features: dict) -> None:
     FeatureSpec(
         base_fingerprint="",
         data_key="",
-        seq_len=2,
+        seq_len=max(2, features["prompt_len"]) if isinstance(features["prompt_len"], int) else 2,
         windows=1,
         source=features["source"],
         prompt_len=features["prompt_len"],
