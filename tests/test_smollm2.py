@@ -96,6 +96,41 @@ def test_chat_prompts_are_what_transformers_feeds_the_model(smol_dir, smol):
         assert ours == list(theirs)
 
 
+TREE = [-1, 0, 0, 0, 1, 1, 2, 3, 4, 4, 5, 6, 8, 9, 12, 13]  # parents: a 16-node draft tree, 5 levels
+
+
+def tree_mismatches(base, prompt: list[int], tokens: list[int]) -> list[int]:
+    """Nodes whose logits in one tree forward differ (bitwise) from their path decoded one token at a time."""
+    target = make_target(base)
+    target.prefill([prompt])
+    out = target.extend(torch.tensor([tokens]), parents=torch.tensor(TREE)).logits[0]
+    bad = []
+    for node in range(len(TREE)):
+        path, j = [], node
+        while j >= 0:
+            path, j = [tokens[j]] + path, TREE[j]
+        step = make_target(base)
+        step.prefill([prompt])
+        for token in path:
+            last = step.extend(torch.tensor([[token]])).logits[0, -1]
+        bad += [] if torch.equal(out[node], last) else [node]
+    return bad
+
+
+def test_bf16_tree_nodes_equal_their_paths_only_in_position_order(smol_bf16, monkeypatch):
+    """Behind a 600-token prefix, bf16 tree nodes whose ancestors are not contiguous in the cache left their
+    paths' logits when attention summed over slots (seen: 3 of 16 nodes); summed in position order, none does."""
+    from verify.backends import lean_llama
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 49152, (600,), generator=g).tolist()
+    tokens = torch.randint(0, 49152, (len(TREE),), generator=g).tolist()
+    with torch.inference_mode():
+        assert tree_mismatches(smol_bf16, prompt, tokens) == []
+        monkeypatch.setattr(lean_llama, "ORDERED", False)
+        assert tree_mismatches(smol_bf16, prompt, tokens) != []
+
+
 def test_generated_data_prompts_are_chat_rendered_training_questions(smol):
     """features.source=generated: each prompt is a training question in the base's own chat template, at most
     prompt_len tokens, sorted by length (batches of similar lengths)."""

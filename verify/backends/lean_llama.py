@@ -22,7 +22,11 @@ from torch import Tensor, nn
 
 from verify.backends.cache import StaticCache, kv_index, visibility, write_kv
 from verify.backends.engine import LeanDecoder, LeanLM, UnsupportedModel, block_depth
+from verify.backends.ordered_attention import attend_in_order, order_plan
 from verify.backends.packed import linear
+
+ORDERED = True  # attention summed in position order (verify/backends/ordered_attention.py); False: the old order
+ORDERED_MAX_NEW = 128  # forwards of at most this many new tokens attend in position order
 
 
 def _check_config(config) -> None:
@@ -148,6 +152,13 @@ class LlamaDecoder(LeanDecoder):
         # keys its result for a query depends on how many queries share the call (measured: 4e-6 apart at 600
         # keys), so a k-token verification would not equal k one-token steps; these bf16 matmuls are exact.
         bias = _group_bias(visibility(start, n, allow, capacity), self.heads, self.kv_heads, x.dtype)
+        # Decoding forwards (a step, a chain, a tree) sum attention in position order, so that a tree node equals
+        # its path decoded alone (ordered_attention.py); a prefill, the same call for every decoder of a prompt,
+        # keeps one product over the slots (the order's per-query tail would grow with n^2).
+        ordered = ORDERED and n <= ORDERED_MAX_NEW
+        plan = ordered and order_plan(
+            start, n, allow, capacity, heads=self.heads, kv_heads=self.kv_heads, bias=bias, static=self.compiled
+        )
         index = kv_index(slots, self.kv_heads, self.dim_head)  # where keys/values go, in every layer
         rotated = self.heads + self.kv_heads  # queries and keys: rotated together, as (b, n, heads, dh)
         layer, saved = 0, {}
@@ -159,7 +170,10 @@ class LlamaDecoder(LeanDecoder):
                 qk = _rotate_halves(qkv[:, :, :rotated], cos, sin)
                 k, v = (rearrange(t, "b n h d -> b h n d") for t in (qk[:, :, self.heads :], qkv[:, :, rotated:]))
                 k_all, v_all = write_kv(k_buf[layer], v_buf[layer], k, v, slots, index)
-                attended = _attend_grouped(qk[:, :, : self.heads], k_all, v_all, bias, self.scale)
+                if ordered:
+                    attended = attend_in_order(qk[:, :, : self.heads], k_all, v_all, plan, self.scale)
+                else:
+                    attended = _attend_grouped(qk[:, :, : self.heads], k_all, v_all, bias, self.scale)
                 x = x + linear(attended, w[3], w[4])
                 layer += 1
             else:

@@ -1,0 +1,82 @@
+"""The lean Llama engine's attention in position order: a tree node's logits equal, bit for bit, those of
+decoding its root-to-node path one token at a time, in bfloat16 too, wherever the prefix ends relative to the
+chunks (verify/backends/ordered_attention.py). The negative control (without the order, SmolLM2's bf16 tree
+nodes leave their paths) needs real weights and a long prefix: tests/test_smollm2.py."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from verify.backends.choose import make_target  # noqa: E402
+from verify.backends.hf import HFBase  # noqa: E402
+from verify.backends.ordered_attention import CHUNK  # noqa: E402
+
+V = 211
+# parents of an 8-node tree: two children of the root (nodes 0), grandchildren, one depth-3 leaf; node 0 attaches
+# to the cached prefix
+PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]
+
+
+@pytest.fixture(scope="module")
+def base():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return HFBase(transformers.LlamaForCausalLM(config)).eval().to(torch.bfloat16)
+
+
+def path_of(node: int, tokens: list[int]) -> list[int]:
+    path = []
+    while node >= 0:
+        path, node = [tokens[node]] + path, PARENTS[node]
+    return path
+
+
+def stepwise_logits(base, prompt: list[int], path: list[int]) -> torch.Tensor:
+    """The last logits of decoding `path` after `prompt` one token per forward, as plain decoding does."""
+    target = make_target(base)
+    target.prefill([prompt])
+    for token in path:
+        out = target.extend(torch.tensor([[token]]))
+    return out.logits[0, -1]
+
+
+def tree_mismatches(base, prompt_len: int, seed: int) -> int:
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, V, (prompt_len,), generator=g).tolist()
+    tokens = torch.randint(0, V, (len(PARENTS),), generator=g).tolist()
+    target = make_target(base)
+    target.prefill([prompt])
+    out = target.extend(torch.tensor([tokens]), parents=torch.tensor(PARENTS)).logits[0]
+    return sum(
+        not torch.equal(out[node], stepwise_logits(base, prompt, path_of(node, tokens))) for node in range(len(PARENTS))
+    )
+
+
+@pytest.mark.parametrize("prompt_len", [3, CHUNK - 2, CHUNK, 3 * CHUNK - 1])
+def test_tree_nodes_equal_their_paths_decoded_alone_bit_for_bit(base, prompt_len):
+    with torch.inference_mode():
+        assert tree_mismatches(base, prompt_len, seed=prompt_len) == 0
+
+
+def test_chain_equals_one_token_steps_bit_for_bit(base):
+    g = torch.Generator().manual_seed(7)
+    prompt, chain = torch.randint(0, V, (CHUNK + 30,), generator=g).tolist(), [3, 1, 4, 1, 5, 9]
+    with torch.inference_mode():
+        target = make_target(base)
+        target.prefill([prompt])
+        out = target.extend(torch.tensor([chain])).logits[0]
+        for i in range(len(chain)):
+            assert torch.equal(out[i], stepwise_logits(base, prompt, chain[: i + 1]))

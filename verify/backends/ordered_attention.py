@@ -1,0 +1,135 @@
+"""Attention summed in position order: a tree node's output equals its root-to-node path computed alone, bit for bit.
+
+Why: a draft tree is verified in one forward, each node at its own cache slot (prefix, then node 0, 1, ...).
+A node's keys (the prefix and its ancestors) are then not contiguous: siblings and cousins sit between
+them, masked. Plain decoding of the same path sees the same keys contiguous. Softmax and the p @ v product
+reduce over the key axis, and a vectorised reduction groups its terms by where they lie (SIMD lanes, AMX
+tile pairs, blocked K loops): the same terms at other places are added in another order. In float32 that
+differs in the last bits and an argmax flips only at exact ties; in bfloat16 the result is rounded to 8
+bits of mantissa after every reduction and a flip follows within a few hundred tokens (seen on SmolLM2):
+the tree's output was then not the output of plain decoding.
+
+The fix is to make every reduction depend only on each query's own keys in position order. Keys are taken
+in chunks of CHUNK positions:
+- the shared chunks: positions [0, c0) with c0 the window start rounded down to a multiple of CHUNK, which
+  every query of the row sees in slot order (slot = position there);
+- the tail: positions [c0, c0 + T) gathered per query, its older keys then its visible window keys in slot
+  order (a node's ancestors, then itself), masked past its own keys.
+Each chunk is reduced on its own (the exp-sums over CHUNK contiguous values; p @ v as a (rows x CHUNK) @
+(CHUNK x d) product), and the chunk results are added in position order by a cumulative sum, so exact zeros
+(chunks a query does not see) change nothing. Plain decoding (one query), a chain and a tree thus add the
+same terms in the same order; what remains is that a matmul row does not depend on how many rows share it
+(tested for these bf16 and fp32 products). Cost: the p @ v product becomes one small product per chunk, and
+the tail's values are gathered (T x d per query).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange, repeat
+from torch import Tensor
+
+__all__ = ["CHUNK", "OrderPlan", "attend_in_order", "order_plan"]
+
+CHUNK = 64  # positions per chunk: a multiple of the SIMD width, few enough chunk sums per query
+
+
+@dataclass(frozen=True)
+class OrderPlan:
+    """Built once per forward and used by every layer."""
+
+    bias: Tensor  # (b g, r n, S) additive visibility: 0 seen, -inf not (the query's max comes from it)
+    shared: Tensor  # (b g, 1, C nch) additive: 0 on the shared chunks' slots (< c0), -inf after
+    tail: Tensor  # (b, n, T) the slot of each tail position of each query (0 where masked)
+    tail_bias: Tensor  # (b g, r n, T) additive: 0 on the query's own tail keys, -inf past them
+    chunks: int  # nch: shared chunks computed (those below the largest c0 of the batch)
+
+
+def order_plan(
+    start: Tensor,
+    n: int,
+    allow: Tensor | None,
+    capacity: int,
+    *,
+    heads: int,
+    kv_heads: int,
+    bias: Tensor,
+    static: bool = False,
+) -> OrderPlan:
+    """The plan of a forward writing n entries from slot start (b,), visibility as verify.backends.cache's
+    `visibility` (allow (b, n, r) over the last r slots; None: causal); bias is its additive `_group_bias`.
+    static: shapes that depend on the capacity only (a compiled or graph-captured step); else the shared
+    chunks stop at the batch's largest c0 (one host read, free on a CPU)."""
+    b, device = start.shape[0], start.device
+    if allow is None:
+        allow = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(b, n, n)
+    r = allow.shape[-1]
+    window = start - (r - n)  # (b,) first slot of the window: every query sees all slots before it
+    c0 = torch.div(window, CHUNK, rounding_mode="floor") * CHUNK  # (b,)
+    length = CHUNK * (-(-(CHUNK - 1 + r) // CHUNK))  # T: covers [c0, window) and the whole window
+    # the window slots each query sees, in slot order, first (a stable sort puts the visible ones first)
+    order = torch.sort((~allow).to(torch.uint8), dim=-1, stable=True).indices  # (b, n, r)
+    count = allow.sum(-1)  # (b, n) keys each query sees in the window
+    pos = c0[:, None] + torch.arange(length, device=device)  # (b, T) the tail's positions
+    rank = (pos - window[:, None])[:, None, :].expand(b, n, length)  # (b, n, T) index within the window
+    in_window = window[:, None, None] + order.gather(2, rank.clamp(0, r - 1))
+    slot = torch.where(rank < 0, pos[:, None, :].expand(b, n, length), in_window)
+    valid = rank < count[:, :, None]  # older slots (rank < 0) and the query's own window keys
+    slot = torch.where(valid, slot, torch.zeros_like(slot))
+    g, rows = kv_heads, heads // kv_heads
+    tail_bias = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(~valid, float("-inf"))
+    chunks = (capacity // CHUNK) if static else int(c0.max()) // CHUNK
+    shared = torch.arange(chunks * CHUNK, device=device)[None, :] < c0[:, None]  # (b, C nch)
+    shared = torch.zeros(shared.shape, dtype=torch.float32, device=device).masked_fill_(~shared, float("-inf"))
+    return OrderPlan(
+        bias=bias,
+        shared=repeat(shared, "b s -> (b g) 1 s", g=g),
+        tail=slot,
+        tail_bias=repeat(tail_bias, "b n t -> (b g) (r n) t", g=g, r=rows),
+        chunks=chunks,
+    )
+
+
+def attend_in_order(q: Tensor, k: Tensor, v: Tensor, plan: OrderPlan, scale: float) -> Tensor:
+    """q (b, n, h, dh) over k, v (b, g, S, dh) (g kv heads, h / g queries each) -> (b, n, h dh), every sum
+    taken chunk by chunk in position order (module docstring)."""
+    b, n, h, d = q.shape
+    g, span = k.shape[1], k.shape[2]
+    r = h // g
+    q = rearrange(q, "b n (g r) d -> (b g) (r n) d", g=g)
+    keys, values = k.reshape(b * g, span, d), v.reshape(b * g, span, d)
+    scores = torch.baddbmm(plan.bias, q, keys.transpose(1, 2), alpha=scale)  # (B, R, S)
+    top = scores.amax(dim=-1, keepdim=True).float()  # each query sees at least itself: finite
+    o_shared, z_shared = _shared_chunks(scores, values, plan, top)
+    # the tail: each query's own keys in position order
+    t = plan.tail.shape[-1]
+    rows = repeat(plan.tail, "b n t -> (b g) (r n) t", g=g, r=r)
+    e_tail = torch.exp(scores.gather(2, rows).float() + plan.tail_bias - top)  # (B, R, T)
+    e_tail = rearrange(e_tail, "B (r n) (c k) -> B n c r k", r=r, k=CHUNK).contiguous()
+    z_tail = rearrange(e_tail.sum(dim=-1), "B n c r -> B (r n) c")
+    gathered = values.gather(1, repeat(plan.tail, "b n t -> (b g) (n t) d", g=g, d=d))  # (B, n T, d)
+    o_tail = torch.bmm(
+        rearrange(e_tail.to(v.dtype), "B n c r k -> (B n c) r k"),
+        rearrange(gathered, "B (n c k) d -> (B n c) k d", n=n, k=CHUNK),
+    )
+    o_tail = rearrange(o_tail, "(B n c) r d -> B (r n) c d", n=n, c=t // CHUNK)
+    # chunk results added in position order (a cumulative sum is sequential), then normalised once
+    total = torch.cat((o_shared, o_tail.float()), dim=2).cumsum(dim=2)[:, :, -1]  # (B, R, d)
+    z = torch.cat((z_shared, z_tail), dim=2).cumsum(dim=2)[:, :, -1:]  # (B, R, 1)
+    out = (total / z).to(q.dtype)
+    return rearrange(out, "(b g) (r n) d -> b n (g r d)", b=b, n=n)
+
+
+def _shared_chunks(scores: Tensor, values: Tensor, plan: OrderPlan, top: Tensor) -> tuple[Tensor, Tensor]:
+    """p @ v (B, R, nch, d) and the exp-sums (B, R, nch) of each shared chunk, in float32."""
+    (bg, rows, _), d = scores.shape, values.shape[-1]
+    if plan.chunks == 0:
+        return scores.new_zeros(bg, rows, 0, d, dtype=torch.float32), scores.new_zeros(bg, rows, 0, dtype=torch.float32)
+    width = plan.chunks * CHUNK
+    e = torch.exp(scores[..., :width].float() + plan.shared - top)  # (B, R, C nch), 0 past c0
+    e = rearrange(e, "B R (c k) -> B R c k", k=CHUNK)
+    p = rearrange(e.to(values.dtype), "B R c k -> (B c) R k")
+    out = torch.bmm(p, rearrange(values[:, :width], "B (c k) d -> (B c) k d", k=CHUNK))
+    return rearrange(out, "(B c) R d -> B R c d", c=plan.chunks).float(), e.sum(dim=-1)
