@@ -185,12 +185,14 @@ def bench_run(tmp_path_factory: pytest.TempPathFactory, tiny_base: Path, drafter
 
 
 def experiment_entry(name: str) -> str:
-    """The entry point an experiment file is a delta of: a base recipe overrides /base, a drafter recipe
-    overrides /drafter, the rest are benchmark presets."""
-    defaults = " ".join(map(str, OmegaConf.load(CONF / "experiment" / f"{name}.yaml").get("defaults", [])))
+    """The entry point an experiment file is a delta of: a base recipe overrides /base with a size preset, a
+    drafter recipe overrides /drafter, the rest (the demo's pretrained /base among them) are benchmark presets."""
+    listed = OmegaConf.to_container(OmegaConf.load(CONF / "experiment" / f"{name}.yaml")).get("defaults", [])
+    defaults = " ".join(map(str, listed))
+    sizes = [d["override /base"] for d in listed if isinstance(d, dict) and "override /base" in d]
     return (
         "train_base"
-        if "override /base" in defaults
+        if sizes and sizes[0] != "smollm2"
         else "train_drafter"
         if "override /drafter" in defaults
         else "benchmark"
