@@ -126,3 +126,15 @@ def test_cache_alternates_greedy_and_sampled_batches_and_resumes(tmp_path):
 def test_generated_cache_needs_one_prompt_per_window(tmp_path):
     with pytest.raises(ValueError, match="needs 6 prompts, got 2"):
         open_features(make_base(), None, spec_for(), prompts=prompts_of([2, 3]), directory=tmp_path / "x")
+
+
+def test_a_checkpoint_drafts_from_the_vocabulary_it_recorded():
+    """A drafter trained on the base's own answers records the ids it was trained over; decoding uses them."""
+    from experiments.lib.methods.registry import checkpoint_vocab
+
+    shared = torch.tensor([1, 2, 3])
+    own = checkpoint_vocab({"train_vocab": 3, "train_vocab_ids": [1, 5, 9]}, shared, "medusa")
+    assert own.tolist() == [1, 5, 9]
+    assert checkpoint_vocab({"train_vocab": 3}, shared, "medusa") is shared  # an older checkpoint
+    assert checkpoint_vocab({"train_vocab": 2, "train_vocab_ids": [1, 5]}, shared, "medusa") is shared
+    assert checkpoint_vocab({"train_vocab_ids": [1, 5, 9]}, None, "medusa") is None  # full vocabulary asked

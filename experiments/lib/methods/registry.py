@@ -175,9 +175,9 @@ def make_methods(
     for name in names:
         if name == "draft_model":
             directory = checkpoint_for(cfg, "draft", base_ckpt, base_meta)
-            draft_lm, meta = load_draft_model(directory, base, base_meta, tokenizer, vocab)
+            draft_lm, meta, own = load_draft_model(directory, base, base_meta, tokenizer, vocab)
             loaded["draft"] = loaded_record(directory, meta)
-            methods[name] = lambda lm=draft_lm, compile=False: DraftModelDrafter(lm, compile=compile, vocab=vocab)
+            methods[name] = lambda lm=draft_lm, v=own, compile=False: DraftModelDrafter(lm, compile=compile, vocab=v)
         elif name == "prompt_lookup":
             methods[name] = lambda compile=False: PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
         else:
@@ -185,16 +185,16 @@ def make_methods(
             if family not in trained:
                 directory = checkpoint_for(cfg, family, base_ckpt, base_meta)
                 module, package, meta = load_drafter(directory, base, base_meta)
-                check_train_vocab(meta, vocab, family)
-                trained[family] = module, package, head_accuracies(family, module, meta)
+                own = checkpoint_vocab(meta, vocab, family)
+                trained[family] = module, package, head_accuracies(family, module, meta), own
                 loaded[family] = loaded_record(directory, meta)
-            module, package, accuracies = trained[family]
+            module, package, accuracies, own = trained[family]
             decode = {**OmegaConf.to_container(cfg[family].decode, resolve=True), "mode": mode, **accuracies}
             if mode == "chain" and "tree" in decode:  # a static tree configures the tree method only
                 decode["tree"] = None
             compiles = FAMILIES[family].compiles  # heads have no decoder to compile
-            methods[name] = lambda m=module, p=package, d=decode, c=compiles, compile=False, **over: p.make_drafter(
-                m, base, **{**d, **over}, vocab=vocab, **({"compile": compile} if c else {})
+            methods[name] = lambda m=module, p=package, d=decode, c=compiles, v=own, compile=False, **over: (
+                p.make_drafter(m, base, **{**d, **over}, vocab=v, **({"compile": compile} if c else {}))
             )
     return methods, loaded
 
@@ -231,6 +231,16 @@ def head_accuracies(family: str, module: torch.nn.Module, meta: dict) -> dict:
     return {"accuracies": accuracies_from_metrics(meta["metrics"], module.num_heads)}
 
 
+def checkpoint_vocab(meta: dict, vocab: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """The vocabulary a drafter drafts from: the ids its checkpoint was trained on when it records them (a
+    vocabulary counted over the base's own answers), of the configured size; else the shared `vocab`."""
+    ids = meta.get("train_vocab_ids")
+    if ids is None or vocab is None or len(ids) != vocab.numel():
+        check_train_vocab(meta, vocab, name)
+        return vocab
+    return torch.tensor(ids, dtype=torch.long, device=vocab.device)
+
+
 def check_train_vocab(meta: dict, vocab: torch.Tensor | None, name: str) -> None:
     """Warn when a drafter drafts from another vocabulary than it was trained on: rows it never trained
     (a distilled draft model's are at their initialisation) would draft, losslessly but badly."""
@@ -247,13 +257,13 @@ def check_train_vocab(meta: dict, vocab: torch.Tensor | None, name: str) -> None
 
 def load_draft_model(
     directory: str, base: torch.nn.Module, base_meta: dict, tokenizer, vocab: torch.Tensor | None
-) -> tuple[torch.nn.Module, dict]:
-    """The draft LM and its checkpoint's meta: one distilled from this base (a `draft` drafter checkpoint)
-    or an independent LM trained on the corpus (a base checkpoint with the base's tokenizer)."""
+) -> tuple[torch.nn.Module, dict, torch.Tensor | None]:
+    """The draft LM, its checkpoint's meta and the vocabulary it drafts from: one distilled from this base (a
+    `draft` drafter checkpoint) or an independent LM trained on the corpus (a base checkpoint with the base's
+    tokenizer)."""
     if read_meta(directory).get("kind") == "drafter":
         module, _, meta = load_drafter(directory, base, base_meta)
-        check_train_vocab(meta, vocab, "the draft model")
-        return module, meta
+        return module, meta, checkpoint_vocab(meta, vocab, "the draft model")
     weight = next(base.parameters())
     draft_lm, draft_tokenizer, meta = load_lm(directory, device=str(weight.device), role="checkpoints.draft")
     draft_lm.to(weight.dtype)  # decodes in the base's dtype
@@ -261,7 +271,7 @@ def load_draft_model(
         raise ValueError(
             tokenizer_mismatch("the draft model", draft_tokenizer, tokenizer, "train it on the base's data config")
         )
-    return draft_lm, meta
+    return draft_lm, meta, vocab
 
 
 def drafter_vocab(cfg: DictConfig, base_meta: dict, vocab_size: int) -> torch.Tensor | None:
