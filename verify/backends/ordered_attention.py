@@ -42,7 +42,8 @@ class OrderPlan:
 
     bias: Tensor  # (b g, r n, S) additive visibility: 0 seen, -inf not (the query's max comes from it)
     shared: Tensor  # (b g, 1, C nch) additive: 0 on the shared chunks' slots (< c0), -inf after
-    tail: Tensor  # (b, n, T) the slot of each tail position of each query (0 where masked)
+    tail: Tensor  # (b g, r n, T) the slot of each tail position of each query (0 where masked)
+    tail_rows: Tensor  # (b g n T,) the same slots as rows of the (b g S, dh) values: an index_select, not a gather
     tail_bias: Tensor  # (b g, r n, T) additive: 0 on the query's own tail keys, -inf past them
     chunks: int  # nch: shared chunks computed (those below the largest c0 of the batch)
 
@@ -83,10 +84,12 @@ def order_plan(
     chunks = (capacity // CHUNK) if static else int(c0.max()) // CHUNK
     shared = torch.arange(chunks * CHUNK, device=device)[None, :] < c0[:, None]  # (b, C nch)
     shared = torch.zeros(shared.shape, dtype=torch.float32, device=device).masked_fill_(~shared, float("-inf"))
+    flat = repeat(slot, "b n t -> (b g) (n t)", g=g) + capacity * torch.arange(b * g, device=device)[:, None]
     return OrderPlan(
         bias=bias,
         shared=repeat(shared, "b s -> (b g) 1 s", g=g),
-        tail=slot,
+        tail=repeat(slot, "b n t -> (b g) (r n) t", g=g, r=rows),
+        tail_rows=flat.reshape(-1),
         tail_bias=repeat(tail_bias, "b n t -> (b g) (r n) t", g=g, r=rows),
         chunks=chunks,
     )
@@ -97,39 +100,35 @@ def attend_in_order(q: Tensor, k: Tensor, v: Tensor, plan: OrderPlan, scale: flo
     taken chunk by chunk in position order (module docstring)."""
     b, n, h, d = q.shape
     g, span = k.shape[1], k.shape[2]
-    r = h // g
     q = rearrange(q, "b n (g r) d -> (b g) (r n) d", g=g)
     keys, values = k.reshape(b * g, span, d), v.reshape(b * g, span, d)
     scores = torch.baddbmm(plan.bias, q, keys.transpose(1, 2), alpha=scale)  # (B, R, S)
     top = scores.amax(dim=-1, keepdim=True).float()  # each query sees at least itself: finite
-    o_shared, z_shared = _shared_chunks(scores, values, plan, top)
-    # the tail: each query's own keys in position order
-    t = plan.tail.shape[-1]
-    rows = repeat(plan.tail, "b n t -> (b g) (r n) t", g=g, r=r)
-    e_tail = torch.exp(scores.gather(2, rows).float() + plan.tail_bias - top)  # (B, R, T)
-    e_tail = rearrange(e_tail, "B (r n) (c k) -> B n c r k", r=r, k=CHUNK).contiguous()
-    z_tail = rearrange(e_tail.sum(dim=-1), "B n c r -> B (r n) c")
-    gathered = values.gather(1, repeat(plan.tail, "b n t -> (b g) (n t) d", g=g, d=d))  # (B, n T, d)
-    o_tail = torch.bmm(
-        rearrange(e_tail.to(v.dtype), "B n c r k -> (B n c) r k"),
-        rearrange(gathered, "B (n c k) d -> (B n c) k d", n=n, k=CHUNK),
-    )
-    o_tail = rearrange(o_tail, "(B n c) r d -> B (r n) c d", n=n, c=t // CHUNK)
-    # chunk results added in position order (a cumulative sum is sequential), then normalised once
-    total = torch.cat((o_shared, o_tail.float()), dim=2).cumsum(dim=2)[:, :, -1]  # (B, R, d)
-    z = torch.cat((z_shared, z_tail), dim=2).cumsum(dim=2)[:, :, -1:]  # (B, R, 1)
-    out = (total / z).to(q.dtype)
+    # the shared chunks, then the tail (each query's own keys in position order), chunk by chunk
+    e = scores[..., : plan.chunks * CHUNK].float().add_(plan.shared).sub_(top).exp_()  # 0 past c0
+    o_shared, z_shared = _chunk_products(e, values[:, : plan.chunks * CHUNK], per_query=1)
+    e = scores.gather(2, plan.tail).float().add_(plan.tail_bias).sub_(top).exp_()  # (B, R, T)
+    gathered = values.reshape(-1, d).index_select(0, plan.tail_rows)  # (B n T, d)
+    o_tail, z_tail = _chunk_products(e, gathered.view(b * g * n, -1, d), per_query=n)
+    # chunk results added in position order (a cumulative sum is sequential: zero chunks change nothing),
+    # then normalised once
+    total = o_shared.cumsum(dim=2)[:, :, -1] if plan.chunks else 0.0
+    z = z_shared.cumsum(dim=2)[:, :, -1] if plan.chunks else 0.0
+    for c in range(o_tail.shape[2]):
+        total, z = total + o_tail[:, :, c], z + z_tail[:, :, c]
+    out = (total / z[..., None]).to(q.dtype)  # (B, R, d)
     return rearrange(out, "(b g) (r n) d -> b n (g r d)", b=b, n=n)
 
 
-def _shared_chunks(scores: Tensor, values: Tensor, plan: OrderPlan, top: Tensor) -> tuple[Tensor, Tensor]:
-    """p @ v (B, R, nch, d) and the exp-sums (B, R, nch) of each shared chunk, in float32."""
-    (bg, rows, _), d = scores.shape, values.shape[-1]
-    if plan.chunks == 0:
-        return scores.new_zeros(bg, rows, 0, d, dtype=torch.float32), scores.new_zeros(bg, rows, 0, dtype=torch.float32)
-    width = plan.chunks * CHUNK
-    e = torch.exp(scores[..., :width].float() + plan.shared - top)  # (B, R, C nch), 0 past c0
-    e = rearrange(e, "B R (c k) -> B R c k", k=CHUNK)
-    p = rearrange(e.to(values.dtype), "B R c k -> (B c) R k")
-    out = torch.bmm(p, rearrange(values[:, :width], "B (c k) d -> (B c) k d", k=CHUNK))
-    return rearrange(out, "(B c) R d -> B R c d", c=plan.chunks).float(), e.sum(dim=-1)
+def _chunk_products(e: Tensor, values: Tensor, *, per_query: int) -> tuple[Tensor, Tensor]:
+    """e (B, R, C c) float32 weights over c chunks of CHUNK keys, values (B Q, C c, d) with Q = per_query value
+    sequences per B (query row r n of B reads sequence n) -> (p @ v (B, R, c, d), exp-sums (B, R, c)), each
+    chunk reduced on its own, in float32."""
+    (bg, rows, width), d = e.shape, values.shape[-1]
+    c = width // CHUNK
+    if c == 0:
+        return e.new_zeros(bg, rows, 0, d), e.new_zeros(bg, rows, 0)
+    z = e.view(bg, rows, c, CHUNK).sum(dim=-1)
+    p = rearrange(e.to(values.dtype), "B (r n) (c k) -> (B n c) r k", n=per_query, k=CHUNK)
+    out = torch.bmm(p, rearrange(values, "Q (c k) d -> (Q c) k d", k=CHUNK))
+    return rearrange(out, "(B n c) r d -> B (r n) c d", n=per_query, c=c).float(), z
