@@ -117,6 +117,7 @@ def tree_mismatches(base, prompt: list[int], tokens: list[int]) -> list[int]:
     return bad
 
 
+@pytest.mark.slow  # 30-40 s on 2 threads; the fast tier checks the order on a small bf16 Llama
 def test_bf16_tree_nodes_equal_their_paths_only_in_position_order(smol_bf16, monkeypatch):
     """Behind a 600-token prefix, bf16 tree nodes whose ancestors are not contiguous in the cache left their
     paths' logits when attention summed over slots (seen: 3 of 16 nodes on 2 threads; on 1 thread the old order
