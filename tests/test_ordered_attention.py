@@ -1,7 +1,7 @@
 """The lean Llama engine's attention in position order: a tree node's logits equal, bit for bit, those of
 decoding its root-to-node path one token at a time, in bfloat16 too, wherever the prefix ends relative to the
 chunks (verify/backends/ordered_attention.py). The negative control (without the order, SmolLM2's bf16 tree
-nodes leave their paths) needs real weights and a long prefix: tests/test_smollm2.py."""
+nodes leave their paths) needs real weights and a long prefix: tests/test_smollm2.py, in the slow tier."""
 
 import pytest
 import torch
