@@ -2,8 +2,9 @@
 computes, refuses another base or setting, resumes; the teacher is the base's own distribution; the draft
 model family trains only itself toward the base."""
 
+import hashlib
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from experiments.lib.families import draft as draft_family
 from experiments.lib.store.lm import build_lm
 from experiments.lib.training.features import (
+    FORMAT_VERSION,
     FeatureCache,
     FeatureSpec,
     StaleFeatures,
@@ -82,6 +84,7 @@ def test_cache_refuses_another_base_data_or_setting(tmp_path):
         ({"top_k": 4}, "top_k"),
         ({"layers": (1,)}, "layers"),
         ({"source": "greedy", "prompt_len": 4}, "source"),
+        ({"batch": 8}, "batch"),
     ]:
         with pytest.raises(StaleFeatures, match=word) as info:
             FeatureCache(tmp_path / "f", spec_for(**change))
@@ -106,6 +109,14 @@ def test_default_directory_is_keyed_by_the_spec(tmp_path):
     a = open_features(base, ids, spec_for(), root=tmp_path)
     b = open_features(base, ids, spec_for(base_fingerprint="base-b"), root=tmp_path)
     assert a.directory != b.directory and a.directory.parent == b.directory.parent == tmp_path
+
+
+def test_the_caching_batch_names_the_cache_except_the_old_default():
+    # 16 was the batch of every cache written before it was a setting: their directories keep their names
+    old = {**asdict(spec_for()), "format": FORMAT_VERSION}
+    del old["batch"]
+    assert spec_for().key() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+    assert spec_for(batch=64).key() != spec_for().key()
 
 
 def test_an_interrupted_cache_resumes_where_it_stopped(tmp_path):
@@ -158,6 +169,7 @@ def test_sampling_is_a_function_of_seed_and_step(tmp_path):
         ({"windows": 0}, "features.windows=0"),
         ({"use": "yes"}, "features.use"),
         ({"prompt_len": -1}, "features.prompt_len=-1"),
+        ({"batch": 0}, "features.batch=0"),
     ],
 )
 def test_bad_feature_settings_are_one_line_errors(change, match):
@@ -171,6 +183,7 @@ def test_bad_feature_settings_are_one_line_errors(change, match):
         "top_k": 8,
         "dtype": "float16",
         "seed": 0,
+        "batch": 16,
     }
     with pytest.raises(ValueError, match=match) as info:
         check_features_config({**config, **change})

@@ -74,9 +74,11 @@ class FeatureSpec:
     top_k: int = 16  # teacher tokens kept per position
     dtype: str = "float16"  # storage of hidden and layer states (the teacher's log-probs stay float32)
     seed: int = 0  # which windows, and the sampling of `sample`
+    batch: int = 16  # windows the base runs at once; for greedy / sample / generated it also decides each
+    # batch's seed (and, for generated, which batches are greedy), so it is part of what the cache holds
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "windows", "top_k", "prompt_len"):
+        for name in ("seq_len", "windows", "top_k", "prompt_len", "batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"features.{name}={value!r}: must be an integer >= 1")
@@ -92,6 +94,8 @@ class FeatureSpec:
 
     def key(self) -> str:
         record = {**asdict(self), "format": FORMAT_VERSION}
+        if self.batch == 16:  # the batch every cache was written with before it was a setting: same names
+            del record["batch"]
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
 
     def bytes_per_window(self, dim: int) -> int:
@@ -192,7 +196,7 @@ def write_features(
     *,
     prompts: list[list[int]] | None = None,
     shard_windows: int = 256,
-    batch_size: int = 16,
+    batch_size: int | None = None,
 ) -> Path:
     """Compute and store the cache for `spec` (resumes an interrupted one); returns the directory.
     prompts: the chat prompts of source `generated` (generated.generation_prompts), one per window."""
@@ -240,7 +244,14 @@ def write_features(
             rows = windows[i * shard_windows : (i + 1) * shard_windows]
             if not _shard_path(directory, i).exists():
                 _write_shard(
-                    directory, i, base, rows, spec, batch_size=batch_size, device=device, start=i * shard_windows
+                    directory,
+                    i,
+                    base,
+                    rows,
+                    spec,
+                    batch_size=batch_size or spec.batch,
+                    device=device,
+                    start=i * shard_windows,
                 )
             progress.update(task, advance=len(rows))
     _write_meta(directory, {**meta, "complete": True})
@@ -387,6 +398,7 @@ def check_features_config(features: dict) -> None:
         top_k=features["top_k"],
         dtype=features["dtype"],
         seed=features["seed"],
+        batch=features["batch"],
     )
 
 
@@ -405,6 +417,7 @@ def feature_spec(features: dict, *, base_meta: dict, data, seq_len: int, layers:
         top_k=features["top_k"],
         dtype=features["dtype"],
         seed=features["seed"],
+        batch=features["batch"],
     )
 
 
