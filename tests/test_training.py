@@ -263,7 +263,12 @@ def test_base_resume_refuses_another_recipe(override: str, diff: str, tmp_path: 
 
 
 @pytest.mark.parametrize(
-    "override, diff", [("seed=1", "seed: checkpoint 0 vs now 1"), ("drafter.loss.target=argmax", "'target': 'kl'")]
+    "override, diff",
+    [
+        ("seed=1", "seed: checkpoint 0 vs now 1"),
+        ("drafter.loss.target=argmax", "'target': 'kl'"),
+        ("features.batch=8", "'batch': 8"),
+    ],
 )
 def test_drafter_resume_refuses_another_recipe(
     override: str, diff: str, tiny_base: Path, cache_dir: str, tmp_path: Path
@@ -272,6 +277,14 @@ def test_drafter_resume_refuses_another_recipe(
     with pytest.raises(CheckpointError, match="was trained with another recipe") as excinfo:
         drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=4", override))
     assert diff in str(excinfo.value)
+
+
+def test_a_drafter_recipe_of_the_default_caching_batch_is_the_one_recorded_before_it(
+    tiny_base: Path, cache_dir: str, tmp_path: Path
+) -> None:
+    # runs from before features.batch existed recorded no batch (they cached 16 windows at once): they resume
+    out = drafter_trainer.train(drafter_cfg("medusa", tiny_base, cache_dir, tmp_path, "max_steps=2"))
+    assert "batch" not in load_checkpoint(Path(out["checkpoint"])).meta["recipe"]["features"]
 
 
 def test_drafter_resume_refuses_a_base_checkpoint_in_its_directory(

@@ -93,6 +93,8 @@ def recipe(cfg: DictConfig, *, base_meta: dict, seq_len: int, batch_size: int) -
     features = container(cfg.features)
     for key in ("dir", "root"):
         features.pop(key, None)
+    if features.get("batch") == 16:  # the caching batch before it was a setting: older runs still resume
+        del features["batch"]
     return {
         "base_fingerprint": base_meta["fingerprint"],
         "drafter": container(cfg.drafter),
