@@ -159,7 +159,7 @@ class LlamaDecoder(LeanDecoder):
         plan = ordered and order_plan(
             start, n, allow, capacity, heads=self.heads, kv_heads=self.kv_heads, bias=bias, static=self.compiled
         )
-        index = kv_index(slots, self.kv_heads, self.dim_head)  # where keys/values go, in every layer
+        index = kv_index(slots, k_buf[0])  # where keys/values go, in every layer
         rotated = self.heads + self.kv_heads  # queries and keys: rotated together, as (b, n, heads, dh)
         layer, saved = 0, {}
         ends = {2 * i - 1: i for i in layers}

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import Tensor
 
@@ -41,11 +42,12 @@ class OrderPlan:
     """Built once per forward and used by every layer."""
 
     bias: Tensor  # (b g, r n, S) additive visibility: 0 seen, -inf not (the query's max comes from it)
-    shared: Tensor  # (b g, 1, C nch) additive: 0 on the shared chunks' slots (< c0), -inf after
-    tail: Tensor  # (b g, r n, T) the slot of each tail position of each query (0 where masked)
-    tail_rows: Tensor  # (b g n T,) the same slots as rows of the (b g S, dh) values: an index_select, not a gather
-    tail_bias: Tensor  # (b g, r n, T) additive: 0 on the query's own tail keys, -inf past them
+    shared: Tensor | None  # (b g, 1, C nch) additive: 0 on the shared chunks' slots (< c0), -inf after
+    tail: Tensor | None  # (b g, r n, T) the slot of each tail position of each query (0 where masked)
+    tail_rows: Tensor | None  # (b g n T,) the same slots as rows of the (b g S, dh) values: an index_select
+    tail_bias: Tensor | None  # (b g, r n, T) additive: 0 on the query's own tail keys, -inf past them
     chunks: int  # nch: shared chunks computed (those below the largest c0 of the batch)
+    causal: bool = False  # a step or a chain: every query's keys are slots [0, its own], no tail (below)
 
 
 def order_plan(
@@ -64,8 +66,8 @@ def order_plan(
     static: shapes that depend on the capacity only (a compiled or graph-captured step); else the shared
     chunks stop at the batch's largest c0 (one host read, free on a CPU)."""
     b, device = start.shape[0], start.device
-    if allow is None:
-        allow = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(b, n, n)
+    if allow is None:  # a step or a chain: the bias alone masks, and every chunk is shared (attend_in_order)
+        return OrderPlan(bias=bias, shared=None, tail=None, tail_rows=None, tail_bias=None, chunks=0, causal=True)
     r = allow.shape[-1]
     window = start - (r - n)  # (b,) first slot of the window: every query sees all slots before it
     c0 = torch.div(window, CHUNK, rounding_mode="floor") * CHUNK  # (b,)
@@ -104,6 +106,16 @@ def attend_in_order(q: Tensor, k: Tensor, v: Tensor, plan: OrderPlan, scale: flo
     keys, values = k.reshape(b * g, span, d), v.reshape(b * g, span, d)
     scores = torch.baddbmm(plan.bias, q, keys.transpose(1, 2), alpha=scale)  # (B, R, S)
     top = scores.amax(dim=-1, keepdim=True).float()  # each query sees at least itself: finite
+    if plan.causal:
+        # A step or a chain: slot = position, so each chunk of 64 slots already holds every query's keys at the
+        # offsets a tree's gathered tail gives them (zeros where masked): the same chunk sums, without the tail
+        e = scores.float().sub_(top).exp_()  # (B, R, S): 0 where the bias hides a slot
+        pad = -span % CHUNK  # a compiled step's capacity need not be a multiple of CHUNK
+        if pad:
+            e, values = F.pad(e, (0, pad)), F.pad(values, (0, 0, 0, pad))
+        o, z = _chunk_products(e, values, per_query=1)
+        out = (o.cumsum(dim=2)[:, :, -1] / z.cumsum(dim=2)[:, :, -1, None]).to(q.dtype)
+        return rearrange(out, "(b g) (r n) d -> b n (g r d)", b=b, n=n)
     # the shared chunks, then the tail (each query's own keys in position order), chunk by chunk
     e = scores[..., : plan.chunks * CHUNK].float().add_(plan.shared).sub_(top).exp_()  # 0 past c0
     o_shared, z_shared = _chunk_products(e, values[:, : plan.chunks * CHUNK], per_query=1)
