@@ -49,7 +49,8 @@ def pack(directory: Path, out: Path) -> None:
     header = {"meta": json.dumps(meta), "sliced": json.dumps(sliced), "vocab_size": str(vocab_size)}
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(packed, str(out), metadata=header)
-    print(f"{directory} -> {out}: {len(sliced)} output matrices cut to {len(ids)} rows, {out.stat().st_size / 1e6:.1f} MB")
+    size = out.stat().st_size / 1e6
+    print(f"{directory} -> {out}: {len(sliced)} output matrices cut to {len(ids)} rows, {size:.1f} MB")
 
 
 def unpack(pack_file: Path, directory: Path) -> None:
