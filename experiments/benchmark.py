@@ -271,15 +271,20 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         if cfg.budget == "auto":
             torch.set_num_threads(threads)
             start = time.perf_counter()
-            setup["verify_cost"] = cached_verify_cost(  # at the batch size and prompt length the pilots decode
+            measure = lambda tree, target=target: cached_verify_cost(  # noqa: E731  as the pilots decode
                 target,
                 key_parts={"base": base_meta["fingerprint"], "dtype": str(precision["dtype"]).removeprefix("torch.")},
                 cache_dir=cfg.budget_search.cache_dir,
                 batch_size=cfg.decode.batch_size,
                 prompt_len=cfg.prompts.prompt_len,
+                tree=tree,
             )
+            setup["verify_cost"] = measure(False)
+            if any(FAMILY_METHODS.get(name, (None, "chain"))[1] == "tree" for name in methods):
+                setup["tree_cost"] = measure(True)  # trees are budgeted on what a tree forward costs
             setup["calibration_s"] = time.perf_counter() - start  # compiled: includes compiling every width
-            log.info("target cost by new tokens (%s):\n%s", mode(setup), format_cost_table(setup["verify_cost"]))
+            table = format_cost_table(setup["verify_cost"], tree_cost=setup.get("tree_cost"))
+            log.info("target cost by new tokens (%s):\n%s", mode(setup), table)
             setup["pilot_prompts"] = pilot_prompts(cfg, tokenizer, base_meta, prompts)
         setups.append(setup)
     plains, rows = [], []
@@ -289,6 +294,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         rows += method_rows
     results = {
         "cost_tables": {mode(s): s["verify_cost"] for s in setups if "verify_cost" in s},
+        "tree_cost_tables": {mode(s): s["tree_cost"] for s in setups if "tree_cost" in s},
         "calibration_s": {mode(s): s["calibration_s"] for s in setups if "calibration_s" in s},
         "base_checkpoint": base_ckpt,
         "base_fingerprint": base_meta["fingerprint"],
@@ -388,7 +394,7 @@ def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_i
                 lambda c, make=make, compile_=compile_, over=over: lambda: make(compile=compile_, **over(c)),
                 setup["pilot_prompts"],
                 candidates=candidates,
-                **common,
+                **common | {"verify_cost": setup.get("tree_cost", setup["verify_cost"])},
             )
             kwargs, gamma = over(result["drafter_kwargs"]), result["gamma"]
             factory = lambda make=make, kwargs=kwargs, compile_=compile_: make(compile=compile_, **kwargs)  # noqa: E731

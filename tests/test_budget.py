@@ -131,6 +131,7 @@ import torch  # noqa: E402
 
 from experiments.lib.methods import calibrate  # noqa: E402
 from experiments.lib.methods.calibrate import (  # noqa: E402
+    binary_tree,
     cached_verify_cost,
     choose_chain_budget,
     choose_tree_budget,
@@ -163,6 +164,21 @@ def test_measure_verify_cost_rolls_back_and_skips_what_does_not_fit(lm):
     assert target.row_lengths.tolist() == [16]  # every extend was rolled back
     with pytest.raises(ValueError, match="none fits"):
         measure_verify_cost(target, ks=(100,), prompt_len=16)
+
+
+def test_tree_costs_are_measured_on_trees_and_cached_apart(lm, tmp_path, monkeypatch):
+    target, seen = Target(lm), []
+    extend = target.extend
+    monkeypatch.setattr(
+        target, "extend", lambda tokens, parents=None: seen.append(parents) or extend(tokens, parents=parents)
+    )
+    costs = measure_verify_cost(target, **QUICK, tree=True)
+    assert list(costs) == list(KS) and target.row_lengths.tolist() == [16]
+    assert seen and all(p is not None and p.tolist() == binary_tree(len(p)).tolist() for p in seen)
+    key = {"base": "abc123"}
+    cached_verify_cost(target, key_parts=key, cache_dir=tmp_path, **QUICK)
+    cached_verify_cost(target, key_parts=key, cache_dir=tmp_path, **QUICK, tree=True)
+    assert len(list(tmp_path.glob("verify_cost-*.json"))) == 2  # a chain's table never stands for a tree's
 
 
 def test_cached_verify_cost_reads_its_file_and_rewrites_a_corrupt_one(lm, tmp_path, monkeypatch):
@@ -281,6 +297,15 @@ def test_format_cost_table():
     assert lines[2] == "| 1 | 0.002000 | 1.00 |" and lines[3] == "| 4 | 0.003000 | 1.50 |"
     assert lines[-1] == "| prompt_lookup | 0.001000 | 0.50 |"
     assert "drafter" not in format_cost_table({1: 0.002})
+    both = format_cost_table({1: 0.002, 4: 0.003}, tree_cost={1: 0.002, 4: 0.004}).splitlines()
+    assert both[0] == "| k | chain seconds | ratio to k=1 | tree seconds | ratio to k=1 |"
+    assert both[3] == "| 4 | 0.003000 | 1.50 | 0.004000 | 2.00 |"
+
+
+def test_binary_tree_is_a_tree_in_topological_order():
+    assert binary_tree(1).tolist() == [-1] and binary_tree(6).tolist() == [-1, 0, 0, 1, 1, 2]
+    parents = binary_tree(64)
+    assert all(parents[i] < i for i in range(1, 64)) and int((parents == -1).sum()) == 1
 
 
 def test_timing_and_recording_wrappers_pass_the_optional_protocol_members_on():

@@ -804,10 +804,11 @@ def test_benchmark_budget_auto_picks_and_records_budgets(tiny_base: Path, drafte
     assert tree["budget"]["tree_nodes"] in (2, 4) and tree["gamma"] == {2: 2, 4: 3}[tree["budget"]["tree_nodes"]]
     assert lookup["exact"] and tree["exact"]
     assert list(results["cost_tables"]) == ["eager 1t"] and "1" in results["cost_tables"]["eager 1t"]
-    # the verify costs, cached per machine and model; with dtype=auto on a CPU with native bf16 also the two
-    # tables its choice of dtype was measured by
+    assert list(results["tree_cost_tables"]) == ["eager 1t"]  # a tree method: trees' own costs, measured on trees
+    # the verify costs (chains and trees), cached per machine and model; with dtype=auto on a CPU with native
+    # bf16 also the two tables its choice of dtype was measured by
     measured = "8-token verify" in results["precision"]["reason"]
-    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1 + 2 * measured
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 2 + 2 * measured
 
 
 def test_benchmark_trains_missing_drafter_through_the_cache(

@@ -39,7 +39,7 @@ from verify.plan.budget import best_chain, best_tree, interpolate_cost
 log = logging.getLogger(__name__)
 
 KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
-MEASURE_DEFAULTS: dict[str, Any] = dict(ks=KS, prompt_len=64, repeats=5, warmup=2, batch_size=1)
+MEASURE_DEFAULTS: dict[str, Any] = dict(ks=KS, prompt_len=64, repeats=5, warmup=2, batch_size=1, tree=False)
 
 
 # ------------------------------------------------------------------------------------------ machine
@@ -125,11 +125,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_extend(target: Target, tokens: torch.Tensor) -> float:
-    """Seconds of one extend of tokens (b, k) plus the rollback of all of it (the cache length stays)."""
+def binary_tree(k: int) -> torch.Tensor:
+    """parents (k,) of a k-node binary tree (node i under (i - 1) // 2): the shape whose cost stands for a draft
+    tree's of k nodes (an engine's tree forward costs what its node count and depth make it, not the branching)."""
+    return torch.tensor([-1] + [(i - 1) // 2 for i in range(1, k)])
+
+
+def _time_extend(target: Target, tokens: torch.Tensor, parents: torch.Tensor | None = None) -> float:
+    """Seconds of one extend of tokens (b, k) (a tree with parents (k,)) plus the rollback of all of it (the
+    cache length stays)."""
     _sync(target.device)
     start = time.perf_counter()
-    target.extend(tokens)
+    target.extend(tokens, parents=parents)
     target.commit(torch.zeros(tokens.shape, dtype=torch.bool, device=target.device))
     _sync(target.device)
     return time.perf_counter() - start
@@ -144,9 +151,12 @@ def measure_verify_cost(
     repeats: int = 5,
     warmup: int = 2,
     batch_size: int = 1,
+    tree: bool = False,
 ) -> dict[int, float]:
     """{k: median seconds of target.extend over k new tokens, then a full rollback} on a prompt of
     `prompt_len` random ids, `batch_size` rows. Sizes k past max_seq_len - prompt_len are skipped.
+    tree: the k tokens form a binary tree (binary_tree), as a tree verification does; an engine that sums
+    attention in position order gathers each node's keys, so a tree of k nodes costs more than a chain of k.
 
     The rounds run every k in turn (not all repeats of one k, then the next), so a slow patch of a
     shared machine lands on all sizes alike. A compiled target pads k to its next width, so its
@@ -171,13 +181,14 @@ def measure_verify_cost(
     random_ids = lambda *shape: torch.randint(0, target.vocab_size, shape, generator=generator)  # noqa: E731
     target.prefill(random_ids(batch_size, prompt_len).tolist())
     tokens = {k: random_ids(batch_size, k).to(target.device) for k in fits}
+    parents = {k: binary_tree(k).to(target.device) if tree else None for k in fits}
     for _ in range(warmup):  # allocator, lazy inits, compilation of each width
         for k in fits:
-            _time_extend(target, tokens[k])
+            _time_extend(target, tokens[k], parents[k])
     times: dict[int, list[float]] = {k: [] for k in fits}
     for _ in range(repeats):
         for k in fits:
-            times[k].append(_time_extend(target, tokens[k]))
+            times[k].append(_time_extend(target, tokens[k], parents[k]))
     return {k: statistics.median(t) for k, t in times.items()}
 
 
@@ -491,12 +502,25 @@ def choose_tree_budget(
 # ------------------------------------------------------------------------------------------- report
 
 
-def format_cost_table(verify_cost: dict[int, float], drafter_costs: dict[str, float] | None = None) -> str:
-    """Markdown: the target's forward seconds by width k and their ratio to k = 1; then, if given,
-    each drafter's seconds per verification step and its ratio to a k = 1 forward."""
+def format_cost_table(
+    verify_cost: dict[int, float],
+    drafter_costs: dict[str, float] | None = None,
+    tree_cost: dict[int, float] | None = None,
+) -> str:
+    """Markdown: the target's forward seconds by width k and their ratio to k = 1 (with tree_cost, a k-node
+    tree's beside a k-token chain's); then, if given, each drafter's seconds per verification step and its
+    ratio to a k = 1 forward."""
     one = interpolate_cost(verify_cost, 1)
-    lines = ["| k | seconds | ratio to k=1 |", "|---:|---:|---:|"]
-    lines += [f"| {k} | {s:.6f} | {s / one:.2f} |" for k, s in sorted(verify_cost.items())]
+    if tree_cost:
+        lines = ["| k | chain seconds | ratio to k=1 | tree seconds | ratio to k=1 |", "|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"| {k} | {s:.6f} | {s / one:.2f} | {tree_cost[k]:.6f} | {tree_cost[k] / one:.2f} |"
+            for k, s in sorted(verify_cost.items())
+            if k in tree_cost
+        ]
+    else:
+        lines = ["| k | seconds | ratio to k=1 |", "|---:|---:|---:|"]
+        lines += [f"| {k} | {s:.6f} | {s / one:.2f} |" for k, s in sorted(verify_cost.items())]
     if drafter_costs:
         lines += ["", "| drafter | seconds per step | ratio to a k=1 forward |", "|---|---:|---:|"]
         lines += [f"| {name} | {s:.6f} | {s / one:.2f} |" for name, s in drafter_costs.items()]

@@ -227,7 +227,9 @@ def cost_lines(results: dict) -> str:
             if mode(r) == setting and r["temperature"] == t0
         }
         out.append(f"\nMeasured costs, {setting} (target forward of k new tokens; drafters per verification step):\n")
-        out.append(format_cost_table({int(k): v for k, v in costs.items()}, drafters))
+        trees = results.get("tree_cost_tables", {}).get(setting)
+        trees = {int(k): v for k, v in trees.items()} if trees else None
+        out.append(format_cost_table({int(k): v for k, v in costs.items()}, drafters, tree_cost=trees))
     return "\n".join(out) + ("\n" if out else "")
 
 
