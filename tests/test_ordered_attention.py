@@ -65,7 +65,7 @@ def tree_mismatches(base, prompt_len: int, seed: int) -> int:
     )
 
 
-@pytest.mark.parametrize("prompt_len", [3, CHUNK - 2, CHUNK, 3 * CHUNK - 1])
+@pytest.mark.parametrize("prompt_len", [3, CHUNK - 2, CHUNK, 2 * CHUNK - 2, 3 * CHUNK - 1, 5 * CHUNK - 2])
 def test_tree_nodes_equal_their_paths_decoded_alone_bit_for_bit(base, prompt_len):
     with torch.inference_mode():
         assert tree_mismatches(base, prompt_len, seed=prompt_len) == 0
@@ -80,3 +80,45 @@ def test_chain_equals_one_token_steps_bit_for_bit(base):
         out = target.extend(torch.tensor([chain])).logits[0]
         for i in range(len(chain)):
             assert torch.equal(out[i], stepwise_logits(base, prompt, chain[: i + 1]))
+
+
+def attention_case(prefix: int, dtype: torch.dtype, seed: int):
+    """Random queries / keys / values of a tree forward behind `prefix` cached slots, and of each node's path
+    decoded alone: (tree output (n, h d), [the path's last-step output (h d) per node])."""
+    from verify.backends.cache import tree_attention, visibility
+    from verify.backends.lean_llama import _group_bias
+    from verify.backends.ordered_attention import attend_in_order, order_plan
+
+    heads, kv_heads, d, n = 6, 2, 16, len(PARENTS)
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape, s=1.0: (torch.randn(*shape, generator=g) * s).to(dtype)  # noqa: E731
+    k_old, v_old = rand(1, kv_heads, prefix, d, s=3.0), rand(1, kv_heads, prefix, d)
+    k_new, v_new, q = rand(1, kv_heads, n, d, s=3.0), rand(1, kv_heads, n, d), rand(1, n, heads, d, s=3.0)
+
+    def attend(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, start: int, allow) -> torch.Tensor:
+        span = -(-keys.shape[2] // CHUNK) * CHUNK  # the eager engine's span: slots in use, rounded up to CHUNK
+        pad = lambda t: torch.cat((t, t.new_zeros(1, kv_heads, span - t.shape[2], d)), dim=2)  # noqa: E731
+        m, begin = queries.shape[1], torch.tensor([start])
+        bias = _group_bias(visibility(begin, m, allow, span), heads, kv_heads, dtype)
+        plan = order_plan(begin, m, allow, span, heads=heads, kv_heads=kv_heads, bias=bias)
+        return attend_in_order(queries, pad(keys), pad(values), plan, d**-0.5)[0]
+
+    allow, _ = tree_attention(torch.tensor([PARENTS]))
+    tree = attend(torch.cat((k_old, k_new), 2), torch.cat((v_old, v_new), 2), q, prefix, allow)
+    paths = []
+    for node in range(n):
+        path = path_of(node, list(range(n)))  # node ids, root first
+        keys, values = torch.cat((k_old, k_new[:, :, path]), 2), torch.cat((v_old, v_new[:, :, path]), 2)
+        paths.append(attend(keys, values, q[:, node : node + 1], prefix + len(path) - 1, None)[0])
+    return tree, paths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [5, CHUNK - 2, 2 * CHUNK - 2, 4 * CHUNK - 1])
+def test_a_tree_node_attends_as_its_path_stepped_alone_bit_for_bit(prefix, dtype):
+    # float32 shows what bf16's rounding of the output can hide: a step sums all its chunks, a tree its shared
+    # chunks then its gathered tail; the sums must be the same float32 adds (a cumsum, accumulated in float64 on
+    # a CPU, made every node of these trees leave its path in the last bit)
+    for seed in range(3):
+        tree, paths = attention_case(prefix, dtype, seed)
+        assert [node for node in range(len(PARENTS)) if not torch.equal(tree[node], paths[node])] == []

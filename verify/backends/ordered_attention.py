@@ -16,11 +16,13 @@ in chunks of CHUNK positions:
 - the tail: positions [c0, c0 + T) gathered per query, its older keys then its visible window keys in slot
   order (a node's ancestors, then itself), masked past its own keys.
 Each chunk is reduced on its own (the exp-sums over CHUNK contiguous values; p @ v as a (rows x CHUNK) @
-(CHUNK x d) product), and the chunk results are added in position order by a cumulative sum, so exact zeros
-(chunks a query does not see) change nothing. Plain decoding (one query), a chain and a tree thus add the
-same terms in the same order; what remains is that a matmul row does not depend on how many rows share it
-(tested for these bf16 and fp32 products). Cost: the p @ v product becomes one small product per chunk, and
-the tail's values are gathered (T x d per query).
+(CHUNK x d) product), and the chunk results are added in position order, one float32 add after another, so
+exact zeros (chunks a query does not see) change nothing. Plain decoding (one query), a chain and a tree thus
+add the same terms in the same order; what remains is that a matmul row does not depend on how many rows share
+it (tested for these bf16 and fp32 products). A step or a chain needs no tail: its keys sit at slot = position,
+so each chunk of slots already holds every query's keys where a tree's gathered tail puts them, and all its
+chunks are computed like the shared ones. Cost: the p @ v product becomes one small product per chunk, and a
+tree's tail values are gathered (T x d per query).
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def attend_in_order(q: Tensor, k: Tensor, v: Tensor, plan: OrderPlan, scale: flo
         if pad:
             e, values = F.pad(e, (0, pad)), F.pad(values, (0, 0, 0, pad))
         o, z = _chunk_products(e, values, per_query=1)
-        out = (o.cumsum(dim=2)[:, :, -1] / z.cumsum(dim=2)[:, :, -1, None]).to(q.dtype)
+        out = (_sum_in_order(o) / _sum_in_order(z)[..., None]).to(q.dtype)
         return rearrange(out, "(b g) (r n) d -> b n (g r d)", b=b, n=n)
     # the shared chunks, then the tail (each query's own keys in position order), chunk by chunk
     e = scores[..., : plan.chunks * CHUNK].float().add_(plan.shared).sub_(top).exp_()  # 0 past c0
@@ -122,14 +124,23 @@ def attend_in_order(q: Tensor, k: Tensor, v: Tensor, plan: OrderPlan, scale: flo
     e = scores.gather(2, plan.tail).float().add_(plan.tail_bias).sub_(top).exp_()  # (B, R, T)
     gathered = values.reshape(-1, d).index_select(0, plan.tail_rows)  # (B n T, d)
     o_tail, z_tail = _chunk_products(e, gathered.view(b * g * n, -1, d), per_query=n)
-    # chunk results added in position order (a cumulative sum is sequential: zero chunks change nothing),
-    # then normalised once
-    total = o_shared.cumsum(dim=2)[:, :, -1] if plan.chunks else 0.0
-    z = z_shared.cumsum(dim=2)[:, :, -1] if plan.chunks else 0.0
+    # chunk results added in position order (zero chunks change nothing), then normalised once
+    total = _sum_in_order(o_shared) if plan.chunks else 0.0
+    z = _sum_in_order(z_shared) if plan.chunks else 0.0
     for c in range(o_tail.shape[2]):
         total, z = total + o_tail[:, :, c], z + z_tail[:, :, c]
     out = (total / z[..., None]).to(q.dtype)  # (B, R, d)
     return rearrange(out, "(b g) (r n) d -> b n (g r d)", b=b, n=n)
+
+
+def _sum_in_order(chunks: Tensor) -> Tensor:
+    """(B, R, c, ...) -> (B, R, ...): the c chunk results added one after another in float32. Not cumsum: on a
+    CPU it accumulates float32 in float64 and rounds once, so its sum of three chunks is not two float32 adds,
+    and a step (all its chunks in one sum) would leave a tree (shared chunks, then tail chunks) in the last bit."""
+    total = chunks[:, :, 0]
+    for c in range(1, chunks.shape[2]):
+        total = total + chunks[:, :, c]
+    return total
 
 
 def _chunk_products(e: Tensor, values: Tensor, *, per_query: int) -> tuple[Tensor, Tensor]:
