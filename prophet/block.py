@@ -36,6 +36,9 @@ class BlockProphet(Prophet):
         check_int("block", block)
         if block < 2:
             raise ValueError(f"block={block}: a block drafts at least 2 positions (the context's and a slot's)")
+        arch = prophet_kwargs.get("arch", "xtransformers")
+        if arch != "xtransformers":
+            raise ValueError(f"arch={arch!r}: a block prophet runs the x-transformers network only (arch=xtransformers)")
         super().__init__(**prophet_kwargs)
         self.block = block
         dim = self.fuse.out_features

@@ -40,7 +40,7 @@ from prophet.model import Prophet, check_same_base
 from verify.backends.cache import StaticCache
 from verify.backends.target import TargetOutput, left_to_right, pad_prompts
 from verify.common.numerics import check_int
-from verify.common.vocab import check_vocab, expand_probs, full_ids, trim_linear
+from verify.common.vocab import check_vocab, expand_probs, full_ids
 from verify.loop.drafter import Draft, Verdict
 from verify.loop.sampling import SamplingConfig, draft_from_logits, probs_from_logits, sample_siblings
 from verify.loop.tree import check_candidates
@@ -68,12 +68,12 @@ class ProphetDrafter:
         self.candidates = check_candidates(candidates)
         for name, value in dict(top_k=top_k, depth=depth, tree_nodes=tree_nodes).items():
             check_int(name, value)
-        self.vocab = check_vocab(vocab, prophet.vocab_size)  # (N,) or None = all V
+        # The frozen base's output rows for the subset, copied once: (N, d_base), (N,) or None (an EAGLE-3 prophet
+        # trained elsewhere: its own rows, over its own draft vocabulary).
+        self.vocab, self.weight, self.bias = prophet.output_layer(check_vocab(vocab, prophet.vocab_size))
         ranked = prophet.vocab_size if self.vocab is None else self.vocab.numel()  # tokens the tree ranks
         if top_k > ranked:
             raise ValueError(f"top_k={top_k}: must be at most the vocabulary size {ranked} (trimmed: the subset's)")
-        # The frozen base's output rows for the subset, copied once: (N, d_base), (N,) or None.
-        self.weight, self.bias = trim_linear(prophet.head.to_logits, self.vocab)
         self.prophet = prophet.eval()  # drafting is inference; a training loop switches back with .train()
         self.target_layers = prophet.fuse_layers  # blocks whose states the target hands over (verify/loop/drafter.py)
         self.vocab_size = prophet.vocab_size
@@ -126,7 +126,7 @@ class ProphetDrafter:
 
     def _logits(self, features: Tensor) -> Tensor:
         """(..., d_base) predicted features -> (..., N) logits over the subset (all V untrimmed)."""
-        return F.linear(features, self.weight, self.bias)
+        return F.linear(self.prophet.readout(features), self.weight, self.bias)
 
     def _seed_features(self, verdict: Verdict) -> Tensor:
         return path_features(self.prophet, verdict)  # (b, D + 1, d_base)

@@ -28,16 +28,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import Tensor, nn
 from x_transformers import Decoder
 
 from medusa.heads import FrozenHead
+from prophet.eagle import ARCHS, EagleLayer, layer_shape
 from verify.backends.cache import StaticCache
 from verify.backends.engine import LeanDecoder, block_depth, check_layers
 from verify.backends.hf import HFBase
 from verify.backends.lean import lean
 from verify.common.numerics import check_int
+from verify.common.vocab import trim_linear
+
+XTRANSFORMERS = "xtransformers"  # the default network: an x-transformers Decoder between two projections
 
 
 @torch.no_grad()
@@ -80,8 +85,18 @@ class Prophet(nn.Module):
         attn_dim_head: int | None = None,
         ff_mult: int = 4,
         fuse_layers: Sequence[int] | None = None,
+        arch: str = XTRANSFORMERS,
+        layer: dict | None = None,
     ):
+        """`arch`: "xtransformers" (the decoder of `dim`, `depth`, `heads`, `attn_dim_head`, `ff_mult`), or "eagle"
+        / "eagle3", one Llama layer of shape `layer` (prophet.eagle.layer_shape) that vLLM and speculators load."""
         super().__init__()
+        if arch not in (XTRANSFORMERS, *ARCHS):
+            raise ValueError(f"arch={arch!r}: must be one of {', '.join((XTRANSFORMERS, *ARCHS))}")
+        self.arch = arch
+        if arch != XTRANSFORMERS:
+            self._build_eagle(head, arch, depth, fuse_layers, layer)
+            return
         for name, value in dict(dim=dim, depth=depth, heads=heads, ff_mult=ff_mult).items():
             check_int(name, value)
         if attn_dim_head is None and dim % heads != 0:
@@ -119,27 +134,100 @@ class Prophet(nn.Module):
                 self.mix.weight[:, s * base_dim :] = torch.eye(base_dim, device=self.mix.weight.device)
                 self.mix.bias.zero_()
 
+    def _build_eagle(self, head: FrozenHead, arch: str, depth: int, fuse_layers, layer: dict | None) -> None:
+        """EAGLE's network: fc over cat(feature, embedding) (no bias: vLLM drops one), one layer, no projection
+        back. EAGLE-3's: fc over the base's layer states (`seed`, the `mix`), one layer reading cat(g, embedding)."""
+        if depth != 1:
+            raise ValueError(f"depth={depth}: arch={arch} is one draft layer (the layer vLLM loads); set depth=1")
+        if layer is None:
+            raise ValueError(f"arch={arch} needs the layer's shape (prophet.eagle.layer_shape): build it with from_base")
+        self.head = head
+        self.base_dim, self.vocab_size = head.to_logits.in_features, head.to_logits.out_features
+        if layer["dim"] != self.base_dim:
+            raise ValueError(f"layer dim={layer['dim']}: arch={arch} runs at the base's width {self.base_dim}")
+        device = head.to_logits.weight.device
+        if arch == "eagle":
+            if fuse_layers:
+                raise ValueError(f"fuse_layers={list(fuse_layers)!r}: arch=eagle reads the final hidden state only")
+            self.fuse_layers = ()
+            self.fuse = nn.Linear(2 * self.base_dim, self.base_dim, bias=False, device=device)
+        else:
+            if not fuse_layers:
+                raise ValueError("arch=eagle3 reads the base's low, mid and high layer states: set fuse_layers, "
+                                 "e.g. [2, depth // 2, depth - 3] as vLLM picks them")
+            self.fuse_layers = check_layers(fuse_layers, head.depth, name="fuse_layers")
+            if list(self.fuse_layers) != sorted(self.fuse_layers):
+                raise ValueError(
+                    f"fuse_layers={list(fuse_layers)!r}: arch=eagle3 needs them ascending (vLLM hands the layer states "
+                    "over in layer order, whatever order a config lists)"
+                )
+            self.mix = nn.Linear(len(self.fuse_layers) * self.base_dim, self.base_dim, bias=False, device=device)
+            self.fuse = None  # the layer norms and joins cat(g, embedding) itself
+        self.decoder = EagleLayer(arch=arch, **layer).to(device)
+        self.out = nn.Identity()
+
     @classmethod
     def from_base(
         cls,
         base: nn.Module,
         *,
-        dim: int,
+        dim: int | None = None,
         depth: int = 1,
         heads: int = 4,
         fuse_layers: Sequence[int] | None = None,
+        arch: str = XTRANSFORMERS,
+        attn_dim_head: int | None = None,
+        ff_mult: int = 4,
         **kwargs,
     ) -> Prophet:
         """A prophet for a base (an x-transformers TransformerWrapper or an HFBase), its embedding and output
         layer borrowed.
-        `fuse_layers`: blocks of the base (1-based, below the last) whose states `seed` mixes in; None: none."""
+        `fuse_layers`: blocks of the base (1-based, below the last) whose states `seed` mixes in; None: none.
+        arch "eagle" / "eagle3": one Llama layer at the base's width, of a Hugging Face Llama base's own shape
+        (`dim` is not read; heads, attn_dim_head and ff_mult shape it on another base)."""
         head = FrozenHead(embedding=base.token_emb.emb, to_logits=base.to_logits, depth=base_depth(base))
-        prophet = cls(head=head, dim=dim, depth=depth, heads=heads, fuse_layers=fuse_layers, **kwargs)
+        if arch in ARCHS:
+            kwargs["layer"] = layer_shape(base, heads=heads, attn_dim_head=attn_dim_head, ff_mult=ff_mult)
+        prophet = cls(
+            head=head,
+            dim=dim,
+            depth=depth,
+            heads=heads,
+            attn_dim_head=attn_dim_head,
+            ff_mult=ff_mult,
+            fuse_layers=fuse_layers,
+            arch=arch,
+            **kwargs,
+        )
         return prophet.to(base.to_logits.weight.device)
 
     def logits(self, features: Tensor) -> Tensor:
-        """(..., d_base) predicted features -> (..., V) logits (frozen base output layer)."""
-        return self.head.logits(features)
+        """(..., d_base) predicted features -> (..., V) logits (frozen base output layer; an imported EAGLE-3's
+        own rows: (..., Vd), over `draft_ids`)."""
+        _, weight, bias = self.output_layer(None)
+        return F.linear(self.readout(features), weight, bias)
+
+    def readout(self, features: Tensor) -> Tensor:
+        """Predicted features (..., d_base) -> what the output layer reads: EAGLE-3's final norm, else themselves."""
+        return self.decoder.readout(features) if self.arch in ARCHS else features
+
+    def output_layer(self, vocab: Tensor | None) -> tuple[Tensor | None, Tensor, Tensor | None]:
+        """The output layer over the ids drafts come from: (ids (N,) or None for all V, weight (N, d), bias).
+
+        Normally the frozen base's rows for `vocab`. An EAGLE-3 prophet read from a checkpoint trained elsewhere
+        has its own output rows over its own draft vocabulary (`set_output_layer`): those, whatever `vocab`."""
+        if getattr(self, "lm_head", None) is not None:
+            return self.draft_ids, self.lm_head.weight, None
+        return (vocab, *trim_linear(self.head.to_logits, vocab))
+
+    def set_output_layer(self, weight: Tensor, ids: Tensor) -> None:
+        """Give an EAGLE-3 prophet its own output layer: weight (Vd, d) over the sorted base token ids (Vd,)."""
+        if self.arch != "eagle3":
+            raise ValueError(f"arch={self.arch}: only an EAGLE-3 prophet has its own output layer")
+        self.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(weight)
+        self.register_buffer("draft_ids", ids.to(device=weight.device, dtype=torch.long))
 
     def seed(self, features: Tensor, layers: Tensor | None = None) -> Tensor:
         """The true features the prophet reads: final hidden states f (b, n, d_base) and the base's states of
@@ -153,11 +241,17 @@ class Prophet(nn.Module):
                 f"layers={got}: this prophet fuses blocks {list(self.fuse_layers)} and needs their states "
                 f"{(*features.shape[:-1], s, self.base_dim)} (prophet.model.base_features)"
             )
+        if self.arch == "eagle3":  # EAGLE-3's fc: the layer states alone, f_t is not read
+            return self.mix(rearrange(layers, "b n s d -> b n (s d)"))
         return self.mix(torch.cat((rearrange(layers, "b n s d -> b n (s d)"), features), dim=-1))
 
     def fused(self, features: Tensor, next_tokens: Tensor) -> Tensor:
-        """features (b, n, d_base), next_tokens (b, n) -> decoder inputs (b, n, dim)."""
-        return self.fuse(torch.cat((features, self.head.embed(next_tokens)), dim=-1))
+        """features (b, n, d_base), next_tokens (b, n) -> decoder inputs (b, n, dim) (EAGLE-3: (b, n, 2 d_base))."""
+        return self._join(features, self.head.embed(next_tokens))
+
+    def _join(self, features: Tensor, emb: Tensor) -> Tensor:
+        joined = torch.cat((features, emb), dim=-1)
+        return joined if self.fuse is None else self.fuse(joined)
 
     def forward(self, features: Tensor, next_tokens: Tensor, layers: Tensor | None = None) -> Tensor:
         """Teacher forcing: features f_t (B, T, d_base), tokens x_{t+1} (B, T) and, when fused, the layer
@@ -178,7 +272,7 @@ class Prophet(nn.Module):
         t = features.shape[1]
         emb = self.head.embed(next_tokens)
         features = self.seed(features, layers)  # the true features as the prophet reads them, here and in the filler
-        inputs, preds = [self.fuse(torch.cat((features, emb), dim=-1))], []
+        inputs, preds = [self._join(features, emb)], []
         for j in range(1, steps + 1):
             if j == 1:  # plain causal attention: no mask to build, x-transformers' own fast path
                 out = self.decoder(inputs[0])
@@ -188,11 +282,13 @@ class Prophet(nn.Module):
             preds.append(self.out(out[:, -t:]))
             if j < steps:  # not detached: step j's loss also trains the steps whose predictions it reads
                 shifted = torch.cat((features[:, :1], preds[-1][:, :-1]), dim=1)  # index t <- prediction at t - 1
-                inputs.append(self.fuse(torch.cat((shifted, emb), dim=-1)))
+                inputs.append(self._join(shifted, emb))
         return preds
 
     def new_cache(self, batch: int, capacity: int) -> StaticCache:
         """An empty decoding cache for `batch` rows (grows past `capacity` when needed)."""
+        if self.arch in ARCHS:
+            return self.decoder.new_cache(batch, capacity)
         return lean(self.decoder, LeanDecoder).new_cache(batch, capacity, device=self.out.weight.device)
 
     def step(
@@ -216,7 +312,10 @@ class Prophet(nn.Module):
     def decode(
         self, x: Tensor, cache: StaticCache, *, allow: Tensor | None = None, pos: Tensor | None = None, compile=False
     ) -> Tensor:
-        """`step` from decoder inputs x (b, n, dim) (fused entries, or a block prophet's slots) -> (b, n, d_base)."""
+        """`step` from decoder inputs x (b, n, dim) (fused entries, or a block prophet's slots) -> (b, n, d_base).
+        An EAGLE layer runs eager (`compile` is not read): one small layer, a few matmuls."""
+        if self.arch in ARCHS:
+            return self.decoder.decode(x, cache, allow=allow, pos=pos)
         decoder = lean(self.decoder, LeanDecoder, compile=compile)  # rebuilt only when the weights changed
         return self.out(decoder(x, cache, allow=allow, pos=pos))
 

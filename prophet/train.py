@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prophet.model import Prophet, check_same_base
-from verify.common.vocab import trim_linear
 from verify.training.distill import agreement, check_target, distill_loss, subset_index
 from verify.training.features import FeatureBatch
 
@@ -46,13 +45,13 @@ def loss(
     """batch (B, T) -> (weighted loss, metrics per step). `vocab` (sorted ids (N,)): logits over the subset only."""
     check_loss_settings(feature_weight=feature_weight, ce_weight=ce_weight, decay=decay, target=target)
     _check_batch(module, base, batch, steps=unroll, name="unroll")
-    weight, bias = trim_linear(module.head.to_logits, vocab)  # the frozen output layer (its subset rows)
+    _, weight, bias = module.output_layer(vocab)  # the frozen output layer (its subset rows)
     index = subset_index(vocab, module.vocab_size, batch.hidden.device)
     total, parts = batch.hidden.new_zeros(()), {}
     for j, pred in enumerate(module.unroll(batch.hidden, batch.tokens[:, 1:], unroll, layers=batch.layers), start=1):
         pred, truth, top_ids, top_logp = _valid(pred, batch, j)
         feature, ce, agree = position_loss(
-            pred,
+            module.readout(pred),  # EAGLE-3: its final norm, what both the output layer and f_{t+1} compare with
             truth,
             top_ids,
             top_logp,
@@ -115,13 +114,13 @@ def evaluate(
     attention a draft chain sees (teacher-forced tokens: a draft only matters after accepted ones).
     `vocab` restricts the prophet's choice to the subset it drafts from."""
     _check_batch(module, base, batch, steps=eval_steps, name="eval_steps")
-    weight, bias = trim_linear(module.head.to_logits, vocab)
+    _, weight, bias = module.output_layer(vocab)
     out = {}
     for j, pred in enumerate(
         module.unroll(batch.hidden, batch.tokens[:, 1:], eval_steps, layers=batch.layers), start=1
     ):
         pred, _, top_ids, _ = _valid(pred, batch, j)
-        out[f"step{j}_agree"] = agreement(F.linear(pred, weight, bias), top_ids, vocab)
+        out[f"step{j}_agree"] = agreement(F.linear(module.readout(pred), weight, bias), top_ids, vocab)
     return dict(zip(out, torch.stack(list(out.values())).tolist()))
 
 

@@ -95,9 +95,12 @@ def recipe(cfg: DictConfig, *, base_meta: dict, seq_len: int, batch_size: int) -
         features.pop(key, None)
     if features.get("batch") == 16:  # the caching batch before it was a setting: older runs still resume
         del features["batch"]
+    drafter = container(cfg.drafter)
+    if drafter["module"].get("arch") == "xtransformers":  # the one network before arch was a setting: still resumes
+        del drafter["module"]["arch"]
     return {
         "base_fingerprint": base_meta["fingerprint"],
-        "drafter": container(cfg.drafter),
+        "drafter": drafter,
         "seed": cfg.seed,
         "seq_len": seq_len,
         "batch_size": batch_size,

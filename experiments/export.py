@@ -1,0 +1,142 @@
+"""Export a trained drafter to a directory vLLM serves: speculators' EAGLE-3, vLLM's EAGLE and Medusa, a Hugging
+Face Llama draft model (experiments/lib/store/formats.py says what each holds and what it refuses).
+
+    python -m experiments.export checkpoint=outputs/<run>/checkpoint out=exports/prophet_eagle3
+
+The drafter is rebuilt on its own base (the checkpoint's base_checkpoint), converted, written atomically, and
+read back by this project's importer (experiments/lib/families/imported.py), whose first draft tokens on a
+probe sequence must equal the original's: an export that would draft otherwise is never left behind.
+conf/export.yaml lists the settings.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from experiments.lib.cli.preflight import hydra_preflight
+from experiments.lib.common.errors import exit_on_user_error
+from experiments.lib.families.imported import import_prophet
+from experiments.lib.families.registry import load_drafter
+from experiments.lib.store.checkpoint import load_lm, read_meta
+from experiments.lib.store.formats import (
+    FORMATS,
+    FormatError,
+    eagle3_config,
+    eagle3_tensors,
+    eagle_tensors,
+    layer_config,
+    llama_config,
+    medusa_tensors,
+    write_directory,
+)
+from prophet.model import base_features
+
+log = logging.getLogger(__name__)
+
+
+def choose_format(package: str, module_config: dict, asked: str) -> str:
+    """The format a drafter exports to: `asked`, or from its family and arch; what no format holds is refused."""
+    natural = {"medusa": "medusa", "draft": "draft_model"}.get(package)
+    if package == "prophet":
+        arch = module_config.get("arch", "xtransformers")
+        if arch == "xtransformers":
+            raise FormatError(
+                "the prophet is an x-transformers network, which no serving format holds: train it with "
+                "drafter.module.arch=eagle3 (or eagle)"
+            )
+        natural = arch
+    if natural is None:
+        raise FormatError(f"a {package} drafter has no serving format: export prophet (eagle3/eagle), medusa or draft")
+    if asked not in ("auto", natural):
+        raise FormatError(f"format={asked}: a {package} drafter exports to {natural}")
+    return natural
+
+
+def check_vocab_fits(fmt: str, vocab: torch.Tensor | None, allow_full_vocab: bool) -> None:
+    """eagle and draft_model draft from every token in vLLM: a drafter trained to draft from fewer would differ."""
+    if vocab is not None and fmt in ("eagle", "draft_model") and not allow_full_vocab:
+        raise FormatError(
+            f"the drafter drafts from {vocab.numel()} tokens, and vLLM's {fmt} drafts from all of them: retrain with "
+            "vocab=null, or pass allow_full_vocab=true to export it drafting from every token"
+        )
+
+
+def export(cfg: DictConfig) -> Path:
+    if cfg.format not in ("auto", *FORMATS):
+        raise FormatError(f"format={cfg.format!r}: must be auto or one of {', '.join(FORMATS)}")
+    if isinstance(cfg.speculative_tokens, bool) or not isinstance(cfg.speculative_tokens, int) or cfg.speculative_tokens < 1:
+        raise FormatError(f"speculative_tokens={cfg.speculative_tokens!r}: must be an integer >= 1")
+    meta = read_meta(cfg.checkpoint)
+    if meta.get("kind") != "drafter":
+        raise FormatError(f"{cfg.checkpoint} is not a drafter checkpoint (kind={meta.get('kind')!r})")
+    package, module_config = meta["model_config"]["package"], meta["model_config"]["module"]
+    fmt = choose_format(package, module_config, cfg.format)
+    ids = meta.get("train_vocab_ids")
+    check_vocab_fits(fmt, None if ids is None else torch.tensor(ids), cfg.allow_full_vocab)
+    base, _, base_meta = load_lm(meta["base_checkpoint"], device=cfg.device)
+    llama_config(base)  # a base vLLM cannot load is refused before anything is built
+    module, _, meta = load_drafter(cfg.checkpoint, base, base_meta)
+    module = module.float()
+    vocab = None if ids is None else torch.tensor(ids, device=base.to_logits.weight.device)
+    verifier = cfg.verifier or str(Path(meta["base_checkpoint"]).resolve())
+    if fmt == "eagle3":
+        tensors = eagle3_tensors(module, vocab)
+        draft_vocab = tensors["lm_head.weight"].shape[0]
+        config = eagle3_config(module, base, verifier=verifier, draft_vocab=draft_vocab, tokens=cfg.speculative_tokens)
+    elif fmt == "eagle":
+        tensors, config = eagle_tensors(module), layer_config(base, module.decoder)
+    elif fmt == "medusa":
+        tensors, config = medusa_tensors(module, base, vocab)
+    else:
+        return write_draft_model(module, cfg.out, overwrite=cfg.overwrite)
+    config["prophet_medusa"] = {"checkpoint": str(Path(cfg.checkpoint).resolve()), "fingerprint": meta["fingerprint"]}
+    out = write_directory(cfg.out, config, tensors, overwrite=cfg.overwrite)
+    if fmt in ("eagle3", "eagle"):
+        check_round_trip(module, import_prophet(out, base), base, vocab, out)
+    log.info("wrote %s (%s, %d tensors) for verifier %s", out, fmt, len(tensors), verifier)
+    print(f"exported {fmt}: {out}")
+    return out
+
+
+def write_draft_model(module: torch.nn.Module, out: str, *, overwrite: bool) -> Path:
+    """A draft model built as a Hugging Face Llama (drafter.module.arch=llama) -> save_pretrained."""
+    hf = getattr(module, "hf", None)
+    if hf is None or type(hf).__name__ != "LlamaForCausalLM":
+        raise FormatError(
+            "the draft model is an x-transformers network (LayerNorm, GELU), not a Llama: train it with "
+            "drafter.module.arch=llama to export it"
+        )
+    tensors = {k: v for k, v in hf.state_dict().items()}
+    return write_directory(out, hf.config.to_dict() | {"torch_dtype": "float32"}, tensors, overwrite=overwrite)
+
+
+@torch.no_grad()
+def check_round_trip(original, imported, base, vocab: torch.Tensor | None, out: Path) -> None:
+    """The imported prophet's logits equal the original's, bit for bit, on a probe sequence (the first draft at
+    every position); else the directory is removed."""
+    tokens = torch.arange(24, device=base.to_logits.weight.device)[None] % base.num_tokens
+    logits = []
+    for prophet in (original, imported):  # each with its layers in its own order (an export sorts them)
+        hidden, _, layers = base_features(base, tokens, prophet.fuse_layers)
+        _, weight, bias = prophet.output_layer(vocab)
+        logits.append(torch.nn.functional.linear(prophet.readout(prophet(hidden, tokens, layers)), weight, bias))
+    if not torch.equal(*logits):
+        shutil.rmtree(out)
+        raise FormatError(f"{out} read back with other logits than the drafter's: removed")
+
+
+@hydra_preflight
+@hydra.main(version_base="1.3", config_path="../conf", config_name="export")
+@exit_on_user_error
+def main(cfg: DictConfig) -> None:
+    export(cfg)
+
+
+if __name__ == "__main__":
+    main()

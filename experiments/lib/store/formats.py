@@ -1,0 +1,283 @@
+"""Drafters in the formats serving engines load (vLLM 0.32, speculators 0.9), written and read back.
+
+Formats (one directory each: config.json + model.safetensors):
+- "eagle3": speculators' EAGLE-3 layout, which vLLM serves from the directory alone (the verifier is named
+  inside). fc [H, A*H] over the base's layer states in ASCENDING layer order (vLLM gathers them while running
+  the layers, whatever order the config lists): a one-layer Llama `transformer_layer_config`, the layer's
+  tensors under `layers.0.*`, `norm`, `lm_head` [Vd, H] and, for a trimmed vocabulary, `d2t` [Vd] as OFFSETS
+  (target id = draft id + d2t[draft id]) and `t2d` [V] bool. Layer id k, in vLLM's convention, is the
+  residual stream entering layer k (0-based), i.e. after k blocks: this project's layer k (SGLang's k - 1).
+  An EAGLE-3 prophet's fuse_layers ascend (enforced when it is built), so fc's columns are the prophet's own.
+  `norm_before_residual` is always written: vLLM defaults it to true, speculators to false.
+- "eagle": vLLM's EAGLE-1: a one-layer Llama config, fc [H, 2H] over cat(embedding, final hidden state), no
+  input norm in the layer, no fc bias (vLLM would drop one silently), the base's own output layer.
+- "medusa": vLLM's Medusa: blocks.{k}.layers.{l}.{weight,bias} with `medusa_fc_bias: true` (without it vLLM
+  drops the biases silently), lm_heads.{k}.weight, and for a trimmed vocabulary the rows of its tokens with
+  `token_map` (absolute ids) and `truncated_vocab_size`. Head k (0-based) predicts token t + 2 + k.
+- "draft_model": a plain Hugging Face Llama directory (save_pretrained).
+
+What a format cannot hold is refused in one line before anything is written (a bias vLLM would drop, a block
+or x-transformers prophet, a base vLLM cannot load, a trimmed vocabulary where the engine drafts from all
+tokens), so no file loads and silently drafts otherwise. A directory is written under a temporary name and
+renamed: a failed export leaves nothing that looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+FORMATS = ("eagle3", "eagle", "medusa", "draft_model")
+
+
+class FormatError(ValueError):
+    """What a serving format cannot hold, or a directory that is not one of them."""
+
+
+# ------------------------------------------------------------------------------------------------- export
+
+
+def llama_config(base: nn.Module) -> Any:
+    """The Hugging Face LlamaConfig of a base vLLM can load (an HFBase around a LlamaForCausalLM), else refused."""
+    config = getattr(getattr(base, "hf", None), "config", None)
+    if config is None or getattr(config, "model_type", None) != "llama":
+        what = type(base).__name__ if config is None else f"a {config.model_type} model"
+        raise FormatError(f"the base is {what}: the serving formats need a Hugging Face Llama base that vLLM loads")
+    if base.to_logits.bias is not None:
+        raise FormatError("the base's output layer has a bias: a Llama lm_head has none")
+    return config
+
+
+def layer_config(base: nn.Module, layer: nn.Module | None = None) -> dict[str, Any]:
+    """A one-layer Llama config of the base's vocabulary: the draft layer's shape (an EagleLayer), or the base's."""
+    config = llama_config(base)
+    shape = layer.config() if layer is not None else {}
+    theta = shape.get("rope_theta") or (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 1e4)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": shape.get("heads", config.num_attention_heads),
+        "num_key_value_heads": shape.get("kv_heads", config.num_key_value_heads),
+        "head_dim": shape.get("dim_head", getattr(config, "head_dim", None)),
+        "intermediate_size": shape.get("hidden", config.intermediate_size),
+        "num_hidden_layers": 1,
+        "rms_norm_eps": shape.get("eps", config.rms_norm_eps),
+        "rope_theta": float(theta),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(theta)},
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "torch_dtype": "float32",
+    }
+
+
+def _layer_tensors(layer: nn.Module) -> dict[str, Tensor]:
+    """An EagleLayer's weights under vLLM's / speculators' names (layers.0.*)."""
+    names = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj"}
+    names |= {"o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj"}
+    names |= {"down_proj": "mlp.down_proj", "post_attention_layernorm": "post_attention_layernorm"}
+    names |= {"input_layernorm": "input_layernorm", "hidden_norm": "hidden_norm"}
+    out = {}
+    for ours, theirs in names.items():
+        if hasattr(layer, ours):
+            out[f"layers.0.{theirs}.weight"] = getattr(layer, ours).weight
+    return out
+
+
+def vocab_offsets(ids: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """Sorted draft-vocabulary ids (Vd,) -> d2t (Vd,) int64 OFFSETS (target = draft + d2t[draft]) and t2d (V,) bool."""
+    ids = ids.long().cpu()
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(ids.numel()), t2d
+
+
+def eagle3_tensors(prophet: nn.Module, vocab: Tensor | None) -> dict[str, Tensor]:
+    """An EAGLE-3 prophet's tensors in speculators' layout (its fuse_layers ascend, as vLLM hands the states over).
+    `vocab` the sorted ids it drafts from (None: all V); an imported prophet's own output layer wins."""
+    tensors = {"fc.weight": prophet.mix.weight} | _layer_tensors(prophet.decoder)
+    tensors["norm.weight"] = prophet.decoder.norm.weight
+    ids, weight, _ = prophet.output_layer(vocab)
+    tensors["lm_head.weight"] = weight
+    if ids is not None and ids.numel() < prophet.vocab_size:
+        tensors["d2t"], tensors["t2d"] = vocab_offsets(ids, prophet.vocab_size)
+    return tensors
+
+
+def eagle3_config(prophet: nn.Module, base: nn.Module, *, verifier: str, draft_vocab: int, tokens: int) -> dict[str, Any]:
+    """speculators' config.json: the layer, the vocabularies, the layer ids (vLLM's convention), the proposal."""
+    config = llama_config(base)
+    return {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3DraftModel"],
+        "transformer_layer_config": layer_config(base, prophet.decoder),
+        "draft_vocab_size": draft_vocab,
+        "norm_before_residual": prophet.decoder.norm_before_residual,
+        "target_hidden_size": config.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(prophet.fuse_layers),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": list(config.architectures or ["LlamaForCausalLM"])},
+        },
+    }
+
+
+def eagle_tensors(prophet: nn.Module) -> dict[str, Tensor]:
+    """An EAGLE-1 prophet: fc over cat(embedding, feature) (the prophet's own columns are (feature, embedding))."""
+    if prophet.fuse.bias is not None:
+        raise FormatError("the prophet's fc has a bias: vLLM's EAGLE drops fc.bias")
+    d = prophet.base_dim
+    w = prophet.fuse.weight
+    return {"fc.weight": torch.cat((w[:, d:], w[:, :d]), dim=1)} | _layer_tensors(prophet.decoder)
+
+
+def medusa_tensors(heads: nn.Module, base: nn.Module, vocab: Tensor | None) -> tuple[dict[str, Tensor], dict]:
+    """Medusa heads in vLLM's layout, and the config keys that describe them."""
+    llama_config(base)
+    tensors = {}
+    for k, blocks in enumerate(heads.blocks):
+        for i, block in enumerate(blocks):
+            tensors[f"blocks.{k}.layers.{i}.weight"] = block.linear.weight
+            tensors[f"blocks.{k}.layers.{i}.bias"] = block.linear.bias
+        projection = heads._base_projection[0] if heads.share_base_projection else heads.projections[k]
+        if projection.bias is not None:
+            raise FormatError(f"head {k}'s output layer has a bias: vLLM's Medusa lm_heads have none")
+        weight = projection.weight
+        tensors[f"lm_heads.{k}.weight"] = weight if vocab is None else weight[vocab]
+    config = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": heads.dim,
+        "vocab_size": heads.vocab_size,
+        "num_heads": heads.num_heads,
+        "num_hidden_layers": heads.num_layers,
+        "medusa_fc_bias": True,  # without it vLLM builds the blocks bias-free and drops the trained biases
+        "torch_dtype": "float32",
+    }
+    if vocab is not None and vocab.numel() < heads.vocab_size:
+        tensors["token_map"] = vocab.long()
+        config["truncated_vocab_size"] = vocab.numel()
+    return tensors, config
+
+
+def write_directory(out: str | Path, config: dict, tensors: dict[str, Tensor], *, overwrite: bool = False) -> Path:
+    """config.json and model.safetensors (float32, contiguous, on the CPU) into `out`, atomically."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FormatError(f"out={out} exists and is not empty: choose another directory or pass overwrite=true")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {
+        k: (t.detach().float() if t.is_floating_point() else t.detach()).cpu().contiguous() for k, t in tensors.items()
+    }
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- import
+
+
+def read_directory(path: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """config.json and every tensor of the directory's *.safetensors files."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FormatError(f"{path} has no config.json: not a serving-format drafter directory")
+    tensors: dict[str, Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors |= load_file(str(file))
+    return json.loads((path / "config.json").read_text()), tensors
+
+
+def detect(path: str | Path) -> str | None:
+    """Which of FORMATS a directory holds (None: not one of them; a project checkpoint has meta.json instead)."""
+    path = Path(path)
+    if not (path / "config.json").is_file() or (path / "meta.json").is_file():
+        return None
+    config = json.loads((path / "config.json").read_text())
+    if config.get("speculators_model_type") == "eagle3":
+        return "eagle3"
+    if config.get("model_type") == "medusa":
+        return "medusa"
+    if config.get("model_type") == "llama" and config.get("num_hidden_layers") == 1 and _has_fc(path):
+        return "eagle"
+    if config.get("model_type") == "llama":
+        return "draft_model"
+    return None
+
+
+def _has_fc(path: Path) -> bool:
+    from safetensors import safe_open
+
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            if "fc.weight" in f.keys():
+                return True
+    return False
+
+
+def check_verifier(config: dict, base: nn.Module, path: Path) -> None:
+    """The drafter's base: same width and vocabulary as `base`, else refused."""
+    hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    if hidden != base.to_logits.in_features or config.get("vocab_size") != base.num_tokens:
+        raise FormatError(
+            f"{path} drafts for a base of width {hidden} and {config.get('vocab_size')} tokens; this base has "
+            f"{base.to_logits.in_features} and {base.num_tokens}"
+        )
+
+
+def layer_shape_from(config: dict) -> dict[str, Any]:
+    """A one-layer Llama config -> EagleLayer's shape keywords."""
+    heads = config["num_attention_heads"]
+    theta = (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 1e4)
+    if config.get("num_hidden_layers", 1) != 1:
+        raise FormatError(f"num_hidden_layers={config['num_hidden_layers']}: this project drafts with one layer")
+    return dict(
+        dim=config["hidden_size"],
+        heads=heads,
+        kv_heads=config.get("num_key_value_heads") or heads,
+        dim_head=config.get("head_dim") or config["hidden_size"] // heads,
+        hidden=config["intermediate_size"],
+        rope_theta=float(theta),
+        eps=config.get("rms_norm_eps", 1e-6),
+    )
+
+
+def load_layer(layer: nn.Module, tensors: dict[str, Tensor], path: Path) -> None:
+    """Copy layers.0.* into an EagleLayer; a tensor the layer lacks (an input norm in EAGLE-1) or misses is refused."""
+    ours = {theirs: getattr(layer, name).weight for theirs, name in _names(layer).items()}
+    extra = sorted(k for k in tensors if k.startswith("layers.0.") and k not in ours)
+    missing = sorted(k for k in ours if k not in tensors)
+    if extra or missing:
+        raise FormatError(f"{path}: tensors {extra or missing} do not fit a {layer.arch} layer")
+    with torch.no_grad():
+        for name, param in ours.items():
+            if tensors[name].shape != param.shape:
+                raise FormatError(f"{path}: {name} is {tuple(tensors[name].shape)}, the layer needs {tuple(param.shape)}")
+            param.copy_(tensors[name])
+
+
+def _names(layer: nn.Module) -> dict[str, str]:
+    """vLLM name -> EagleLayer attribute, for the weights this layer has."""
+    return {theirs: theirs.split(".")[-2] for theirs in _layer_tensors(layer)}
