@@ -70,7 +70,8 @@ def check_vocab_fits(fmt: str, vocab: torch.Tensor | None, allow_full_vocab: boo
 def export(cfg: DictConfig) -> Path:
     if cfg.format not in ("auto", *FORMATS):
         raise FormatError(f"format={cfg.format!r}: must be auto or one of {', '.join(FORMATS)}")
-    if isinstance(cfg.speculative_tokens, bool) or not isinstance(cfg.speculative_tokens, int) or cfg.speculative_tokens < 1:
+    tokens = cfg.speculative_tokens
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise FormatError(f"speculative_tokens={cfg.speculative_tokens!r}: must be an integer >= 1")
     meta = read_meta(cfg.checkpoint)
     if meta.get("kind") != "drafter":

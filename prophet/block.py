@@ -38,7 +38,7 @@ class BlockProphet(Prophet):
             raise ValueError(f"block={block}: a block drafts at least 2 positions (the context's and a slot's)")
         arch = prophet_kwargs.get("arch", "xtransformers")
         if arch != "xtransformers":
-            raise ValueError(f"arch={arch!r}: a block prophet runs the x-transformers network only (arch=xtransformers)")
+            raise ValueError(f"arch={arch!r}: a block prophet runs the x-transformers network only (xtransformers)")
         super().__init__(**prophet_kwargs)
         self.block = block
         dim = self.fuse.out_features

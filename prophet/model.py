@@ -140,7 +140,7 @@ class Prophet(nn.Module):
         if depth != 1:
             raise ValueError(f"depth={depth}: arch={arch} is one draft layer (the layer vLLM loads); set depth=1")
         if layer is None:
-            raise ValueError(f"arch={arch} needs the layer's shape (prophet.eagle.layer_shape): build it with from_base")
+            raise ValueError(f"arch={arch} needs the layer's shape (prophet.eagle.layer_shape): use from_base")
         self.head = head
         self.base_dim, self.vocab_size = head.to_logits.in_features, head.to_logits.out_features
         if layer["dim"] != self.base_dim:
@@ -153,8 +153,10 @@ class Prophet(nn.Module):
             self.fuse = nn.Linear(2 * self.base_dim, self.base_dim, bias=False, device=device)
         else:
             if not fuse_layers:
-                raise ValueError("arch=eagle3 reads the base's low, mid and high layer states: set fuse_layers, "
-                                 "e.g. [2, depth // 2, depth - 3] as vLLM picks them")
+                raise ValueError(
+                    "arch=eagle3 reads the base's low, mid and high layer states: set fuse_layers, "
+                    "e.g. [2, depth // 2, depth - 3] as vLLM picks them"
+                )
             self.fuse_layers = check_layers(fuse_layers, head.depth, name="fuse_layers")
             if list(self.fuse_layers) != sorted(self.fuse_layers):
                 raise ValueError(

@@ -236,7 +236,8 @@ def checkpoint_vocab(meta: dict, vocab: torch.Tensor | None, name: str) -> torch
     vocabulary counted over the base's own answers), of the configured size; else the shared `vocab`."""
     ids = meta.get("train_vocab_ids")
     if meta.get("imported"):  # a serving-format drafter drafts from its file's vocabulary, whatever the config says
-        return None if ids is None else torch.tensor(ids, dtype=torch.long, device=vocab.device if vocab is not None else None)
+        device = None if vocab is None else vocab.device
+        return None if ids is None else torch.tensor(ids, dtype=torch.long, device=device)
     if ids is None or vocab is None or len(ids) != vocab.numel():
         check_train_vocab(meta, vocab, name)
         return vocab

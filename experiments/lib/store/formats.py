@@ -117,7 +117,9 @@ def eagle3_tensors(prophet: nn.Module, vocab: Tensor | None) -> dict[str, Tensor
     return tensors
 
 
-def eagle3_config(prophet: nn.Module, base: nn.Module, *, verifier: str, draft_vocab: int, tokens: int) -> dict[str, Any]:
+def eagle3_config(
+    prophet: nn.Module, base: nn.Module, *, verifier: str, draft_vocab: int, tokens: int
+) -> dict[str, Any]:
     """speculators' config.json: the layer, the vocabularies, the layer ids (vLLM's convention), the proposal."""
     config = llama_config(base)
     return {
@@ -131,7 +133,12 @@ def eagle3_config(prophet: nn.Module, base: nn.Module, *, verifier: str, draft_v
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [
-                {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
             ],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": list(config.architectures or ["LlamaForCausalLM"])},
@@ -274,7 +281,8 @@ def load_layer(layer: nn.Module, tensors: dict[str, Tensor], path: Path) -> None
     with torch.no_grad():
         for name, param in ours.items():
             if tensors[name].shape != param.shape:
-                raise FormatError(f"{path}: {name} is {tuple(tensors[name].shape)}, the layer needs {tuple(param.shape)}")
+                shape = tuple(tensors[name].shape)
+                raise FormatError(f"{path}: {name} is {shape}, the layer needs {tuple(param.shape)}")
             param.copy_(tensors[name])
 
 
