@@ -59,8 +59,9 @@ def choose_format(package: str, module_config: dict, asked: str) -> str:
 
 
 def check_vocab_fits(fmt: str, vocab: torch.Tensor | None, allow_full_vocab: bool) -> None:
-    """eagle and draft_model draft from every token in vLLM: a drafter trained to draft from fewer would differ."""
-    if vocab is not None and fmt in ("eagle", "draft_model") and not allow_full_vocab:
+    """eagle, medusa (a head per position) and draft_model draft from every token in vLLM: a drafter trained to
+    draft from fewer would differ there. Only EAGLE-3 carries a draft vocabulary (d2t)."""
+    if vocab is not None and fmt != "eagle3" and not allow_full_vocab:
         raise FormatError(
             f"the drafter drafts from {vocab.numel()} tokens, and vLLM's {fmt} drafts from all of them: retrain with "
             "vocab=null, or pass allow_full_vocab=true to export it drafting from every token"
@@ -93,7 +94,7 @@ def export(cfg: DictConfig) -> Path:
     elif fmt == "eagle":
         tensors, config = eagle_tensors(module), layer_config(base, module.decoder)
     elif fmt == "medusa":
-        tensors, config = medusa_tensors(module, base, vocab)
+        tensors, config = medusa_tensors(module, base)
     else:
         return write_draft_model(module, cfg.out, overwrite=cfg.overwrite)
     config["prophet_medusa"] = {"checkpoint": str(Path(cfg.checkpoint).resolve()), "fingerprint": meta["fingerprint"]}

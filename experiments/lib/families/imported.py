@@ -91,27 +91,25 @@ def import_prophet(path: str | Path, base: nn.Module) -> Prophet:
     return prophet.eval()
 
 
-def import_medusa(path: str | Path, base: nn.Module) -> tuple[MedusaHeads, Tensor | None]:
-    """A vLLM Medusa directory -> MedusaHeads on `base` and the ids its heads draft from (token_map; None: all).
-    Rows outside token_map keep the base's output layer: nothing drafts from them."""
+def import_medusa(path: str | Path, base: nn.Module) -> MedusaHeads:
+    """A vLLM Medusa directory (a head of its own per position, each over all V tokens) -> MedusaHeads on `base`."""
     path = Path(path)
     config, tensors = read_directory(path)
     check_verifier(config, base, path)
+    if config.get("original_lm_head") or "token_map" in tensors:
+        raise FormatError(
+            f"{path}: a shared or trimmed Medusa output layer (original_lm_head, token_map) is not drawn"
+        )
     heads = MedusaHeads.from_base(base, num_heads=config["num_heads"], num_layers=config["num_hidden_layers"])
     with_bias = bool(config.get("medusa_fc_bias", False))  # vLLM's default: no bias, the tensors are dropped
-    token_map = tensors.get("token_map")
     with torch.no_grad():
         for k, blocks in enumerate(heads.blocks):
             for i, block in enumerate(blocks):
                 _copy(block.linear.weight, tensors[f"blocks.{k}.layers.{i}.weight"], f"blocks.{k}.layers.{i}", path)
                 bias = tensors.get(f"blocks.{k}.layers.{i}.bias") if with_bias else None
                 block.linear.bias.copy_(bias if bias is not None else torch.zeros_like(block.linear.bias))
-            rows = tensors[f"lm_heads.{k}.weight"].float()
-            if token_map is None:
-                _copy(heads.projections[k].weight, rows, f"lm_heads.{k}.weight", path)
-            else:
-                heads.projections[k].weight[token_map.long()] = rows.to(heads.projections[k].weight)
-    return heads.eval(), None if token_map is None else token_map.long().sort().values
+            _copy(heads.projections[k].weight, tensors[f"lm_heads.{k}.weight"], f"lm_heads.{k}.weight", path)
+    return heads.eval()
 
 
 def import_drafter(directory: str | Path, base: nn.Module, base_meta: dict) -> tuple[nn.Module, str, dict[str, Any]]:
@@ -123,7 +121,7 @@ def import_drafter(directory: str | Path, base: nn.Module, base_meta: dict) -> t
         package, settings = "prophet", {"arch": kind, "fuse_layers": list(module.fuse_layers) or None}
         ids = getattr(module, "draft_ids", None)
     elif kind == "medusa":
-        module, ids = import_medusa(directory, base)
+        module, ids = import_medusa(directory, base), None
         package, settings = "medusa", {"num_heads": module.num_heads, "num_layers": module.num_layers}
     else:
         raise FormatError(f"{directory} holds {kind or 'no serving format'}: import reads eagle3, eagle or medusa")

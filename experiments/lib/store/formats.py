@@ -12,8 +12,8 @@ Formats (one directory each: config.json + model.safetensors):
 - "eagle": vLLM's EAGLE-1: a one-layer Llama config, fc [H, 2H] over cat(embedding, final hidden state), no
   input norm in the layer, no fc bias (vLLM would drop one silently), the base's own output layer.
 - "medusa": vLLM's Medusa: blocks.{k}.layers.{l}.{weight,bias} with `medusa_fc_bias: true` (without it vLLM
-  drops the biases silently), lm_heads.{k}.weight, and for a trimmed vocabulary the rows of its tokens with
-  `token_map` (absolute ids) and `truncated_vocab_size`. Head k (0-based) predicts token t + 2 + k.
+  drops the biases silently) and lm_heads.{k}.weight over all V tokens (vLLM trims only a shared head). Head k
+  (0-based) predicts token t + 2 + k.
 - "draft_model": a plain Hugging Face Llama directory (save_pretrained).
 
 What a format cannot hold is refused in one line before anything is written (a bias vLLM would drop, a block
@@ -155,8 +155,12 @@ def eagle_tensors(prophet: nn.Module) -> dict[str, Tensor]:
     return {"fc.weight": torch.cat((w[:, d:], w[:, :d]), dim=1)} | _layer_tensors(prophet.decoder)
 
 
-def medusa_tensors(heads: nn.Module, base: nn.Module, vocab: Tensor | None) -> tuple[dict[str, Tensor], dict]:
-    """Medusa heads in vLLM's layout, and the config keys that describe them."""
+def medusa_tensors(heads: nn.Module, base: nn.Module) -> tuple[dict[str, Tensor], dict]:
+    """Medusa heads in vLLM's layout (every head over all V tokens), and the config that describes them.
+
+    vLLM 0.32 trims a Medusa vocabulary only for one head shared by all (`original_lm_head`): a head of its own
+    is a V-row layer, and a token_map would cut the loaded rows below that and fail to load. So heads trained to
+    draft from fewer tokens are refused by the exporter (experiments/export.py) unless drafting from all is asked."""
     llama_config(base)
     tensors = {}
     for k, blocks in enumerate(heads.blocks):
@@ -166,21 +170,18 @@ def medusa_tensors(heads: nn.Module, base: nn.Module, vocab: Tensor | None) -> t
         projection = heads._base_projection[0] if heads.share_base_projection else heads.projections[k]
         if projection.bias is not None:
             raise FormatError(f"head {k}'s output layer has a bias: vLLM's Medusa lm_heads have none")
-        weight = projection.weight
-        tensors[f"lm_heads.{k}.weight"] = weight if vocab is None else weight[vocab]
+        tensors[f"lm_heads.{k}.weight"] = projection.weight
     config = {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
         "hidden_size": heads.dim,
         "vocab_size": heads.vocab_size,
+        "truncated_vocab_size": heads.vocab_size,
         "num_heads": heads.num_heads,
         "num_hidden_layers": heads.num_layers,
         "medusa_fc_bias": True,  # without it vLLM builds the blocks bias-free and drops the trained biases
         "torch_dtype": "float32",
     }
-    if vocab is not None and vocab.numel() < heads.vocab_size:
-        tensors["token_map"] = vocab.long()
-        config["truncated_vocab_size"] = vocab.numel()
     return tensors, config
 
 
