@@ -97,9 +97,7 @@ def import_medusa(path: str | Path, base: nn.Module) -> MedusaHeads:
     config, tensors = read_directory(path)
     check_verifier(config, base, path)
     if config.get("original_lm_head") or "token_map" in tensors:
-        raise FormatError(
-            f"{path}: a shared or trimmed Medusa output layer (original_lm_head, token_map) is not drawn"
-        )
+        raise FormatError(f"{path}: a shared or trimmed Medusa output layer (original_lm_head, token_map) is not drawn")
     heads = MedusaHeads.from_base(base, num_heads=config["num_heads"], num_layers=config["num_hidden_layers"])
     with_bias = bool(config.get("medusa_fc_bias", False))  # vLLM's default: no bias, the tensors are dropped
     with torch.no_grad():
