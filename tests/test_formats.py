@@ -337,3 +337,17 @@ def test_what_no_format_holds_is_refused_in_one_line(rand, tmp_path, lm):
     with pytest.raises(FormatError, match="exists and is not empty"):
         write_directory(path, {}, {})
     assert json.loads((path / "config.json").read_text()) == {"model_type": "llama"}  # untouched
+
+
+def test_a_llama_draft_model_exports_as_a_plain_hugging_face_llama(rand, tmp_path, lm):
+    from experiments.export import write_draft_model
+    from experiments.lib.families import draft
+
+    base, tokens, _ = rand
+    module = randomized(draft.build(base, dim=32, depth=2, heads=4, arch="llama", kv_heads=2), 8)
+    path = write_draft_model(module, tmp_path / "draft", overwrite=False)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, module(tokens))
+    with pytest.raises(FormatError, match="arch=llama"):
+        write_draft_model(draft.build(base, dim=32, depth=1, heads=4), tmp_path / "xt", overwrite=False)

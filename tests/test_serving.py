@@ -48,7 +48,8 @@ OUT = ROOT / "outputs" / "serving"
 SERVING_PY = ROOT / ".venv-serving" / "bin" / "python"
 PROMPTS = 6  # one per chat_mix category
 NEW = 48
-GAMMA = 3  # draft tokens per step, in both engines (vLLM's num_speculative_tokens)
+GAMMA = 3  # EAGLE-3's draft tokens per step, in both engines (vLLM's num_speculative_tokens); Medusa drafts one
+# token per head in vLLM (all of them, whatever num_speculative_tokens says), so there gamma = the heads
 EOS = 2  # <|im_end|>
 NEAR_TIE = 1e-3  # float32 logits of two engines: measured apart by ~1e-5; a top-2 gap below this is a tie
 ACCEPT_TOL = 0.05  # absolute, per position: see the module docstring
@@ -115,18 +116,18 @@ def until_eos(tokens: list[int]) -> list[int]:
     return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
-def project_decode(target, prompts: list[list[int]], drafter_factory=None) -> dict:
+def project_decode(target, prompts: list[list[int]], drafter_factory=None, gamma: int = GAMMA) -> dict:
     """The project's greedy decode of each prompt alone (after an untimed warm-up): tokens, seconds, per-position
     acceptance counts (drafts = steps that proposed a draft)."""
 
     def one(prompt):  # noqa: E306
         if drafter_factory is None:
             return plain_generate(target, [prompt], max_new_tokens=NEW, eos_id=EOS)
-        spec = SpecConfig(gamma=GAMMA, max_gamma=GAMMA)
+        spec = SpecConfig(gamma=gamma, max_gamma=gamma)
         return speculative_generate(target, drafter_factory(), [prompt], max_new_tokens=NEW, spec=spec, eos_id=EOS)
 
     one(prompts[0])
-    tokens, seconds, accepted, proposed = [], 0.0, torch.zeros(GAMMA, dtype=torch.long), torch.zeros(GAMMA)
+    tokens, seconds, accepted, proposed = [], 0.0, torch.zeros(gamma, dtype=torch.long), torch.zeros(gamma)
     for prompt in prompts:
         start = time.perf_counter()
         gen = one(prompt)
@@ -160,7 +161,7 @@ def served() -> dict:
     questions = select_questions(chat_mix_questions(), PROMPTS)
     prompts = [template.encode(tokenizer, [q.turns[0]]) for q in questions]
     target = make_target(base)
-    report = {"prompts": len(prompts), "new_tokens": NEW, "gamma": GAMMA, "runs": {}}
+    report = {"prompts": len(prompts), "new_tokens": NEW, "runs": {}}
     report["runs"]["project plain"] = project_decode(target, prompts)
     request = {"base": str(smol), "prompts": prompts, "max_new_tokens": NEW, "max_model_len": 2048}
     report["runs"]["vllm plain"] = served_vllm("plain", request | {"speculative_config": None})
@@ -174,14 +175,15 @@ def served() -> dict:
             f"speculative_tokens={GAMMA}",
             *export_overrides,
         )
+        gamma = json.loads((out / "config.json").read_text()).get("num_heads", GAMMA)
         module, package, dmeta = load_drafter(out, base, meta)
         decode = {**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "drafter" / f"{family}.yaml").decode)}
         decode["mode"] = "chain"
         ids = dmeta["train_vocab_ids"]
         vocab = None if ids is None else torch.tensor(ids)
         factory = lambda m=module, p=package, d=decode, v=vocab: p.make_drafter(m, base, **d, vocab=v)  # noqa: E731
-        report["runs"][f"project {method}"] = project_decode(target, prompts, factory)
-        spec = {"method": method, "model": str(out), "num_speculative_tokens": GAMMA}
+        report["runs"][f"project {method}"] = project_decode(target, prompts, factory, gamma)
+        spec = {"method": method, "model": str(out), "num_speculative_tokens": gamma}
         report["runs"][f"vllm {method}"] = served_vllm(method, request | {"speculative_config": spec})
     report["near_ties"] = near_ties(base, prompts, report["runs"]["project plain"], report["runs"]["vllm plain"])
     write_report(report)
@@ -211,7 +213,7 @@ def rates(run: dict) -> list[float]:
 
 def write_report(report: dict) -> None:
     (OUT / "report.json").write_text(json.dumps(report, indent=1))
-    lines = [f"# vLLM {report['prompts']} chat prompts x {NEW} tokens, greedy, float32, batch 1, gamma {GAMMA}", ""]
+    lines = [f"# vLLM and the project: {report['prompts']} chat prompts x {NEW} tokens, greedy, float32, batch 1", ""]
     lines += ["| run | tokens/s | drafts | acceptance per position | mean accepted per draft |"]
     lines += ["|---|---|---|---|---|"]
     for name, run_ in report["runs"].items():

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from x_transformers import TransformerWrapper
 
 from experiments.lib.store.lm import build_lm
+from verify.backends.hf import HFBase
 from verify.common.vocab import subset_linear
 from verify.training.distill import agreement, check_target, distill_loss, student_top1, subset_index
 from verify.training.features import FeatureBatch
@@ -32,9 +33,14 @@ def build(
     heads: int = 4,
     ff_mult: int = 4,
     attn_dim_head: int | None = None,
-) -> TransformerWrapper:
-    """A fresh LM with the base's vocabulary and context (its own embedding and output layer)."""
-    return build_lm(
+    arch: str = "x-transformers",
+    kv_heads: int | None = None,
+) -> nn.Module:
+    """A fresh LM with the base's vocabulary and context (its own embedding and output layer). arch="llama": a
+    transformers LlamaForCausalLM (RMSNorm, SwiGLU, grouped-query attention over `kv_heads`), the form vLLM's
+    draft_model serves (python -m experiments.export)."""
+    lm = build_lm(
+        arch=arch,
         num_tokens=base.num_tokens,
         max_seq_len=base.max_seq_len,
         dim=dim,
@@ -42,13 +48,18 @@ def build(
         heads=heads,
         ff_mult=ff_mult,
         attn_dim_head=attn_dim_head,
-    ).to(base.to_logits.weight.device)
+        **({"kv_heads": kv_heads} if arch == "llama" else {}),
+    )
+    return lm.to(base.to_logits.weight.device)
 
 
 def _logits(module: TransformerWrapper, tokens: Tensor, vocab: Tensor | None) -> Tensor:
     """inputs (B, T) -> logits (B, T, N) over the subset's rows of the draft's own output layer (gradients
     reach them)."""
-    hidden = module(tokens, return_embeddings=True)  # (B, T, d) after the final norm
+    if isinstance(module, HFBase):  # a Llama draft model: transformers' own forward
+        hidden = module.hf.model(input_ids=tokens).last_hidden_state
+    else:
+        hidden = module(tokens, return_embeddings=True)  # (B, T, d) after the final norm
     return subset_linear(hidden, module.to_logits, vocab)
 
 

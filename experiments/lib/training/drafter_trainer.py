@@ -66,6 +66,8 @@ from verify.common.vocab import frequent_tokens
 from verify.training.features import FeatureBatch
 
 log = logging.getLogger(__name__)
+# Module settings added after runs were recorded, with the values those runs had: left out of the recipe.
+LATER_MODULE_DEFAULTS = {"arch": ("xtransformers", "x-transformers"), "kv_heads": (None,)}
 MONITOR = Monitor("mean_agree", lower_is_better=False)  # what picks checkpoint/ (see the module docstring)
 
 
@@ -96,8 +98,9 @@ def recipe(cfg: DictConfig, *, base_meta: dict, seq_len: int, batch_size: int) -
     if features.get("batch") == 16:  # the caching batch before it was a setting: older runs still resume
         del features["batch"]
     drafter = container(cfg.drafter)
-    if drafter["module"].get("arch") == "xtransformers":  # the one network before arch was a setting: still resumes
-        del drafter["module"]["arch"]
+    for key, default in LATER_MODULE_DEFAULTS.items():  # runs from before these were settings still resume
+        if key in drafter["module"] and drafter["module"][key] in default:
+            del drafter["module"][key]
     return {
         "base_fingerprint": base_meta["fingerprint"],
         "drafter": drafter,
