@@ -160,6 +160,24 @@ def test_oracle_eagle3_drafts_the_token_after_next_in_the_project_and_the_refere
     assert torch.equal(project_first_drafts(import_prophet(path, base), base, tokens), closed_form)
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_an_oracle_eagle3_drafter_is_accepted_and_decodes_exactly_what_plain_decoding_does(oracle, mode):
+    from prophet.drafter import ProphetDrafter
+    from verify.backends.choose import make_target
+    from verify.loop.plain import plain_generate
+    from verify.loop.speculative import SpecConfig, speculative_generate
+
+    base, perm, tokens = oracle
+    prompts = [tokens[0, :5].tolist(), tokens[0, 3:6].tolist()]  # ragged rows
+    target = make_target(base)
+    plain = plain_generate(target, prompts, max_new_tokens=12)
+    drafter = ProphetDrafter(oracle_eagle3(base, perm), mode=mode, top_k=2, depth=3, tree_nodes=6, vocab=EVEN)
+    out = speculative_generate(target, drafter, prompts, max_new_tokens=12, spec=SpecConfig(gamma=3))
+    assert out.tokens == plain.tokens
+    # the first draft of every step is right (the closed form); a chain's later ones repeat it and are wrong
+    assert int(out.stats.accepted_by_position[0]) == int(out.stats.proposed_by_position[0]) > 0
+
+
 def test_absolute_ids_in_d2t_draft_other_tokens_and_are_refused(oracle, tmp_path):
     base, perm, tokens = oracle
     path = export_eagle3(oracle_eagle3(base, perm), base, EVEN, tmp_path / "e3")

@@ -117,6 +117,10 @@ def drafters(base: HFBase, engine: str) -> dict:
             depth=3,
             tree_nodes=8,
         ),
+        "eagle_chain": lambda: ProphetDrafter(noisy(Prophet.from_base(base, arch="eagle")), mode="chain"),
+        "eagle3_tree": lambda: ProphetDrafter(
+            noisy(Prophet.from_base(base, arch="eagle3", fuse_layers=[1])), mode="tree", top_k=3, depth=3, tree_nodes=8
+        ),
     }
 
 
@@ -141,7 +145,17 @@ def test_plain_greedy_equals_transformers_generate(base_and_reference):
 
 @pytest.mark.parametrize(
     "name",
-    ["prompt_lookup", "draft_model", "medusa_chain", "medusa_tree", "sequential_tree", "prophet_chain", "prophet_tree"],
+    [
+        "prompt_lookup",
+        "draft_model",
+        "medusa_chain",
+        "medusa_tree",
+        "sequential_tree",
+        "prophet_chain",
+        "prophet_tree",
+        "eagle_chain",
+        "eagle3_tree",
+    ],
 )
 @pytest.mark.parametrize("gamma", [1, 3])
 def test_speculative_greedy_equals_transformers_generate(base_and_reference, name, gamma):
