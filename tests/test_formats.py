@@ -369,3 +369,19 @@ def test_a_llama_draft_model_exports_as_a_plain_hugging_face_llama(rand, tmp_pat
         assert torch.equal(loaded(tokens).logits, module(tokens))
     with pytest.raises(FormatError, match="arch=llama"):
         write_draft_model(draft.build(base, dim=32, depth=1, heads=4), tmp_path / "xt", overwrite=False)
+
+
+def test_an_sglang_specforge_eagle3_directory_imports_as_the_same_drafter(rand, tmp_path):
+    base, tokens, vocab = rand
+    prophet = random_eagle3(base)
+    path = export_eagle3(prophet, base, vocab, tmp_path / "e3")
+    config, tensors = ref.read_dir(path)
+    plain = config["transformer_layer_config"] | {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": config["draft_vocab_size"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"]},
+    }
+    renamed = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
+    sglang = write_directory(tmp_path / "sglang", plain, renamed)
+    ours = project_first_drafts(prophet, base, tokens, vocab)
+    assert torch.equal(project_first_drafts(import_prophet(sglang, base), base, tokens), ours)

@@ -67,6 +67,7 @@ def import_prophet(path: str | Path, base: nn.Module) -> Prophet:
         _copy(prophet.fuse.weight, torch.cat((fc[:, dim:], fc[:, :dim]), dim=1), "fc.weight", path)
         load_layer(prophet.decoder, tensors, path)
         return prophet.eval()
+    config, tensors = as_speculators(config, tensors)
     layer_config = config["transformer_layer_config"]
     check_verifier({**layer_config, "target_hidden_size": config.get("target_hidden_size")}, base, path)
     for key in UNSUPPORTED_EAGLE3:
@@ -89,6 +90,26 @@ def import_prophet(path: str | Path, base: nn.Module) -> Prophet:
         raise FormatError(f"{path}: lm_head.weight is {tuple(weight.shape)}, expected {(ids.numel(), dim)}")
     prophet.set_output_layer(weight.float(), ids)
     return prophet.eval()
+
+
+def as_speculators(config: dict, tensors: dict[str, Tensor]) -> tuple[dict, dict[str, Tensor]]:
+    """SGLang's / SpecForge's EAGLE-3 layout (a plain Llama config, architectures LlamaForCausalLMEagle3, the layer
+    under midlayer.*) as speculators' (what vLLM also serves it as): the layer config nested, midlayer.* renamed,
+    norm_before_residual false unless given (vLLM reads a plain config so), layer ids from the config or its
+    eagle_config, in vLLM's convention (vLLM serves the directory with them as they stand)."""
+    if "transformer_layer_config" in config:
+        return config, tensors
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    nested = {
+        "transformer_layer_config": config,
+        "draft_vocab_size": config.get("draft_vocab_size"),
+        "norm_before_residual": config.get("norm_before_residual", False),
+        "target_hidden_size": config.get("target_hidden_size"),
+        "eagle_aux_hidden_state_layer_ids": ids,
+    }
+    return nested, {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
 
 
 def import_medusa(path: str | Path, base: nn.Module) -> MedusaHeads:

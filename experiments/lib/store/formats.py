@@ -228,6 +228,8 @@ def detect(path: str | Path) -> str | None:
         return "eagle3"
     if config.get("model_type") == "medusa":
         return "medusa"
+    if "LlamaForCausalLMEagle3" in (config.get("architectures") or []):  # SGLang / SpecForge: read as eagle3
+        return "eagle3"
     if config.get("model_type") == "llama" and config.get("num_hidden_layers") == 1 and _has_fc(path):
         return "eagle"
     if config.get("model_type") == "llama":
