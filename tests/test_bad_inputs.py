@@ -119,6 +119,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     save_lm(out["run_dir"] / "checkpoint")
     (tmp / "not_a_checkpoint").mkdir()
     out["not_a_checkpoint"] = tmp / "not_a_checkpoint"
+    out["served_eagle3"] = tmp / "served_eagle3"  # a serving-format directory (experiments/lib/store/formats.py)
+    out["served_eagle3"].mkdir()
+    (out["served_eagle3"] / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
     prompts = {
         "empty.jsonl": b"",
         "no_prompt.jsonl": b'{"prompt": "a"}\n{"text": "b"}\n',
@@ -326,6 +329,7 @@ BENCHMARK = [
     ("checkpoints.medusa={other_base_medusa}", "was trained on base 0123456789abcdef, not on base_checkpoint="),
     ("checkpoints.medusa={truncated}", "corrupted or truncated"),
     ("checkpoints.draft={medusa}", "is a medusa drafter checkpoint, not a draft one"),
+    ("checkpoints.medusa={served_eagle3}", "is a eagle3 directory: it is a prophet drafter"),
     ("checkpoints.draft={big_tokenizer}", "its tokenizer has 100 tokens"),
     ("checkpoints.early_exit=/no/exit", "checkpoint directory not found: /no/exit"),
 ]

@@ -37,6 +37,7 @@ from experiments.lib.store.checkpoint import (
     read_meta,
     tokenizer_mismatch,
 )
+from experiments.lib.store.formats import SERVED_FAMILY, detect
 from experiments.lib.store.rundir import check_writable
 from experiments.lib.training.artifacts import ENTRY, check_artifact
 from experiments.lib.training.precision import resolve_decode_dtype
@@ -304,6 +305,12 @@ def check_checkpoints(cfg: DictConfig, kinds: list[str]) -> None:
                 role = "base_checkpoint" if kind == "base" and "base_checkpoint" in cfg else f"checkpoints.{kind}"
                 tokenizer = check_lm_meta(path, meta, role)
                 base = (meta, tokenizer) if kind == "base" else base
+            continue
+        served = detect(path) if Path(path).is_dir() else None
+        if served is not None:  # a serving-format directory: read when the drafters load (imported.py)
+            family = SERVED_FAMILY.get(served)
+            if family != kind:
+                raise CheckpointError(f"checkpoints.{kind}={path} is a {served} directory: it is a {family} drafter")
             continue
         meta = read_meta(path)
         package = meta["model_config"].get("package") if meta.get("kind") == "drafter" else None

@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 FORMATS = ("eagle3", "eagle", "medusa", "draft_model")
+SERVED_FAMILY = {"eagle3": "prophet", "eagle": "prophet", "medusa": "medusa", "draft_model": "draft"}  # who reads it
 
 
 class FormatError(ValueError):
