@@ -33,9 +33,9 @@ ARCHS = ("eagle", "eagle3")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, device: torch.device | None = None):
         super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim, device=device)), eps
 
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -54,6 +54,7 @@ class EagleLayer(nn.Module):
         rope_theta: float = 10000.0,
         eps: float = 1e-5,
         norm_before_residual: bool = False,
+        device: torch.device | None = None,
     ):
         """dim: the base's width (both formats read and write the base's features unprojected); hidden: the
         feed-forward width; heads share kv_heads key/value heads; rotary with base `rope_theta`."""
@@ -70,17 +71,15 @@ class EagleLayer(nn.Module):
         self.hidden, self.rope_theta, self.eps = hidden, float(rope_theta), float(eps)
         self.norm_before_residual = bool(norm_before_residual)
         width = 2 * dim if arch == "eagle3" else dim  # EAGLE-3 attends over cat(embedding, g)
-        self.q_proj = nn.Linear(width, heads * dim_head, bias=False)
-        self.k_proj = nn.Linear(width, kv_heads * dim_head, bias=False)
-        self.v_proj = nn.Linear(width, kv_heads * dim_head, bias=False)
-        self.o_proj = nn.Linear(heads * dim_head, dim, bias=False)
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-        self.post_attention_layernorm = RMSNorm(dim, eps)
+        linear = lambda i, o: nn.Linear(i, o, bias=False, device=device)  # noqa: E731
+        self.q_proj, self.k_proj = linear(width, heads * dim_head), linear(width, kv_heads * dim_head)
+        self.v_proj, self.o_proj = linear(width, kv_heads * dim_head), linear(heads * dim_head, dim)
+        self.gate_proj, self.up_proj, self.down_proj = linear(dim, hidden), linear(dim, hidden), linear(hidden, dim)
+        self.post_attention_layernorm = RMSNorm(dim, eps, device)
         if arch == "eagle3":
-            self.input_layernorm, self.hidden_norm, self.norm = (RMSNorm(dim, eps) for _ in range(3))
-        inv_freq = 1.0 / rope_theta ** (torch.arange(0, dim_head, 2, dtype=torch.float32) / dim_head)
+            self.input_layernorm, self.hidden_norm, self.norm = (RMSNorm(dim, eps, device) for _ in range(3))
+        exponents = torch.arange(0, dim_head, 2, dtype=torch.float32, device=device) / dim_head
+        inv_freq = 1.0 / rope_theta**exponents
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # as transformers' default rope
 
     def config(self) -> dict:

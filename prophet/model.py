@@ -165,7 +165,7 @@ class Prophet(nn.Module):
                 )
             self.mix = nn.Linear(len(self.fuse_layers) * self.base_dim, self.base_dim, bias=False, device=device)
             self.fuse = None  # the layer norms and joins cat(g, embedding) itself
-        self.decoder = EagleLayer(arch=arch, **layer).to(device)
+        self.decoder = EagleLayer(arch=arch, **layer, device=device)
         self.out = nn.Identity()
 
     @classmethod

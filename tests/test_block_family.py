@@ -96,7 +96,8 @@ def test_the_config_sections_are_exactly_the_functions_settings(settings: dict) 
     """Every setting of the family's functions is in its config file, and nothing else is."""
     params = lambda fn: set(inspect.signature(fn).parameters)  # noqa: E731
     module = params(BlockProphet.__init__) | params(Prophet.__init__)  # BlockProphet passes the rest on
-    assert set(settings["module"]) == module - {"self", "prophet_kwargs", "head"}  # head: the base's, borrowed
+    # head: the base's, borrowed; layer: the EAGLE layer's shape, read from the base by Prophet.from_base
+    assert set(settings["module"]) == module - {"self", "prophet_kwargs", "head", "layer"}
     assert set(settings["loss"]) == params(block_train.loss) - {"module", "base", "batch", "vocab"}
     decode = params(BlockProphetDrafter.__init__) - {"self", "prophet", "vocab"}
     assert set(settings["decode"]) == decode - {"accuracies", "compile"}  # both given by make_methods
