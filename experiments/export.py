@@ -114,8 +114,8 @@ def write_draft_model(module: torch.nn.Module, out: str, *, overwrite: bool) -> 
             "the draft model is an x-transformers network (LayerNorm, GELU), not a Llama: train it with "
             "drafter.module.arch=llama to export it"
         )
-    tensors = {k: v for k, v in hf.state_dict().items()}
-    return write_directory(out, hf.config.to_dict() | {"torch_dtype": "float32"}, tensors, overwrite=overwrite)
+    config = hf.config.to_dict() | {"architectures": ["LlamaForCausalLM"], "torch_dtype": "float32"}
+    return write_directory(out, config, dict(hf.state_dict()), overwrite=overwrite)
 
 
 @torch.no_grad()
