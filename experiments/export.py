@@ -33,6 +33,7 @@ from experiments.lib.store.formats import (
     layer_config,
     llama_config,
     medusa_tensors,
+    outside_zeroed,
     write_directory,
 )
 from prophet.model import base_features
@@ -94,9 +95,9 @@ def export(cfg: DictConfig) -> Path:
     elif fmt == "eagle":
         tensors, config = eagle_tensors(module), layer_config(base, module.decoder)
     elif fmt == "medusa":
-        tensors, config = medusa_tensors(module, base)
+        tensors, config = medusa_tensors(module, base, vocab)
     else:
-        return write_draft_model(module, cfg.out, overwrite=cfg.overwrite)
+        return write_draft_model(module, cfg.out, vocab=vocab, overwrite=cfg.overwrite)
     config["prophet_medusa"] = {"checkpoint": str(Path(cfg.checkpoint).resolve()), "fingerprint": meta["fingerprint"]}
     out = write_directory(cfg.out, config, tensors, overwrite=cfg.overwrite)
     if fmt in ("eagle3", "eagle"):
@@ -106,8 +107,11 @@ def export(cfg: DictConfig) -> Path:
     return out
 
 
-def write_draft_model(module: torch.nn.Module, out: str, *, overwrite: bool) -> Path:
-    """A draft model built as a Hugging Face Llama (drafter.module.arch=llama) -> save_pretrained."""
+def write_draft_model(
+    module: torch.nn.Module, out: str, *, vocab: torch.Tensor | None = None, overwrite: bool = False
+) -> Path:
+    """A draft model built as a Hugging Face Llama (drafter.module.arch=llama) -> save_pretrained's layout; the
+    output rows outside `vocab` (the ids it was trained to draft from) zeroed (formats.outside_zeroed)."""
     hf = getattr(module, "hf", None)
     if hf is None or type(hf).__name__ != "LlamaForCausalLM":
         raise FormatError(
@@ -115,7 +119,9 @@ def write_draft_model(module: torch.nn.Module, out: str, *, overwrite: bool) -> 
             "drafter.module.arch=llama to export it"
         )
     config = hf.config.to_dict() | {"architectures": ["LlamaForCausalLM"], "torch_dtype": "float32"}
-    return write_directory(out, config, dict(hf.state_dict()), overwrite=overwrite)
+    tensors = dict(hf.state_dict())
+    tensors["lm_head.weight"] = outside_zeroed(tensors["lm_head.weight"], vocab)
+    return write_directory(out, config, tensors, overwrite=overwrite)
 
 
 @torch.no_grad()

@@ -385,3 +385,21 @@ def test_an_sglang_specforge_eagle3_directory_imports_as_the_same_drafter(rand, 
     sglang = write_directory(tmp_path / "sglang", plain, renamed)
     ours = project_first_drafts(prophet, base, tokens, vocab)
     assert torch.equal(project_first_drafts(import_prophet(sglang, base), base, tokens), ours)
+
+
+def test_medusa_rows_outside_the_training_vocabulary_export_as_zeros(rand, tmp_path):
+    base, tokens, vocab = rand
+    heads = randomized(MedusaHeads.from_base(base, num_heads=2, num_layers=1), 9)
+    tensors, config = medusa_tensors(heads, base, vocab)
+    outside = torch.ones(base.num_tokens, dtype=torch.bool)
+    outside[vocab] = False
+    for k, projection in enumerate(heads.projections):
+        rows = tensors[f"lm_heads.{k}.weight"]
+        assert torch.equal(rows[vocab], projection.weight[vocab]) and not rows[outside].any()
+    path = write_directory(tmp_path / "m", config, tensors)
+    hidden, _, _ = base_features(base, tokens)
+    with torch.no_grad():
+        trimmed = heads(hidden, vocab)  # (b, n, K, N): the drafter trained on the subset
+    served = ref.medusa_draft(path, hidden)  # all V rows, as vLLM drafts
+    positive = trimmed.amax(-1) > 0  # where a trained row scores above the zero rows, the drafts are the same
+    assert positive.any() and torch.equal(served[positive], vocab[trimmed.argmax(-1)][positive])

@@ -156,12 +156,27 @@ def eagle_tensors(prophet: nn.Module) -> dict[str, Tensor]:
     return {"fc.weight": torch.cat((w[:, d:], w[:, :d]), dim=1)} | _layer_tensors(prophet.decoder)
 
 
-def medusa_tensors(heads: nn.Module, base: nn.Module) -> tuple[dict[str, Tensor], dict]:
-    """Medusa heads in vLLM's layout (every head over all V tokens), and the config that describes them.
+def outside_zeroed(weight: Tensor, vocab: Tensor | None) -> Tensor:
+    """An output layer (V, d) with the rows of tokens outside `vocab` (sorted ids; None: none) set to zero.
+
+    A format whose engine drafts from all V tokens cannot trim a vocabulary; rows a drafter never trained (copies of
+    the base's, on a drafter trained on a subset) would win argmaxes they were never meant to. A zero row scores 0,
+    so the trained rows decide whenever one of them scores above 0 (measured on SmolLM2's Medusa heads: the same
+    drafts as the trimmed drafter at every step of 6 chat prompts)."""
+    if vocab is None:
+        return weight
+    keep = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
+    keep[vocab.to(weight.device)] = True
+    return weight * keep[:, None].to(weight.dtype)
+
+
+def medusa_tensors(heads: nn.Module, base: nn.Module, vocab: Tensor | None = None) -> tuple[dict[str, Tensor], dict]:
+    """Medusa heads in vLLM's layout (every head over all V tokens; the rows outside `vocab`, the ids the heads were
+    trained to draft from, zeroed: `outside_zeroed`), and the config that describes them.
 
     vLLM 0.32 trims a Medusa vocabulary only for one head shared by all (`original_lm_head`): a head of its own
     is a V-row layer, and a token_map would cut the loaded rows below that and fail to load. So heads trained to
-    draft from fewer tokens are refused by the exporter (experiments/export.py) unless drafting from all is asked."""
+    draft from fewer tokens are refused by the exporter (experiments/export.py) unless allow_full_vocab says so."""
     llama_config(base)
     tensors = {}
     for k, blocks in enumerate(heads.blocks):
@@ -171,7 +186,7 @@ def medusa_tensors(heads: nn.Module, base: nn.Module) -> tuple[dict[str, Tensor]
         projection = heads._base_projection[0] if heads.share_base_projection else heads.projections[k]
         if projection.bias is not None:
             raise FormatError(f"head {k}'s output layer has a bias: vLLM's Medusa lm_heads have none")
-        tensors[f"lm_heads.{k}.weight"] = projection.weight
+        tensors[f"lm_heads.{k}.weight"] = outside_zeroed(projection.weight, vocab)
     config = {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
