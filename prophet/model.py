@@ -10,6 +10,11 @@ become a learned mix of the base's residual states after those blocks and f_t (`
 f_t exactly, so a fresh fused prophet is the unfused one. Predicted features are fed back unmixed, and
 the regression target stays f_{t+1}. `base_features` computes f, the logits and the layer states.
 
+`arch` (prophet/eagle.py): "xtransformers" is the network above; "eagle" and "eagle3" replace fuse, decoder
+and out by EAGLE-1's or EAGLE-3's one Llama draft layer at the base's width, which vLLM and speculators load
+(experiments/lib/store/formats.py). EAGLE-3 reads fc(the base's layer states) instead of f_t, feeds its own
+pre-norm output back, and its logits read the layer's final norm of it (`readout`).
+
 The base's embedding and output layer are reused frozen. They are kept in `FrozenHead`, a plain
 object and not an nn.Module, so they are neither parameters nor state_dict entries of the prophet, and
 they are applied with detached weights, so no gradient ever reaches the base.
