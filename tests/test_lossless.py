@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 
+from prophet.drafter import ProphetDrafter
+from prophet.model import Prophet
 from tests.conftest import make_lm
 from verify.backends.target import Target
 from verify.drafters.draft_model import DraftModelDrafter
@@ -85,11 +87,26 @@ def run(drafter, sampling: SamplingConfig, *, delta: float = 0.0, gamma: int = 2
     return chi_square([t[:NEW] for t in out.tokens], exact_joint(forward, sampling)), out.stats
 
 
+def eagle_prophet(seed: int):
+    """EAGLE-1's draft layer (prophet/eagle.py) on a copy of the target, with weights drawn so its q is far from p."""
+    prophet = Prophet.from_base(sharp_lm(0), arch="eagle", heads=4)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in prophet.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * param.shape[-1] ** -0.5 + (param.ndim == 1))
+    return prophet.eval()
+
+
 CASES = {
     "draft_model_t1": (lambda: DraftModelDrafter(sharp_lm(1)), SamplingConfig(temperature=1.0)),
     "draft_model_t07_topk4": (lambda: DraftModelDrafter(sharp_lm(1)), SamplingConfig(temperature=0.7, top_k=4)),
     "draft_model_topp": (lambda: DraftModelDrafter(sharp_lm(1)), SamplingConfig(temperature=1.0, top_p=0.9)),
     "deterministic_drafter": (lambda: PromptLookupDrafter(vocab_size=VOCAB), SamplingConfig(temperature=1.0)),
+    "eagle_chain_t1": (lambda: ProphetDrafter(eagle_prophet(2), mode="chain"), SamplingConfig(temperature=1.0)),
+    "eagle_tree_t1": (
+        lambda: ProphetDrafter(eagle_prophet(3), mode="tree", top_k=2, depth=2, tree_nodes=4),
+        SamplingConfig(temperature=1.0),
+    ),
 }
 
 
