@@ -142,10 +142,14 @@ class EagleLayer(nn.Module):
         return out
 
     def _rotary(self, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """pos (b, n) -> cos, sin (b, n, 1, dh), in the layer's dtype."""
-        cos, sin = half_rotary_table(self.inv_freq, int(pos.max()) + 1)
+        """pos (b, n) -> cos, sin (b, n, 1, dh), in the layer's dtype. The tables are kept and grown by doubling
+        (a draft step would otherwise rebuild them for every position so far)."""
+        need, table = int(pos.max()) + 1, getattr(self, "_table", None)
+        if table is None or table[0].shape[0] < need or table[0].device != self.inv_freq.device:
+            size = max(need, 2 * (0 if table is None else table[0].shape[0]))
+            self._table = table = half_rotary_table(self.inv_freq, size)
         dtype = self.o_proj.weight.dtype
-        return (rearrange(t[pos], "b n d -> b n 1 d").to(dtype) for t in (cos, sin))
+        return (rearrange(t[pos], "b n d -> b n 1 d").to(dtype) for t in table)
 
     def _block(self, x: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:
         """The layer on inputs x (b, n, width); `attend` maps rotated q (b, n, h, dh), k and v (b, n, g, dh) to

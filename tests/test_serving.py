@@ -177,7 +177,7 @@ def served() -> dict:
         )
         gamma = json.loads((out / "config.json").read_text()).get("num_heads", GAMMA)
         module, package, dmeta = load_drafter(out, base, meta)
-        decode = {**OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "drafter" / f"{family}.yaml").decode)}
+        decode = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "drafter" / f"{family}.yaml").decode)
         decode["mode"] = "chain"
         ids = dmeta["train_vocab_ids"]
         vocab = None if ids is None else torch.tensor(ids)

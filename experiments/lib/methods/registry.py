@@ -235,9 +235,8 @@ def checkpoint_vocab(meta: dict, vocab: torch.Tensor | None, name: str) -> torch
     """The vocabulary a drafter drafts from: the ids its checkpoint was trained on when it records them (a
     vocabulary counted over the base's own answers), of the configured size; else the shared `vocab`."""
     ids = meta.get("train_vocab_ids")
-    if meta.get("imported"):  # a serving-format drafter drafts from its file's vocabulary, whatever the config says
-        device = None if vocab is None else vocab.device
-        return None if ids is None else torch.tensor(ids, dtype=torch.long, device=device)
+    if meta.get("imported"):  # a serving-format drafter drafts from its own file's vocabulary (an EAGLE-3's own
+        return None  # output layer and draft ids), whatever the config says; the others from every token
     if ids is None or vocab is None or len(ids) != vocab.numel():
         check_train_vocab(meta, vocab, name)
         return vocab

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -254,8 +255,6 @@ def detect(path: str | Path) -> str | None:
 
 
 def _has_fc(path: Path) -> bool:
-    from safetensors import safe_open
-
     for file in path.glob("*.safetensors"):
         with safe_open(str(file), "pt") as f:
             if "fc.weight" in f.keys():
