@@ -12,12 +12,11 @@ conf/export.yaml lists the settings.
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 import hydra
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.cli.preflight import hydra_preflight
 from experiments.lib.common.errors import exit_on_user_error
@@ -34,8 +33,8 @@ from experiments.lib.store.formats import (
     llama_config,
     medusa_tensors,
     outside_zeroed,
-    write_directory,
 )
+from experiments.lib.store.served_dir import MARK, check_out, write_directory
 from prophet.model import base_features
 
 log = logging.getLogger(__name__)
@@ -69,25 +68,46 @@ def check_vocab_fits(fmt: str, vocab: torch.Tensor | None, allow_full_vocab: boo
         )
 
 
+def required_path(cfg: DictConfig, key: str, what: str) -> str:
+    """cfg[key] as a non-empty path, else one line naming the key and what it wants."""
+    value = None if OmegaConf.is_missing(cfg, key) else cfg[key]
+    if value is None:
+        raise FormatError(f"{key} is required: give {key}=<{what}>")
+    if not isinstance(value, str) or not value.strip():
+        raise FormatError(f"{key}={value!r}: give {what}")
+    return value
+
+
 def export(cfg: DictConfig) -> Path:
+    checkpoint = required_path(cfg, "checkpoint", "a drafter checkpoint directory (train_drafter's checkpoint/)")
+    out = required_path(cfg, "out", "the directory to write the export to")
     if cfg.format not in ("auto", *FORMATS):
         raise FormatError(f"format={cfg.format!r}: must be auto or one of {', '.join(FORMATS)}")
     tokens = cfg.speculative_tokens
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise FormatError(f"speculative_tokens={cfg.speculative_tokens!r}: must be an integer >= 1")
-    meta = read_meta(cfg.checkpoint)
+    meta = read_meta(checkpoint)
     if meta.get("kind") != "drafter":
-        raise FormatError(f"{cfg.checkpoint} is not a drafter checkpoint (kind={meta.get('kind')!r})")
+        raise FormatError(f"{checkpoint} is not a drafter checkpoint (kind={meta.get('kind')!r})")
     package, module_config = meta["model_config"]["package"], meta["model_config"]["module"]
     fmt = choose_format(package, module_config, cfg.format)
     ids = meta.get("train_vocab_ids")
     check_vocab_fits(fmt, None if ids is None else torch.tensor(ids), cfg.allow_full_vocab)
+    keep = (checkpoint, meta["base_checkpoint"])  # what overwrite=true may never remove
+    check_out(out, overwrite=cfg.overwrite, keep=keep)
     base, _, base_meta = load_lm(meta["base_checkpoint"], device=cfg.device)
     llama_config(base)  # a base vLLM cannot load is refused before anything is built
     module, _, meta = load_drafter(cfg.checkpoint, base, base_meta)
     module = module.float()
     vocab = None if ids is None else torch.tensor(ids, device=base.to_logits.weight.device)
     verifier = cfg.verifier or str(Path(meta["base_checkpoint"]).resolve())
+    provenance = {
+        MARK: {
+            "checkpoint": str(Path(checkpoint).resolve()),
+            "fingerprint": meta["fingerprint"],
+            "base_fingerprint": base_meta["fingerprint"],
+        }
+    }
     if fmt == "eagle3":
         tensors = eagle3_tensors(module, vocab)
         draft_vocab = tensors["lm_head.weight"].shape[0]
@@ -97,18 +117,26 @@ def export(cfg: DictConfig) -> Path:
     elif fmt == "medusa":
         tensors, config = medusa_tensors(module, base, vocab)
     else:
-        return write_draft_model(module, cfg.out, vocab=vocab, overwrite=cfg.overwrite)
-    config["prophet_medusa"] = {"checkpoint": str(Path(cfg.checkpoint).resolve()), "fingerprint": meta["fingerprint"]}
-    out = write_directory(cfg.out, config, tensors, overwrite=cfg.overwrite)
-    if fmt in ("eagle3", "eagle"):
-        check_round_trip(module, import_prophet(out, base), base, vocab, out)
+        return write_draft_model(module, out, vocab=vocab, overwrite=cfg.overwrite, provenance=provenance, keep=keep)
+
+    def check(tmp: Path) -> None:  # the prophet formats read back as this project reads them, before renaming
+        if fmt in ("eagle3", "eagle"):
+            check_round_trip(module, import_prophet(tmp, base), base, vocab, out)
+
+    out = write_directory(out, config | provenance, tensors, overwrite=cfg.overwrite, keep=keep, check=check)
     log.info("wrote %s (%s, %d tensors) for verifier %s", out, fmt, len(tensors), verifier)
     print(f"exported {fmt}: {out}")
     return out
 
 
 def write_draft_model(
-    module: torch.nn.Module, out: str, *, vocab: torch.Tensor | None = None, overwrite: bool = False
+    module: torch.nn.Module,
+    out: str,
+    *,
+    vocab: torch.Tensor | None = None,
+    overwrite: bool = False,
+    provenance: dict | None = None,
+    keep: tuple = (),
 ) -> Path:
     """A draft model built as a Hugging Face Llama (drafter.module.arch=llama) -> save_pretrained's layout; the
     output rows outside `vocab` (the ids it was trained to draft from) zeroed (formats.outside_zeroed)."""
@@ -121,13 +149,14 @@ def write_draft_model(
     config = hf.config.to_dict() | {"architectures": ["LlamaForCausalLM"], "torch_dtype": "float32"}
     tensors = dict(hf.state_dict())
     tensors["lm_head.weight"] = outside_zeroed(tensors["lm_head.weight"], vocab)
-    return write_directory(out, config, tensors, overwrite=overwrite)
+    return write_directory(out, config | (provenance or {}), tensors, overwrite=overwrite, keep=keep)
 
 
 @torch.no_grad()
 def check_round_trip(original, imported, base, vocab: torch.Tensor | None, out: Path) -> None:
     """The imported prophet's logits equal the original's, bit for bit, on a probe sequence (the first draft at
-    every position); else the directory is removed."""
+    every position); else the export is refused (write_directory runs this on the directory before it is renamed
+    to `out`, so nothing is left and an earlier export stays)."""
     tokens = torch.arange(24, device=base.to_logits.weight.device)[None] % base.num_tokens
     logits = []
     for prophet in (original, imported):  # each with its layers in its own order (an export sorts them)
@@ -135,8 +164,7 @@ def check_round_trip(original, imported, base, vocab: torch.Tensor | None, out: 
         _, weight, bias = prophet.output_layer(vocab)
         logits.append(torch.nn.functional.linear(prophet.readout(prophet(hidden, tokens, layers)), weight, bias))
     if not torch.equal(*logits):
-        shutil.rmtree(out)
-        raise FormatError(f"{out} read back with other logits than the drafter's: removed")
+        raise FormatError(f"{out} read back with other logits than the drafter's: not written")
 
 
 @hydra_preflight

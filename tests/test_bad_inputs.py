@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
 
 from experiments import baseline
@@ -122,6 +123,23 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     out["served_eagle3"] = tmp / "served_eagle3"  # a serving-format directory (experiments/lib/store/formats.py)
     out["served_eagle3"].mkdir()
     (out["served_eagle3"] / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    layer = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 64}
+    eagle3 = {"speculators_model_type": "eagle3", "transformer_layer_config": layer}
+    served = {  # broken serving-format directories: name -> (config.json text, weight files)
+        "truncated": (json.dumps(eagle3), {"model.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{}"}),
+        "pickle": (json.dumps(eagle3), {"pytorch_model.bin": b"\x80\x04"}),
+        "bad_json": ('{"speculators_model_type": "eagle3",', {}),
+        "no_heads": (json.dumps({**eagle3, "transformer_layer_config": {"hidden_size": 32}}), {}),
+    }
+    for name, (config, weights) in served.items():
+        directory = tmp / f"served_{name}"
+        directory.mkdir()
+        (directory / "config.json").write_text(config)
+        for file, data in weights.items():
+            (directory / file).write_bytes(data)
+        if not weights:
+            save_file({"fc.weight": torch.zeros(1)}, str(directory / "model.safetensors"))
+        out[f"served_{name}"] = directory
     prompts = {
         "empty.jsonl": b"",
         "no_prompt.jsonl": b'{"prompt": "a"}\n{"text": "b"}\n',
@@ -129,6 +147,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "latin1.txt": "caf\xe9\n".encode("latin-1"),
         "blank.txt": b"\n  \n",
         "a_file": b"x",
+        "one_turn.jsonl": b'{"category": "qa", "turns": ["a?"]}\n{"category": "qa", "turns": ["b?"]}\n',
+        "two.txt": b"first prompt\nsecond prompt\n",
     }
     for name, data in prompts.items():
         (tmp / name).write_bytes(data)
@@ -330,6 +350,18 @@ BENCHMARK = [
     ("checkpoints.medusa={truncated}", "corrupted or truncated"),
     ("checkpoints.draft={medusa}", "is a medusa drafter checkpoint, not a draft one"),
     ("checkpoints.medusa={served_eagle3}", "is a eagle3 directory: it is a prophet drafter"),
+    ("checkpoints.prophet={served_truncated}", "corrupted or truncated"),
+    (
+        "checkpoints.prophet={served_pickle}",
+        "holds no *.safetensors weights (only pytorch_model.bin): pickled weights are never loaded",
+    ),
+    ("checkpoints.prophet={served_bad_json}", "served_bad_json/config.json is not valid JSON"),
+    ("checkpoints.prophet={served_no_heads}", "(transformer_layer_config) has no 'num_attention_heads'"),
+    ("prompts.file={two_txt} prompts.num_prompts=3", "prompts.num_prompts=3: prompts.file="),
+    (
+        "prompts.file={one_turn_jsonl} prompts.num_prompts=2 prompts.chat=true prompts.turns=2",
+        "prompts.turns=2: none of the 2 questions taken from prompts.file=",
+    ),
     ("checkpoints.draft={big_tokenizer}", "its tokenizer has 100 tokens"),
     ("checkpoints.early_exit=/no/exit", "checkpoint directory not found: /no/exit"),
 ]
@@ -739,6 +771,45 @@ def test_a_good_command_line_still_runs_in_its_run_directory(hydra_app, tmp_path
     assert status == 0 and stderr == "", stderr
     assert [cfg.decode.gamma for cfg in started] == [2]
     assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "generate.log"]  # no probe left behind
+
+
+def test_a_run_directory_named_by_the_time_is_the_one_checked(
+    hydra_app, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default run directory is named by the second: Hydra resolving it again after the check, a second
+    later, would run in another directory and leave the checked one behind, empty."""
+    import datetime as dt
+
+    import hydra.core.utils
+
+    class Ticking(dt.datetime):
+        clock = dt.datetime(2026, 1, 1, 12, 0, 0)
+
+        @classmethod
+        def now(cls, tz=None):  # a second passes between any two readings
+            cls.clock += dt.timedelta(seconds=1)
+            return cls.clock
+
+    monkeypatch.setattr(hydra.core.utils, "datetime", Ticking)
+    monkeypatch.chdir(tmp_path)
+    status, stderr, started = hydra_app(gen, ["decode.gamma=2"])
+    assert status == 0 and stderr == "", stderr
+    runs = list((tmp_path / "outputs" / "generate").iterdir())
+    assert len(runs) == 1 and sorted(p.name for p in runs[0].iterdir()) == [".hydra", "generate.log"], runs
+
+
+def test_a_refused_run_leaves_no_run_directory(hydra_app, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that ends in a one-line user error removes the run directory made for it (only Hydra's files)."""
+    monkeypatch.setattr(gen, "generate", lambda cfg: (_ for _ in ()).throw(ValueError("prompt=x: refused")))
+    monkeypatch.chdir(tmp_path)
+    status, stderr, _ = hydra_app(gen, ["decode.gamma=2"])
+    assert status == 2 and stderr == "error: prompt=x: refused\n", stderr
+    assert list(tmp_path.iterdir()) == []
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "mine.txt").write_text("x")
+    status, _, _ = hydra_app(gen, ["decode.gamma=2", f"hydra.run.dir={kept}"])  # it existed: never removed
+    assert status == 2 and sorted(p.name for p in kept.iterdir()) == [".hydra", "generate.log", "mine.txt"]
 
 
 def test_every_entry_point_checks_its_command_line_before_hydra() -> None:

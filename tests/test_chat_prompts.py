@@ -142,7 +142,7 @@ def test_good_prompt_settings_pass(tmp_path):
     check_prompts(prompts_node(set="chat_mix", chat=True, turns=2, system="Be brief."))
     path = tmp_path / "question.jsonl"
     path.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["Why?"]}) + "\n")
-    check_prompts(prompts_node(file=str(path), chat=True))
+    check_prompts(prompts_node(file=str(path), chat=True, num_prompts=1))  # more than the file holds: refused
 
 
 def test_summarize_reports_per_category(tmp_path):

@@ -19,15 +19,8 @@ import torch
 import transformers
 
 from experiments.lib.families.imported import import_medusa, import_prophet
-from experiments.lib.store.formats import (
-    FormatError,
-    eagle3_config,
-    eagle3_tensors,
-    eagle_tensors,
-    layer_config,
-    medusa_tensors,
-    write_directory,
-)
+from experiments.lib.store.formats import eagle3_config, eagle3_tensors, eagle_tensors, layer_config, medusa_tensors
+from experiments.lib.store.served_dir import MARK, FormatError, write_directory
 from medusa.heads import MedusaHeads
 from prophet.model import Prophet, base_features
 from tests import format_reference as ref
@@ -354,7 +347,7 @@ def test_what_no_format_holds_is_refused_in_one_line(rand, tmp_path, lm):
     path = write_directory(tmp_path / "x", {"model_type": "llama"}, {"w": torch.zeros(1)})
     with pytest.raises(FormatError, match="exists and is not empty"):
         write_directory(path, {}, {})
-    assert json.loads((path / "config.json").read_text()) == {"model_type": "llama"}  # untouched
+    assert json.loads((path / "config.json").read_text()) == {"model_type": "llama", MARK: {"exported": True}}
 
 
 def test_a_llama_draft_model_exports_as_a_plain_hugging_face_llama(rand, tmp_path, lm):

@@ -44,7 +44,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from experiments.lib.common.errors import EXIT_USER_ERROR, one_line, runtime_fault
+from experiments.lib.common.errors import EXIT_USER_ERROR, FRESH_RUN_DIRS, one_line, runtime_fault
 from experiments.lib.store.pretrained import register_resolver
 
 register_resolver()  # ${pretrained:...} in conf/base/*.yaml: registered before any entry point composes
@@ -124,9 +124,14 @@ def preflight(
             key = "hydra.sweep.dir" if mode == RunMode.MULTIRUN else "hydra.run.dir"
             directory = resolve_run_dir(cfg, key)
             try:
-                probe_directory(Path(directory))
+                made = probe_directory(Path(directory))
             except OSError as e:
                 exit_user_error(f"{key}={directory}: {run_dir_problem(e, Path(directory))}")
+            FRESH_RUN_DIRS[:] = made if mode == RunMode.RUN and made and made[-1] == Path(directory) else []
+            if mode == RunMode.RUN and not set("'\\$") & set(directory):
+                # The run directory is named by the time: Hydra resolving it again a second later would make
+                # another one than the one checked here (and leave this one empty). It takes this one.
+                args.overrides.append(f"hydra.run.dir='{directory}'")
     finally:
         GlobalHydra.instance().clear()  # Hydra's own start initializes it again
 
@@ -190,8 +195,9 @@ def write_probe(path: Path) -> None:
         os.close(fd)
 
 
-def probe_directory(directory: Path) -> None:
-    """Create `directory` and its missing parents and write a file in it, as Hydra will, then remove the file.
+def probe_directory(directory: Path) -> list[Path]:
+    """Create `directory` and its missing parents and write a file in it, as Hydra will, then remove the file;
+    returns the directories it made, outermost first.
     A check that fails also removes every directory made here, so it leaves nothing behind; one that passes
     keeps them for Hydra, which creates the same directory next. Several processes may check one directory
     at once (torchrun's ranks): a directory another one made meanwhile is fine, and none is removed under it."""
@@ -218,6 +224,7 @@ def probe_directory(directory: Path) -> None:
             except OSError:  # another process wrote into it meanwhile: theirs to keep
                 pass
         raise
+    return made
 
 
 def run_dir_problem(error: OSError, directory: Path) -> str:

@@ -37,6 +37,7 @@ import functools
 import json
 import os
 import secrets
+import shutil
 import sys
 import traceback
 from collections.abc import Callable
@@ -66,6 +67,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a process stopp
 FAILED_FILE = "failed.json"
 
 F = TypeVar("F", bound=Callable)
+# The directories hydra_preflight made for this run, outermost first, the run directory last (empty: it existed).
+FRESH_RUN_DIRS: list[Path] = []
 
 
 def one_line(error: BaseException) -> str:
@@ -221,6 +224,24 @@ def exit_interrupted() -> NoReturn:
     sys.exit(EXIT_INTERRUPTED)
 
 
+def remove_refused_run_dir() -> None:
+    """A run refused with a user error leaves nothing behind: the run directory hydra_preflight made for it (and
+    the parents it made) is removed when it holds only what Hydra wrote there (.hydra/, the job's log)."""
+    if not FRESH_RUN_DIRS or not HydraConfig.initialized():
+        return
+    run_dir = FRESH_RUN_DIRS[-1]
+    hydras = run_dir.resolve() == Path(HydraConfig.get().runtime.output_dir).resolve()
+    try:  # a run directory named by the time may be another one than Hydra's, a second later: removed if empty
+        if not hydras or all(
+            (p.name == ".hydra" and p.is_dir()) or (p.suffix == ".log" and p.is_file()) for p in run_dir.iterdir()
+        ):
+            shutil.rmtree(run_dir) if hydras else run_dir.rmdir()
+            for parent in reversed(FRESH_RUN_DIRS[:-1]):
+                parent.rmdir()  # refused when another run wrote into it meanwhile: then it stays
+    except OSError:
+        pass
+
+
 def run_single(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     try:
         return fn(*args, **kwargs)
@@ -230,6 +251,7 @@ def run_single(fn: Callable, *args: Any, **kwargs: Any) -> Any:
         message = user_message(e)
         if message is None:
             raise
+        remove_refused_run_dir()
         print(f"error: {message}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
 

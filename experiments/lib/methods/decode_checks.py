@@ -18,9 +18,9 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from tokenizers import Tokenizer, models
 
-from experiments.lib.data.prompts import load_prompts
+from experiments.lib.data.prompts import read_questions, select_questions
+from experiments.lib.families.imported import check_served
 from experiments.lib.families.registry import FAMILIES, TREE_FAMILIES
 from experiments.lib.methods.prompt_set import PROMPT_SETS
 from experiments.lib.methods.registry import (
@@ -37,7 +37,7 @@ from experiments.lib.store.checkpoint import (
     read_meta,
     tokenizer_mismatch,
 )
-from experiments.lib.store.formats import SERVED_FAMILY, detect
+from experiments.lib.store.formats import detect
 from experiments.lib.store.rundir import check_writable
 from experiments.lib.training.artifacts import ENTRY, check_artifact
 from experiments.lib.training.precision import resolve_decode_dtype
@@ -171,10 +171,6 @@ def check_prompt_lookup(node: Any) -> dict:
     return dict(node)
 
 
-# Stands in for the base's tokenizer when the prompts file is checked before the base exists.
-_ANY_TEXT = Tokenizer(models.WordLevel({"?": 0}, unk_token="?"))
-
-
 def check_prompts(node: DictConfig) -> None:
     """prompts.num_prompts and prompt_len, the set, chat and turns settings, and a prompts file: read and
     parsed once before any work."""
@@ -209,9 +205,19 @@ def check_prompts(node: DictConfig) -> None:
             "or give plain text (.txt)"
         )
     try:
-        load_prompts(path, _ANY_TEXT)
+        questions = read_questions(path)
     except UnicodeDecodeError as e:
         raise ValueError(f"prompts.file={path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if node.num_prompts > len(questions):
+        raise ValueError(
+            f"prompts.num_prompts={node.num_prompts}: prompts.file={path!r} holds {len(questions)} prompts; "
+            f"give prompts.num_prompts={len(questions)} or fewer"
+        )
+    if turns == 2 and not any(len(q.turns) > 1 for q in select_questions(questions, node.num_prompts)):
+        raise ValueError(
+            f"prompts.turns=2: none of the {node.num_prompts} questions taken from prompts.file={path!r} has a "
+            "second turn (Spec-Bench's 'turns' list of two messages); set prompts.turns=1"
+        )
 
 
 def check_family_decode(cfg: DictConfig) -> None:
@@ -307,10 +313,8 @@ def check_checkpoints(cfg: DictConfig, kinds: list[str]) -> None:
                 base = (meta, tokenizer) if kind == "base" else base
             continue
         served = detect(path) if Path(path).is_dir() else None
-        if served is not None:  # a serving-format directory: read when the drafters load (imported.py)
-            family = SERVED_FAMILY.get(served)
-            if family != kind:
-                raise CheckpointError(f"checkpoints.{kind}={path} is a {served} directory: it is a {family} drafter")
+        if served is not None:  # a serving-format directory: its files checked now, read when the drafters load
+            check_served(path, kind, given.get("base"))
             continue
         meta = read_meta(path)
         package = meta["model_config"].get("package") if meta.get("kind") == "drafter" else None

@@ -24,23 +24,16 @@ renamed: a failed export leaves nothing that looks finished.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+
+from experiments.lib.store.served_dir import FormatError, read_config, setting, tensor_names
 
 FORMATS = ("eagle3", "eagle", "medusa", "draft_model")
 SERVED_FAMILY = {"eagle3": "prophet", "eagle": "prophet", "medusa": "medusa", "draft_model": "draft"}  # who reads it
-
-
-class FormatError(ValueError):
-    """What a serving format cannot hold, or a directory that is not one of them."""
 
 
 # ------------------------------------------------------------------------------------------------- export
@@ -202,37 +195,7 @@ def medusa_tensors(heads: nn.Module, base: nn.Module, vocab: Tensor | None = Non
     return tensors, config
 
 
-def write_directory(out: str | Path, config: dict, tensors: dict[str, Tensor], *, overwrite: bool = False) -> Path:
-    """config.json and model.safetensors (float32, contiguous, on the CPU) into `out`, atomically."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FormatError(f"out={out} exists and is not empty: choose another directory or pass overwrite=true")
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    state = {
-        k: (t.detach().float() if t.is_floating_point() else t.detach()).cpu().contiguous() for k, t in tensors.items()
-    }
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
-
-
 # ------------------------------------------------------------------------------------------------- import
-
-
-def read_directory(path: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """config.json and every tensor of the directory's *.safetensors files."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FormatError(f"{path} has no config.json: not a serving-format drafter directory")
-    tensors: dict[str, Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        tensors |= load_file(str(file))
-    return json.loads((path / "config.json").read_text()), tensors
 
 
 def detect(path: str | Path) -> str | None:
@@ -240,50 +203,46 @@ def detect(path: str | Path) -> str | None:
     path = Path(path)
     if not (path / "config.json").is_file() or (path / "meta.json").is_file():
         return None
-    config = json.loads((path / "config.json").read_text())
+    config = read_config(path)
     if config.get("speculators_model_type") == "eagle3":
         return "eagle3"
     if config.get("model_type") == "medusa":
         return "medusa"
     if "LlamaForCausalLMEagle3" in (config.get("architectures") or []):  # SGLang / SpecForge: read as eagle3
         return "eagle3"
-    if config.get("model_type") == "llama" and config.get("num_hidden_layers") == 1 and _has_fc(path):
+    if (
+        config.get("model_type") == "llama"
+        and config.get("num_hidden_layers") == 1
+        and "fc.weight" in tensor_names(path)
+    ):
         return "eagle"
     if config.get("model_type") == "llama":
         return "draft_model"
     return None
 
 
-def _has_fc(path: Path) -> bool:
-    for file in path.glob("*.safetensors"):
-        with safe_open(str(file), "pt") as f:
-            if "fc.weight" in f.keys():
-                return True
-    return False
-
-
 def check_verifier(config: dict, base: nn.Module, path: Path) -> None:
     """The drafter's base: same width and vocabulary as `base`, else refused."""
-    hidden = config.get("target_hidden_size") or config.get("hidden_size")
-    if hidden != base.to_logits.in_features or config.get("vocab_size") != base.num_tokens:
+    hidden = config.get("target_hidden_size") or setting(config, "hidden_size", path)
+    if hidden != base.to_logits.in_features or setting(config, "vocab_size", path) != base.num_tokens:
         raise FormatError(
             f"{path} drafts for a base of width {hidden} and {config.get('vocab_size')} tokens; this base has "
             f"{base.to_logits.in_features} and {base.num_tokens}"
         )
 
 
-def layer_shape_from(config: dict) -> dict[str, Any]:
-    """A one-layer Llama config -> EagleLayer's shape keywords."""
-    heads = config["num_attention_heads"]
+def layer_shape_from(config: dict, path: str | Path, within: str = "") -> dict[str, Any]:
+    """A one-layer Llama config (in `path`'s config.json, under `within`) -> EagleLayer's shape keywords."""
+    heads, dim = (setting(config, key, path, within=within) for key in ("num_attention_heads", "hidden_size"))
     theta = (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 1e4)
     if config.get("num_hidden_layers", 1) != 1:
         raise FormatError(f"num_hidden_layers={config['num_hidden_layers']}: this project drafts with one layer")
     return dict(
-        dim=config["hidden_size"],
+        dim=dim,
         heads=heads,
         kv_heads=config.get("num_key_value_heads") or heads,
-        dim_head=config.get("head_dim") or config["hidden_size"] // heads,
-        hidden=config["intermediate_size"],
+        dim_head=config.get("head_dim") or dim // heads,
+        hidden=setting(config, "intermediate_size", path, within=within),
         rope_theta=float(theta),
         eps=config.get("rms_norm_eps", 1e-6),
     )
