@@ -130,7 +130,7 @@ class EagleLayer(nn.Module):
         (k_buf,), (v_buf,) = cache.buffers(n, full=False)
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
         cos, sin = self._rotary(slots if pos is None else pos)
-        bias = _group_bias(visibility(start, n, allow, k_buf.shape[2]), self.heads, self.kv_heads, x.dtype)
+        bias = _group_bias(visibility(start, n, allow, k_buf.shape[2]), self.heads, self.kv_heads)
 
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             k, v = (rearrange(t, "b n g d -> b g n d") for t in (k, v))

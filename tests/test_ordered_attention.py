@@ -99,7 +99,7 @@ def attention_case(prefix: int, dtype: torch.dtype, seed: int):
         span = -(-keys.shape[2] // CHUNK) * CHUNK  # the eager engine's span: slots in use, rounded up to CHUNK
         pad = lambda t: torch.cat((t, t.new_zeros(1, kv_heads, span - t.shape[2], d)), dim=2)  # noqa: E731
         m, begin = queries.shape[1], torch.tensor([start])
-        bias = _group_bias(visibility(begin, m, allow, span), heads, kv_heads, dtype)
+        bias = _group_bias(visibility(begin, m, allow, span), heads, kv_heads)
         plan = order_plan(begin, m, allow, span, heads=heads, kv_heads=kv_heads, bias=bias)
         return attend_in_order(queries, pad(keys), pad(values), plan, d**-0.5)[0]
 

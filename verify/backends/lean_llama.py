@@ -58,11 +58,12 @@ def _rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat(x.chunk(2, dim=-1)[::-1], dim=-1) * sin
 
 
-def _group_bias(mask: Tensor, heads: int, kv_heads: int, dtype: torch.dtype) -> Tensor:
-    """mask (b, 1, n, S) -> the additive bias (b * g, r * n, S) of grouped attention (0 seen, -inf not): the r
-    query heads of a group stack along n, so the mask repeats r times. Built once per forward, not per layer."""
+def _group_bias(mask: Tensor, heads: int, kv_heads: int) -> Tensor:
+    """mask (b, 1, n, S) -> the additive float32 bias (b * g, r * n, S) of grouped attention (0 seen, -inf not):
+    the r query heads of a group stack along n, so the mask repeats r times. Built once per forward, not per
+    layer; float32, as the scores it is added to."""
     b, _, n, span = mask.shape
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
     return bias.expand(b, kv_heads, n, span).repeat(1, 1, heads // kv_heads, 1).reshape(-1, n * heads // kv_heads, span)
 
 
@@ -73,9 +74,20 @@ def _attend_grouped(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float)
     b, n, h, d = q.shape
     g, span = k.shape[1], k.shape[2]
     q = rearrange(q, "b n (g r) d -> (b g) (r n) d", g=g)
-    scores = torch.baddbmm(bias, q, k.reshape(b * g, span, d).transpose(1, 2), alpha=scale)
-    out = torch.bmm(scores.softmax(dim=-1), v.reshape(b * g, span, d))  # (b g, r n, d)
+    keys = k.reshape(b * g, span, d).transpose(1, 2).float()
+    scores = torch.baddbmm(bias, q.float(), keys, alpha=scale)  # float32 scores (b g, r n, S), as SDPA's
+    out = torch.bmm(scores.softmax(dim=-1).to(v.dtype), v.reshape(b * g, span, d))  # (b g, r n, d)
     return rearrange(out, "(b g) (r n) d -> b n (g r d)", b=b, n=n)
+
+
+def _attend_fused(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """SDPA of q (b, n, h, dh) over k, v (b, g, S, dh) (g kv heads shared by h / g query heads) under the
+    boolean mask (b, 1, n, S) -> (b, n, h * dh). Its CPU kernel keeps scores and sums in float32."""
+    g = k.shape[1]
+    out = F.scaled_dot_product_attention(
+        rearrange(q, "b n h d -> b h n d"), k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[2] != g
+    )
+    return rearrange(out, "b h n d -> b n (h d)")
 
 
 class LlamaDecoder(LeanDecoder):
@@ -148,16 +160,22 @@ class LlamaDecoder(LeanDecoder):
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
         pos = slots if pos is None else pos
         cos, sin = (rearrange(t[pos], "b n r -> b n 1 r") for t in self._table(capacity))
-        # bf16 on a CPU: not SDPA, although its fused kernel is 3x faster at a few queries: past a few hundred
-        # keys its result for a query depends on how many queries share the call (measured: 4e-6 apart at 600
-        # keys), so a k-token verification would not equal k one-token steps; these bf16 matmuls are exact.
-        bias = _group_bias(visibility(start, n, allow, capacity), self.heads, self.kv_heads, x.dtype)
         # Decoding forwards (a step, a chain, a tree) sum attention in position order, so that a tree node equals
-        # its path decoded alone (ordered_attention.py); a prefill, the same call for every decoder of a prompt,
-        # keeps one product over the slots (the order's per-query tail would grow with n^2).
+        # its path decoded alone (ordered_attention.py). Not SDPA there: past a few hundred keys its result for a
+        # query depends on how many queries share the call (measured: 4e-6 apart at 600 keys). A prefill, the
+        # same call for every decoder of a prompt, takes SDPA's fused kernel: the order's per-query tail would
+        # grow with n^2, and the explicit product's float32 scores with n * S (140 MB a layer at 2,000 tokens).
+        mask = visibility(start, n, allow, capacity)
         ordered = ORDERED and n <= ORDERED_MAX_NEW
         plan = ordered and order_plan(
-            start, n, allow, capacity, heads=self.heads, kv_heads=self.kv_heads, bias=bias, static=self.compiled
+            start,
+            n,
+            allow,
+            capacity,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            bias=_group_bias(mask, self.heads, self.kv_heads),
+            static=self.compiled,
         )
         index = kv_index(slots, k_buf[0])  # where keys/values go, in every layer
         rotated = self.heads + self.kv_heads  # queries and keys: rotated together, as (b, n, heads, dh)
@@ -173,7 +191,7 @@ class LlamaDecoder(LeanDecoder):
                 if ordered:
                     attended = attend_in_order(qk[:, :, : self.heads], k_all, v_all, plan, self.scale)
                 else:
-                    attended = _attend_grouped(qk[:, :, : self.heads], k_all, v_all, bias, self.scale)
+                    attended = _attend_fused(qk[:, :, : self.heads], k_all, v_all, mask, self.scale)
                 x = x + linear(attended, w[3], w[4])
                 layer += 1
             else:

@@ -19,10 +19,11 @@ Each chunk is reduced on its own (the exp-sums over CHUNK contiguous values; p @
 (CHUNK x d) product), and the chunk results are added in position order, one float32 add after another, so
 exact zeros (chunks a query does not see) change nothing. Plain decoding (one query), a chain and a tree thus
 add the same terms in the same order; what remains is that a matmul row does not depend on how many rows share
-it (tested for these bf16 and fp32 products). A step or a chain needs no tail: its keys sit at slot = position,
-so each chunk of slots already holds every query's keys where a tree's gathered tail puts them, and all its
-chunks are computed like the shared ones. Cost: the p @ v product becomes one small product per chunk, and a
-tree's tail values are gathered (T x d per query).
+it, which verify/backends/rows.py makes true by padding every product's rows. The scores are float32 products
+(SDPA's precision; bf16 scores moved SmolLM2's logits further from float32's). A step or a chain needs no tail:
+its keys sit at slot = position, so each chunk of slots already holds every query's keys where a tree's
+gathered tail puts them, and all its chunks are computed like the shared ones. Cost: the p @ v product becomes
+one small product per chunk, and a tree's tail values are gathered (T x d per query).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import Tensor
+
+from verify.backends.rows import bmm_rows
 
 __all__ = ["CHUNK", "OrderPlan", "attend_in_order", "order_plan"]
 
@@ -106,12 +109,14 @@ def attend_in_order(q: Tensor, k: Tensor, v: Tensor, plan: OrderPlan, scale: flo
     g, span = k.shape[1], k.shape[2]
     q = rearrange(q, "b n (g r) d -> (b g) (r n) d", g=g)
     keys, values = k.reshape(b * g, span, d), v.reshape(b * g, span, d)
-    scores = torch.baddbmm(plan.bias, q, keys.transpose(1, 2), alpha=scale)  # (B, R, S)
-    top = scores.amax(dim=-1, keepdim=True).float()  # each query sees at least itself: finite
+    # float32 scores, as SDPA computes them: rounded to bf16 (8 bits) they would move attention weights by up to
+    # ~6% at scores of 16-32 (measured on SmolLM2: bf16 logits 0.87 from float32's at most, 0.58 this way)
+    scores = bmm_rows(q.float(), keys.transpose(1, 2).float()).mul_(scale).add_(plan.bias)  # (B, R, S)
+    top = scores.amax(dim=-1, keepdim=True)  # each query sees at least itself: finite
     if plan.causal:
         # A step or a chain: slot = position, so each chunk of 64 slots already holds every query's keys at the
         # offsets a tree's gathered tail gives them (zeros where masked): the same chunk sums, without the tail
-        e = scores.float().sub_(top).exp_()  # (B, R, S): 0 where the bias hides a slot
+        e = scores.sub_(top).exp_()  # (B, R, S): 0 where the bias hides a slot
         pad = -span % CHUNK  # a compiled step's capacity need not be a multiple of CHUNK
         if pad:
             e, values = F.pad(e, (0, pad)), F.pad(values, (0, 0, 0, pad))
@@ -119,9 +124,9 @@ def attend_in_order(q: Tensor, k: Tensor, v: Tensor, plan: OrderPlan, scale: flo
         out = (_sum_in_order(o) / _sum_in_order(z)[..., None]).to(q.dtype)
         return rearrange(out, "(b g) (r n) d -> b n (g r d)", b=b, n=n)
     # the shared chunks, then the tail (each query's own keys in position order), chunk by chunk
-    e = scores[..., : plan.chunks * CHUNK].float().add_(plan.shared).sub_(top).exp_()  # 0 past c0
+    e = scores[..., : plan.chunks * CHUNK].add(plan.shared).sub_(top).exp_()  # 0 past c0
     o_shared, z_shared = _chunk_products(e, values[:, : plan.chunks * CHUNK], per_query=1)
-    e = scores.gather(2, plan.tail).float().add_(plan.tail_bias).sub_(top).exp_()  # (B, R, T)
+    e = scores.gather(2, plan.tail).add_(plan.tail_bias).sub_(top).exp_()  # (B, R, T)
     gathered = values.reshape(-1, d).index_select(0, plan.tail_rows)  # (B n T, d)
     o_tail, z_tail = _chunk_products(e, gathered.view(b * g * n, -1, d), per_query=n)
     # chunk results added in position order (zero chunks change nothing), then normalised once
@@ -153,5 +158,5 @@ def _chunk_products(e: Tensor, values: Tensor, *, per_query: int) -> tuple[Tenso
         return e.new_zeros(bg, rows, 0, d), e.new_zeros(bg, rows, 0)
     z = e.view(bg, rows, c, CHUNK).sum(dim=-1)
     p = rearrange(e.to(values.dtype), "B (r n) (c k) -> (B n c) r k", n=per_query, k=CHUNK)
-    out = torch.bmm(p, rearrange(values, "Q (c k) d -> (Q c) k d", k=CHUNK))
+    out = bmm_rows(p, rearrange(values, "Q (c k) d -> (Q c) k d", k=CHUNK))
     return rearrange(out, "(B n c) r d -> B (r n) c d", n=per_query, c=c).float(), z

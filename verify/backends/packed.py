@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from verify.backends.rows import padded_rows
+
 __all__ = ["Packed", "can_pack", "linear", "pack"]
 
 
@@ -50,8 +52,12 @@ def pack(weight: Tensor | None) -> Tensor | Packed | None:
 
 
 def linear(x: Tensor, weight: Tensor | Packed, bias: Tensor | None = None) -> Tensor:
-    """F.linear(x (..., in), weight, bias) for a plain or a packed weight -> (..., out)."""
-    if not isinstance(weight, Packed):
-        return F.linear(x, weight, bias)
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, weight.in_features), weight.weight, bias, "none", [], "")
-    return out.reshape(*x.shape[:-1], weight.out_features)
+    """F.linear(x (..., in), weight, bias) for a plain or a packed weight -> (..., out); each row's result does
+    not depend on how many rows share the call (the rows are padded: verify/backends/rows.py)."""
+    flat = x.reshape(-1, x.shape[-1])
+    rows = padded_rows(flat)
+    if isinstance(weight, Packed):
+        out = torch.ops.mkldnn._linear_pointwise(rows, weight.weight, bias, "none", [], "")
+    else:
+        out = F.linear(rows, weight, bias)
+    return out[: flat.shape[0]].reshape(*x.shape[:-1], out.shape[-1])
