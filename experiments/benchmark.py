@@ -253,7 +253,8 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
     prompt_set = get_prompt_set(cfg, tokenizer, base_meta)
     # Every target before any drafter trains: bad prompts, or compile on a base that cannot, fail first.
-    targets = [make_target(base, compile=compiled, widths=widths) for _, compiled in settings]
+    ordered = cfg.decode.get("ordered", True)
+    targets = [make_target(base, compile=compiled, widths=widths, ordered=ordered) for _, compiled in settings]
     targets[0].check_tokens(prompt_set.ids, max_new_tokens=cfg.decode.max_new_tokens)
     if cfg.prompts.turns == 2:  # the model's own first answers, then the second turns
         prompt_set = add_second_turns(
@@ -315,6 +316,8 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         "device": str(device),
         "dtype": str(next(base.parameters()).dtype).removeprefix("torch."),  # what the target decoded in
         "precision": {k: precision[k] for k in ("requested", "used", "reason")},
+        # attention summed in position order (decode.ordered on the lean Llama engine): what makes T=0 exact in bf16
+        "ordered": targets[0].ordered,
         # the target's shape, printed in the table's header: the regime every speedup below belongs to
         "base": {
             "parameters": count_parameters(base),

@@ -223,7 +223,8 @@ def load_session(cfg: DictConfig, checked: tuple[SamplingConfig, SpecConfig, str
     make = make_methods(methods_config(cfg), base, base_meta, base_ckpt, tokenizer)[0][cfg.method]
     # an id or a list of ids (a Hugging Face model's generation_config may list several: checkpoint.hf_eos_id)
     eos_id = base_meta.get("data", {}).get("eos_id", 0) if cfg.stop_at_eos else None
-    target = make_target(base, compile=cfg.compile, widths=verify_widths(cfg, [spec.gamma]))
+    ordered = cfg.decode.get("ordered", True)
+    target = make_target(base, compile=cfg.compile, widths=verify_widths(cfg, [spec.gamma]), ordered=ordered)
     template = chat_template_for(base_meta, system=cfg.prompts.system) if cfg.prompts.chat else None
     return Session(target, lambda: make(compile=cfg.compile), tokenizer, eos_id, sampling, spec, rule, cfg, template)
 

@@ -94,7 +94,9 @@ def test_eager_attention_reads_only_the_slots_in_use(monkeypatch):
     spans = []
     real = LeanDecoder.forward
     monkeypatch.setattr(
-        LeanDecoder, "forward", lambda self, x, k, v, *a: spans.append(k[0].shape[2]) or real(self, x, k, v, *a)
+        LeanDecoder,
+        "forward",
+        lambda self, x, k, v, *a, **kw: spans.append(k[0].shape[2]) or real(self, x, k, v, *a, **kw),
     )
     seq = list(range(1, 75))
     target.prefill([seq[:10]])

@@ -122,3 +122,24 @@ def test_a_tree_node_attends_as_its_path_stepped_alone_bit_for_bit(prefix, dtype
     for seed in range(3):
         tree, paths = attention_case(prefix, dtype, seed)
         assert [node for node in range(len(PARENTS)) if not torch.equal(tree[node], paths[node])] == []
+
+
+def test_a_tree_past_128_nodes_stays_exact_and_the_fused_mode_is_a_setting(base):
+    """No size limit hides a mode: a 150-node tree (more than the 128 a prefill-sized forward once switched
+    order at) still equals its paths bit for bit; ordered=False is the target's own setting, recorded on it."""
+    g = torch.Generator().manual_seed(11)
+    n = 150
+    parents = [-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, n)]
+    prompt = torch.randint(0, V, (CHUNK + 9,), generator=g).tolist()
+    tokens = torch.randint(0, V, (n,), generator=g).tolist()
+    with torch.inference_mode():
+        target = make_target(base)
+        assert target.ordered
+        target.prefill([prompt])
+        out = target.extend(torch.tensor([tokens]), parents=torch.tensor(parents)).logits[0]
+        for node in (n - 1, n - 7, n // 2, 1):
+            path, j = [], node
+            while j >= 0:
+                path, j = [tokens[j]] + path, parents[j]
+            assert torch.equal(out[node], stepwise_logits(base, prompt, path)), node
+    assert make_target(base, ordered=False).ordered is False

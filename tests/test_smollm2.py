@@ -99,9 +99,9 @@ def test_chat_prompts_are_what_transformers_feeds_the_model(smol_dir, smol):
 TREE = [-1, 0, 0, 0, 1, 1, 2, 3, 4, 4, 5, 6, 8, 9, 12, 13]  # parents: a 16-node draft tree, 5 levels
 
 
-def tree_mismatches(base, prompt: list[int], tokens: list[int]) -> list[int]:
+def tree_mismatches(base, prompt: list[int], tokens: list[int], ordered: bool = True) -> list[int]:
     """Nodes whose logits in one tree forward differ (bitwise) from their path decoded one token at a time."""
-    target = make_target(base)
+    target = make_target(base, ordered=ordered)
     target.prefill([prompt])
     out = target.extend(torch.tensor([tokens]), parents=torch.tensor(TREE)).logits[0]
     bad = []
@@ -109,7 +109,7 @@ def tree_mismatches(base, prompt: list[int], tokens: list[int]) -> list[int]:
         path, j = [], node
         while j >= 0:
             path, j = [tokens[j]] + path, TREE[j]
-        step = make_target(base)
+        step = make_target(base, ordered=ordered)
         step.prefill([prompt])
         for token in path:
             last = step.extend(torch.tensor([[token]])).logits[0, -1]
@@ -118,12 +118,10 @@ def tree_mismatches(base, prompt: list[int], tokens: list[int]) -> list[int]:
 
 
 @pytest.mark.slow  # 30-40 s on 2 threads; the fast tier checks the order on a small bf16 Llama
-def test_bf16_tree_nodes_equal_their_paths_only_in_position_order(smol_bf16, monkeypatch):
+def test_bf16_tree_nodes_equal_their_paths_only_in_position_order(smol_bf16):
     """Behind a 600-token prefix, bf16 tree nodes whose ancestors are not contiguous in the cache left their
     paths' logits when attention summed over slots (seen: 3 of 16 nodes on 2 threads; on 1 thread the old order
-    happened to agree); summed in position order, none does, on either."""
-    from verify.backends import lean_llama
-
+    happened to agree), and with SDPA's fused kernel (ordered=False); summed in position order, none does."""
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 49152, (600,), generator=g).tolist()
     tokens = torch.randint(0, 49152, (len(TREE),), generator=g).tolist()
@@ -132,8 +130,7 @@ def test_bf16_tree_nodes_equal_their_paths_only_in_position_order(smol_bf16, mon
     try:
         with torch.inference_mode():
             assert tree_mismatches(smol_bf16, prompt, tokens) == []
-            monkeypatch.setattr(lean_llama, "ORDERED", False)
-            assert tree_mismatches(smol_bf16, prompt, tokens) != []
+            assert tree_mismatches(smol_bf16, prompt, tokens, ordered=False) != []  # SDPA's fused kernel
     finally:
         torch.set_num_threads(threads)
 

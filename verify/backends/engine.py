@@ -73,6 +73,13 @@ _ATTEND_OFF = dict(
 )
 
 
+# How a decoder sums attention: "ordered", chunk by chunk in position order, so that every decoding forward (a
+# step, a chain, a tree) gives a token the bits its path decoded alone gives it (verify/backends/ordered_attention.py);
+# "fused", one fused kernel (SDPA), for a prefill (the same call for every decoder of a prompt) and for decoding
+# that needs no exactness.
+ATTENTION = ("ordered", "fused")
+
+
 def block_depth(layer_types: Sequence[str]) -> int | None:
     """Blocks of a decoder whose layers are (attention, feed-forward) pairs; None for any other layout."""
     depth = len(layer_types) // 2
@@ -228,6 +235,8 @@ class LeanDecoder:
     """The layers of an x-transformers decoder as fused tensors: inputs (b, n, d) -> hidden (b, n, d) after the
     final norm, and on request the residual states after chosen blocks (`check_layers` says what layer i is)."""
 
+    orders_attention = False  # its attention is one product over the slots, whatever `attention` asks
+
     def __init__(self, layers: nn.Module, *, where: str = "decoder"):
         _require(layers, _LAYERS_OFF, where)
         self.blocks: list[tuple[str, tuple]] = []
@@ -313,6 +322,7 @@ class LeanDecoder:
         allow: Tensor | None,
         layers: tuple[int, ...] = (),
         blocks: int | None = None,
+        attention: str = "ordered",
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The tensor program of a step (what torch.compile sees): writes keys/values into the layers'
         buffers k_buf, v_buf (b, h, S, dh) at slots start (b,) + [0, n) and returns hidden (b, n, d).
@@ -323,7 +333,8 @@ class LeanDecoder:
 
         With `blocks` = i it runs the first i blocks only and returns the residual stream after block i
         (layer i's state, no final norm), writing keys and values of the first i attention layers only:
-        an early-exit drafter runs the target's own first blocks on the target's cache this way."""
+        an early-exit drafter runs the target's own first blocks on the target's cache this way. `attention` is
+        the Llama decoder's choice (ATTENTION); this decoder sums every query's keys in one product either way."""
         n, capacity = x.shape[1], k_buf[0].shape[2]
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
         pos = slots if pos is None else pos
@@ -410,18 +421,22 @@ class LeanLM:
         allow: Tensor | None = None,
         eager: bool = False,
         layers: tuple[int, ...] = (),
+        attention: str = "ordered",
     ) -> tuple[Tensor, ...]:
         """tokens (b, n) on top of `cache` (see `LeanDecoder.__call__`) -> logits (b, n, V), hidden (b, n, d),
         and with `layers` (block indices, see `check_layers`) a third output: states (b, n, len(layers), d).
 
-        `eager` skips the compiled step (a prefill has a new width for every prompt length)."""
+        `eager` skips the compiled step (a prefill has a new width for every prompt length). `attention`: one of
+        ATTENTION, how a decoder that has both sums attention (the x-transformers decoder has one way)."""
         if layers:
             layers = check_layers(layers, self.decoder.depth)
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}: must be one of {', '.join(ATTENTION)}")
         start = cache.reserve(tokens.shape[1])
         self.decoder._table(cache.capacity)  # grown here, never inside a compiled step
         compiled = self.compiled and not eager
         out = (self.step if compiled else self.forward)(
-            tokens, *cache.buffers(tokens.shape[1], full=compiled), start, pos, allow, layers
+            tokens, *cache.buffers(tokens.shape[1], full=compiled), start, pos, allow, layers, attention
         )
         cache.advance(tokens.shape[1])
         return out
@@ -453,8 +468,10 @@ class LeanLM:
         pos: Tensor | None,
         allow: Tensor | None,
         layers: tuple[int, ...] = (),
+        attention: str = "ordered",
     ) -> tuple[Tensor, ...]:
-        out = self.decoder.forward(F.embedding(tokens, self.embedding), k_buf, v_buf, start, pos, allow, layers)
+        x = F.embedding(tokens, self.embedding)
+        out = self.decoder.forward(x, k_buf, v_buf, start, pos, allow, layers, attention=attention)
         hidden, states = out if layers else (out, None)
         logits = linear(hidden, self.head_weight, self.head_bias)
         return (logits, hidden) if states is None else (logits, hidden, states)

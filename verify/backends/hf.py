@@ -228,8 +228,11 @@ class HFTarget:
         vocab: Tensor | None = None,
         max_draft: int = 64,
         widths: tuple[int, ...] = (1,),
+        ordered: bool = True,
     ):
         # widths are the lean engine's compiled widths; a DynamicCache needs none. max_draft: see GPT-Neo below.
+        # ordered: the lean engine's position-ordered attention; transformers' forward sums its own way.
+        self.ordered = False
         if not isinstance(base, HFBase):
             raise ValueError(f"HFTarget takes an HFBase, got {type(base).__name__}")
         if compile:

@@ -25,9 +25,6 @@ from verify.backends.engine import LeanDecoder, LeanLM, UnsupportedModel, block_
 from verify.backends.ordered_attention import attend_in_order, order_plan
 from verify.backends.packed import linear
 
-ORDERED = True  # attention summed in position order (verify/backends/ordered_attention.py); False: the old order
-ORDERED_MAX_NEW = 128  # forwards of at most this many new tokens attend in position order
-
 
 def _check_config(config) -> None:
     """One line naming the first setting this engine does not implement."""
@@ -93,6 +90,8 @@ def _attend_fused(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -
 class LlamaDecoder(LeanDecoder):
     """The blocks of a transformers LlamaModel as fused tensors; the interface of `LeanDecoder`."""
 
+    orders_attention = True  # attention="ordered" sums in position order (ordered_attention.py)
+
     def __init__(self, model: nn.Module):  # model: the LlamaModel (HFBase.hf.model)
         config = model.config
         _check_config(config)
@@ -154,8 +153,10 @@ class LlamaDecoder(LeanDecoder):
         allow: Tensor | None,
         layers: tuple[int, ...] = (),
         blocks: int | None = None,
+        attention: str = "ordered",
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """As `LeanDecoder.forward`: writes keys/values at slots start (b,) + [0, n), returns hidden (b, n, d)."""
+        """As `LeanDecoder.forward`: writes keys/values at slots start (b,) + [0, n), returns hidden (b, n, d).
+        attention="ordered" sums in position order at any n (a tree of any size stays exact); "fused": SDPA."""
         n, capacity = x.shape[1], k_buf[0].shape[2]
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
         pos = slots if pos is None else pos
@@ -163,10 +164,10 @@ class LlamaDecoder(LeanDecoder):
         # Decoding forwards (a step, a chain, a tree) sum attention in position order, so that a tree node equals
         # its path decoded alone (ordered_attention.py). Not SDPA there: past a few hundred keys its result for a
         # query depends on how many queries share the call (measured: 4e-6 apart at 600 keys). A prefill, the
-        # same call for every decoder of a prompt, takes SDPA's fused kernel: the order's per-query tail would
-        # grow with n^2, and the explicit product's float32 scores with n * S (140 MB a layer at 2,000 tokens).
+        # same call for every decoder of a prompt, takes SDPA's fused kernel: the ordered products' float32 scores
+        # grow with n * S (140 MB a layer at 2,000 tokens).
         mask = visibility(start, n, allow, capacity)
-        ordered = ORDERED and n <= ORDERED_MAX_NEW
+        ordered = attention == "ordered"
         plan = ordered and order_plan(
             start,
             n,

@@ -108,6 +108,7 @@ class Target:
         compile: bool | str = False,
         widths: tuple[int, ...] = (1,),
         vocab: Tensor | None = None,
+        ordered: bool = True,
     ):
         model.eval()
         for p in model.parameters():
@@ -122,6 +123,9 @@ class Target:
         self.max_draft = max_draft
         self.device = next(model.parameters()).device
         self.layers: tuple[int, ...] = ()  # blocks whose residual states every output carries (`use_layers`)
+        # Decoding forwards sum attention in position order (a k-token verification gives each token the bits k
+        # one-token steps give it); ordered=False takes the fused kernel, for a drafter that needs no exactness.
+        self.ordered = bool(ordered) and self.engine.decoder.orders_attention  # what runs, as results record it
         self.reset()
 
     def reset(self) -> None:
@@ -152,7 +156,7 @@ class Target:
         longest = max(len(p) for p in prompts)
         capacity = min(self.max_seq_len, 1 << (longest + ROOM - 1).bit_length()) + self.max_draft + 1
         self.cache = self.engine.decoder.new_cache(len(prompts), capacity, device=self.device)
-        logits, hidden, *states = self.engine(tokens, self.cache, eager=True, layers=self.layers)
+        logits, hidden, *states = self.engine(tokens, self.cache, eager=True, layers=self.layers, attention="fused")
         self.cache.commit(torch.arange(tokens.shape[1], device=self.device) < lengths[:, None])  # drop the padding
         layers = right_to_left(states[0], lengths) if states else None  # left-padded like hidden
         return TargetOutput(logits=right_to_left(logits, lengths), hidden=right_to_left(hidden, lengths), layers=layers)
@@ -181,7 +185,8 @@ class Target:
         k, width = tokens.shape[1], self._width(tokens.shape[1])
         if width > k:
             tokens, kwargs = self._pad(tokens, kwargs, width)
-        logits, hidden, *states = self.engine(tokens, self.cache, layers=self.layers, **kwargs)
+        attention = "ordered" if self.ordered else "fused"
+        logits, hidden, *states = self.engine(tokens, self.cache, layers=self.layers, attention=attention, **kwargs)
         layers = states[0] if states else None
         if width > k:  # drop the padding entries again: a length rewind
             self.cache.commit(torch.arange(width, device=self.device).expand(tokens.shape[0], width) < k, prefix=True)

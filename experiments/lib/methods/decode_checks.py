@@ -137,6 +137,7 @@ def check_decode(d: DictConfig) -> tuple[list[float], SpecConfig]:
     check_number("decode.top_p", d.top_p, "a number in (0, 1] (1 = no nucleus filter)", lambda p: 0 < p <= 1)
     for key in ("max_new_tokens", "batch_size", "gamma", "max_gamma"):
         check_int(f"decode.{key}", d[key])
+    check_bool("decode.ordered", d.get("ordered", True))
     if check_bool("decode.adaptive_gamma", d.adaptive_gamma) and d.max_gamma < d.gamma:
         raise ValueError(
             f"decode.max_gamma={d.max_gamma}: must be >= decode.gamma={d.gamma} "
