@@ -277,7 +277,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
                 key_parts={"base": base_meta["fingerprint"], "dtype": str(precision["dtype"]).removeprefix("torch.")},
                 cache_dir=cfg.budget_search.cache_dir,
                 batch_size=cfg.decode.batch_size,
-                prompt_len=cfg.prompts.prompt_len,
+                prompt_len=calibration_context(prompts),  # the contexts this run decodes at, not a fixed 64
                 tree=tree,
             )
             setup["verify_cost"] = measure(False)
@@ -361,6 +361,11 @@ def compile_widths(cfg: DictConfig, spec: SpecConfig) -> tuple[int, ...]:
         return verify_widths(cfg, [spec.gamma])
     trees = [c.tree_nodes for f in TREE_FAMILIES for c in cfg.budget_search[f"{f}_trees"]]
     return (*verify_widths(cfg, range(1, cfg.budget_search.max_gamma + 1)), *(n + 1 for n in trees))
+
+
+def calibration_context(prompts: list[list[int]]) -> int:
+    """The context verify costs are measured at: the prompt set's median length (a step's cost grows with it)."""
+    return max(1, int(statistics.median(len(p) for p in prompts)))
 
 
 def pilot_prompts(cfg: DictConfig, tokenizer, base_meta: dict, taken: list[list[int]]) -> list[list[int]]:

@@ -11,6 +11,10 @@ the compile time of each width (compiled settings), and for a Hugging Face base 
 lean engine against transformers' own `generate` on the same weights and dtype (tokens/s, median over
 rounds). The base is loaded in fp32 and cast per setting on a copy. Writes costs.json and costs.md into
 the run directory and prints the table, then one JSON object as the last line.
+
+Then, per dtype, the eager engine across `contexts` x `batches`: plain greedy decoding tokens/s (prefill
+excluded) beside transformers' `generate` on the same prompts, and at batch 1 the step and what a 16-token
+chain and a 16-node tree cost over it at that context.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ def check_config(cfg: DictConfig) -> None:
     for name in ("prompt_len", "repeats", "max_new_tokens", "rounds"):
         check_int(name, cfg[name])
     check_bool("generate", cfg.generate)
+    for name in ("grid_new_tokens", "max_grid_tokens"):
+        check_int(name, cfg[name])
+    for key in ("contexts", "batches"):
+        if not isinstance(cfg[key], ListConfig) or not all(isinstance(v, int) and v >= 1 for v in cfg[key]):
+            raise ValueError(f"{key}={cfg[key]!r}: give a list of integers >= 1 ([] for none)")
     for key in ("dtypes", "ks", "compile", "compile_widths"):
         if not isinstance(cfg[key], ListConfig) or not cfg[key]:
             raise ValueError(f"{key}={cfg[key]!r}: give a non-empty list")
@@ -109,6 +118,83 @@ def measure_setting(base, dtype: str, mode, cfg: DictConfig, prompt: list[int]) 
     return row
 
 
+def decode_rate(decode, prompts: list[list[int]], new: int) -> float:
+    """Decoding tokens/s of `decode(prompts, n)` (n new tokens per row), without its prefill: the time of
+    new + 1 tokens less that of 1 (a prefill and its first token), rows counted."""
+    start = time.perf_counter()
+    decode(prompts, 1)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    decode(prompts, new + 1)
+    return len(prompts) * new / max(time.perf_counter() - start - first, 1e-9)
+
+
+def grid_cell(model, target, context: int, batch: int, cfg: DictConfig, hf: bool) -> dict[str, Any]:
+    """One (context, batch) cell: plain greedy decoding tokens/s on the lean engine and (a Hugging Face base)
+    transformers' generate, interleaved, median over rounds; at batch 1 also the step and the cost of a
+    16-token chain and a 16-node tree over it."""
+    g = torch.Generator().manual_seed(context + batch)
+    prompts = torch.randint(0, target.vocab_size, (batch, context), generator=g).tolist()
+
+    def ours(rows, n):
+        plain_generate(target, rows, max_new_tokens=n)
+
+    def theirs(rows, n):
+        with torch.inference_mode():
+            model.hf.generate(torch.tensor(rows), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    new, lean, generate = cfg.grid_new_tokens, [], []
+    for _ in range(cfg.rounds):
+        lean.append(decode_rate(ours, prompts, new))
+        if hf:
+            generate.append(decode_rate(theirs, prompts, new))
+    cell: dict[str, Any] = {"context": context, "batch": batch, "lean_tokens_per_s": statistics.median(lean)}
+    if hf:
+        cell["generate_tokens_per_s"] = statistics.median(generate)
+        cell["ratio"] = cell["lean_tokens_per_s"] / cell["generate_tokens_per_s"]
+    if batch == 1:
+        chain = measure_verify_cost(target, ks=(1, 16), prompt_len=context, repeats=cfg.repeats)
+        tree = measure_verify_cost(target, ks=(16,), prompt_len=context, repeats=cfg.repeats, tree=True)
+        cell |= {
+            "step_ms": 1e3 * chain[1],
+            "chain16_over_step": chain[16] / chain[1],
+            "tree16_over_step": tree[16] / chain[1],
+        }
+    return cell
+
+
+def measure_grid(base, dtype: str, cfg: DictConfig) -> list[dict[str, Any]]:
+    """Every (context, batch) cell of the eager engine in `dtype` whose batch x context is at most
+    cfg.max_grid_tokens (the others are listed as skipped: a 64 x 2,048 prefill alone takes minutes on 2 cores)."""
+    model = base if dtype == "fp32" else copy.deepcopy(base).to(DTYPES[dtype])
+    target, hf = make_target(model), isinstance(model, HFBase)
+    plain_generate(target, [[1, 2, 3]], max_new_tokens=4)  # warm-up
+    cells = []
+    for context in cfg.contexts:
+        for batch in cfg.batches:
+            if context * batch > cfg.max_grid_tokens:
+                cells.append({"dtype": dtype, "context": context, "batch": batch, "skipped": True})
+                continue
+            cells.append({"dtype": dtype, **grid_cell(model, target, context, batch, cfg, hf)})
+    return cells
+
+
+def grid_table(cells: list[dict]) -> str:
+    """Markdown: a row per (dtype, context, batch)."""
+    head = "| dtype | context | batch | plain tok/s | generate tok/s | ratio | step ms | v(16) | tree(16) |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for c in cells:
+        if c.get("skipped"):
+            lines.append(f"| {c['dtype']} | {c['context']} | {c['batch']} | skipped (max_grid_tokens) | | | | | |")
+            continue
+        lines.append(
+            f"| {c['dtype']} | {c['context']} | {c['batch']} | {_cell(c.get('lean_tokens_per_s'))} "
+            f"| {_cell(c.get('generate_tokens_per_s'))} | {_cell(c.get('ratio'), '.2f')} | {_cell(c.get('step_ms'))} "
+            f"| {_cell(c.get('chain16_over_step'), '.2f')} | {_cell(c.get('tree16_over_step'), '.2f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _cell(value: float | None, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -139,13 +225,20 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     base, tokenizer, _ = load_lm(cfg.base_checkpoint, device=str(device))
     prompt = tokenizer.encode("The history of the printing press begins", add_special_tokens=False).ids
     rows = [measure_setting(base, d, m, cfg, prompt) for d in cfg.dtypes for m in cfg.compile]
+    grid = [cell for d in cfg.dtypes for cell in measure_grid(base, d, cfg)] if cfg.contexts else []
     info = device_info(device)
     header = f"{device_line({'device_info': info})}; {torch.get_num_threads()} threads; prompt {cfg.prompt_len}\n\n"
     text = header + table(rows, list(cfg.ks))
+    if grid:
+        text += (
+            f"\nPlain greedy decoding by context and batch (eager; {cfg.grid_new_tokens} new tokens per row, "
+            "prefill excluded; v(16), tree(16): a 16-token chain and a 16-node tree over the step)\n\n"
+        )
+        text += grid_table(grid)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = {"base_checkpoint": str(cfg.base_checkpoint), "device_info": info, "threads": torch.get_num_threads()}
-    results["rows"] = rows
+    results["rows"], results["grid"] = rows, grid
     write_atomic(out / "costs.json", json.dumps(results, indent=2, default=str))
     write_atomic(out / "costs.md", text)
     print(text)

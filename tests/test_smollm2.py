@@ -250,11 +250,20 @@ def test_engine_costs_measures_the_real_base_beside_generate(smol_dir, tmp_path)
         "prompt_len=16",
         "max_new_tokens=4",
         "rounds=1",
+        "contexts=[16,32]",
+        "batches=[1,2]",
+        "grid_new_tokens=2",
+        "max_grid_tokens=40",
     )
-    (row,) = run(cfg)["rows"]
+    results = run(cfg)
+    (row,) = results["rows"]
     assert row["dtype"] == "bf16" and row["step_ms"] > 0 and set(row["verify_over_step"]) == {1, 4}
     assert row["lean_tokens_per_s"] > 0 and row["generate_tokens_per_s"] > 0
-    assert "| bf16 | eager |" in (tmp_path / "costs.md").read_text()
+    cells = {(c["context"], c["batch"]): c for c in results["grid"]}
+    assert set(cells) == {(16, 1), (16, 2), (32, 1), (32, 2)} and cells[(32, 2)].get("skipped")  # 64 > 40
+    assert cells[(16, 2)]["generate_tokens_per_s"] > 0 and cells[(32, 1)]["tree16_over_step"] > 0
+    text = (tmp_path / "costs.md").read_text()
+    assert "| bf16 | eager |" in text and "| bf16 | 32 | 1 |" in text
 
 
 @pytest.mark.parametrize(

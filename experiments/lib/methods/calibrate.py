@@ -12,6 +12,7 @@ not, since they depend on the drafter, the prompts and the sampling settings.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import math
@@ -30,6 +31,7 @@ import torch
 
 from experiments.lib.common.errors import write_atomic
 from experiments.lib.training.precision import native_bf16, resolve_decode_dtype
+from verify import backends
 from verify.backends.target import Target
 from verify.common.numerics import EosId
 from verify.loop.sampling import SamplingConfig
@@ -214,6 +216,15 @@ def _read_costs(path: Path, key: dict) -> dict[int, float] | None:
         return None
 
 
+@functools.cache
+def engine_version() -> str:
+    """A hash of the decode engine's sources (verify/backends/*.py): what a verify-cost table was measured on."""
+    digest = sha256()
+    for path in sorted(Path(backends.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def cached_verify_cost(
     target: Target, *, key_parts: dict, cache_dir: str | Path = ".cache/calibration", **kw: Any
 ) -> dict[int, float]:
@@ -228,6 +239,8 @@ def cached_verify_cost(
     settings["ks"] = [int(k) for k in settings["ks"]]
     key = {
         "machine": machine_key(target.device),
+        "engine": engine_version(),  # a changed engine measures again, never reuses an old engine's table
+        "ordered": target.ordered,
         "target_compiled": target.mode,
         "target_widths": list(target.widths),
         "max_seq_len": target.max_seq_len,
