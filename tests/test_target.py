@@ -146,3 +146,17 @@ def test_a_long_context_model_gets_a_cache_sized_to_the_prompt_and_grows_past_it
         assert whole.cache.capacity == 2048 + whole.max_draft + 1
     finally:
         target_module.ROOM = original
+
+
+def test_a_prefill_for_decoding_reads_each_ragged_rows_last_logits_only(lm):
+    """last_logits=True (what plain and speculative decoding ask for) runs the output layer on each row's last
+    prompt position only, and gives exactly the logits a full prefill gives there; the Hugging Face adapter too."""
+    from tests.test_hf import llama
+    from verify.backends.hf import HFTarget
+
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]  # ragged: rows end at other indices
+    for target in (Target(lm), Target(llama()), HFTarget(llama())):
+        full = target.prefill(prompts).logits[:, -1]
+        last = target.prefill(prompts, last_logits=True)
+        assert last.logits.shape[:2] == (3, 1) and torch.equal(last.logits[:, 0], full)
+        assert last.hidden.shape[1] == 7  # every position's hidden state, for the drafters

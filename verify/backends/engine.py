@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
+from einops import rearrange, repeat
 from torch import Tensor, nn
 
 from verify.backends.cache import StaticCache, visibility, write_kv
@@ -422,12 +422,15 @@ class LeanLM:
         eager: bool = False,
         layers: tuple[int, ...] = (),
         attention: str = "ordered",
+        logits_at: Tensor | None = None,
     ) -> tuple[Tensor, ...]:
         """tokens (b, n) on top of `cache` (see `LeanDecoder.__call__`) -> logits (b, n, V), hidden (b, n, d),
         and with `layers` (block indices, see `check_layers`) a third output: states (b, n, len(layers), d).
 
         `eager` skips the compiled step (a prefill has a new width for every prompt length). `attention`: one of
-        ATTENTION, how a decoder that has both sums attention (the x-transformers decoder has one way)."""
+        ATTENTION, how a decoder that has both sums attention (the x-transformers decoder has one way).
+        `logits_at` (b,): logits (b, 1, V) at that position of each row only (a prefill that decoding continues
+        from: the output layer over every prompt position was most of a batched prefill's work)."""
         if layers:
             layers = check_layers(layers, self.decoder.depth)
         if attention not in ATTENTION:
@@ -435,8 +438,9 @@ class LeanLM:
         start = cache.reserve(tokens.shape[1])
         self.decoder._table(cache.capacity)  # grown here, never inside a compiled step
         compiled = self.compiled and not eager
-        out = (self.step if compiled else self.forward)(
-            tokens, *cache.buffers(tokens.shape[1], full=compiled), start, pos, allow, layers, attention
+        step = self.step if compiled else self.forward
+        out = step(
+            tokens, *cache.buffers(tokens.shape[1], full=compiled), start, pos, allow, layers, attention, logits_at
         )
         cache.advance(tokens.shape[1])
         return out
@@ -469,9 +473,11 @@ class LeanLM:
         allow: Tensor | None,
         layers: tuple[int, ...] = (),
         attention: str = "ordered",
+        logits_at: Tensor | None = None,
     ) -> tuple[Tensor, ...]:
         x = F.embedding(tokens, self.embedding)
         out = self.decoder.forward(x, k_buf, v_buf, start, pos, allow, layers, attention=attention)
         hidden, states = out if layers else (out, None)
-        logits = linear(hidden, self.head_weight, self.head_bias)
+        read = hidden if logits_at is None else hidden.gather(1, repeat(logits_at, "b -> b 1 d", d=hidden.shape[-1]))
+        logits = linear(read, self.head_weight, self.head_bias)
         return (logits, hidden) if states is None else (logits, hidden, states)

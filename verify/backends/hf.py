@@ -284,8 +284,9 @@ class HFTarget:
         check_prompts(prompts, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len, max_new_tokens=max_new_tokens)
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> TargetOutput:
-        """Run the prompts; returns outputs for every prompt position, left-padded (row b ends at index W - 1)."""
+    def prefill(self, prompts: list[list[int]], *, last_logits: bool = False) -> TargetOutput:
+        """Run the prompts; returns outputs for every prompt position, left-padded (row b ends at index W - 1);
+        last_logits: the logits of each row's last position only (b, 1, V), as `Target.prefill`."""
         from transformers import DynamicCache
 
         tokens, lengths = pad_prompts(prompts, self.pad_id, self.device)  # right-padded: (b, W)
@@ -299,9 +300,10 @@ class HFTarget:
         out = self._forward(tokens, causal & self.valid[:, None, :], positions)
         self.lengths, self.added = lengths, 0
         self._crop()
-        return TargetOutput(
-            *(None if x is None else right_to_left(x, lengths) for x in (out.logits, out.hidden, out.layers))
+        logits, hidden, layers = (
+            None if x is None else right_to_left(x, lengths) for x in (out.logits, out.hidden, out.layers)
         )
+        return TargetOutput(logits[:, -1:] if last_logits else logits, hidden, layers)
 
     @torch.inference_mode()
     def extend(self, tokens: Tensor, *, parents: Tensor | None = None) -> TargetOutput:

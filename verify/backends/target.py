@@ -146,8 +146,9 @@ class Target:
         check_prompts(prompts, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len, max_new_tokens=max_new_tokens)
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> TargetOutput:
-        """Run the prompts; returns outputs for every prompt position, left-padded (row b ends at index W - 1)."""
+    def prefill(self, prompts: list[list[int]], *, last_logits: bool = False) -> TargetOutput:
+        """Run the prompts; returns outputs for every prompt position, left-padded (row b ends at index W - 1).
+        last_logits: logits (b, 1, V) of each row's last position only (what decoding continues from)."""
         tokens, lengths = pad_prompts(prompts, self.pad_id, self.device)
         self.cache = None  # dropped first, so that the new cache can take its buffers (a graph replays on them)
         # Room for the longest prompt and ROOM new tokens (a power of two: few distinct shapes for a compiled
@@ -156,10 +157,14 @@ class Target:
         longest = max(len(p) for p in prompts)
         capacity = min(self.max_seq_len, 1 << (longest + ROOM - 1).bit_length()) + self.max_draft + 1
         self.cache = self.engine.decoder.new_cache(len(prompts), capacity, device=self.device)
-        logits, hidden, *states = self.engine(tokens, self.cache, eager=True, layers=self.layers, attention="fused")
+        logits_at = lengths - 1 if last_logits else None
+        logits, hidden, *states = self.engine(
+            tokens, self.cache, eager=True, layers=self.layers, attention="fused", logits_at=logits_at
+        )
         self.cache.commit(torch.arange(tokens.shape[1], device=self.device) < lengths[:, None])  # drop the padding
         layers = right_to_left(states[0], lengths) if states else None  # left-padded like hidden
-        return TargetOutput(logits=right_to_left(logits, lengths), hidden=right_to_left(hidden, lengths), layers=layers)
+        logits = logits if last_logits else right_to_left(logits, lengths)
+        return TargetOutput(logits=logits, hidden=right_to_left(hidden, lengths), layers=layers)
 
     @torch.inference_mode()
     def extend(self, tokens: Tensor, *, parents: Tensor | None = None) -> TargetOutput:

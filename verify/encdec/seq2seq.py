@@ -116,8 +116,9 @@ class Seq2SeqTarget:
             )
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> TargetOutput:
-        """Encode the sources, run the start token; returns its outputs (b, 1, .): [:, -1] predicts token 1."""
+    def prefill(self, prompts: list[list[int]], *, last_logits: bool = False) -> TargetOutput:
+        """Encode the sources, run the start token; returns its outputs (b, 1, .): [:, -1] predicts token 1.
+        One position either way (last_logits, as the decoder-only targets take it, changes nothing)."""
         source, lengths = pad_prompts(prompts, self.pad_id, self.device)  # (b, S) right-padded
         source_mask = torch.arange(source.shape[1], device=self.device) < lengths[:, None]  # (b, S)
         encoded = self.encoder(source, mask=source_mask, return_embeddings=True)  # (b, S, d)

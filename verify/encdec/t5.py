@@ -101,8 +101,9 @@ class T5Target:
             raise ValueError(f"max_new_tokens={max_new_tokens}: at most max_seq_len - 1 = {self.max_seq_len - 1}")
 
     @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]]) -> TargetOutput:
-        """Encode the source once, run the decoder start token; returns its outputs (1, 1, .)."""
+    def prefill(self, prompts: list[list[int]], *, last_logits: bool = False) -> TargetOutput:
+        """Encode the source once, run the decoder start token; returns its outputs (1, 1, .).
+        One position either way (last_logits, as the decoder-only targets take it, changes nothing)."""
         from transformers import DynamicCache, EncoderDecoderCache
 
         if len(prompts) != 1:

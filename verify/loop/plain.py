@@ -57,7 +57,7 @@ def plain_generate(
     done = torch.zeros(b, dtype=torch.bool, device=device)
     with stats.timed("total"):
         with stats.timed("target"):
-            logits = target.prefill(prompts).logits[:, -1]  # (b, V)
+            logits = target.prefill(prompts, last_logits=True).logits[:, -1]  # (b, V)
         # peaks[i, row]: the max of the logits step i sampled from, NaN or inf when they held NaN/inf
         # (verify/common/numerics.py). One reduction into a preallocated row per step, read once after the loop:
         # without EOS this loop makes no host read to share, and a GPU should not wait on one per token.

@@ -146,7 +146,7 @@ def speculative_generate(
     gamma = spec.gamma
     with stats.timed("total"):
         with stats.timed("target"):
-            prefill = target.prefill(prompts)
+            prefill = target.prefill(prompts, last_logits=True)  # drafters read its hidden states
         pending = sample_token(prefill.logits[:, -1], sampling, generator)  # (b,)
         # What the last step used, as (what, values (b, n, V), used (b, n)); `fine` says all of it was
         # finite, and is read with the host read that opens every iteration (no extra sync).
