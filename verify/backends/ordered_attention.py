@@ -142,9 +142,9 @@ def _sum_in_order(chunks: Tensor) -> Tensor:
     """(B, R, c, ...) -> (B, R, ...): the c chunk results added one after another in float32. Not cumsum: on a
     CPU it accumulates float32 in float64 and rounds once, so its sum of three chunks is not two float32 adds,
     and a step (all its chunks in one sum) would leave a tree (shared chunks, then tail chunks) in the last bit."""
-    total = chunks[:, :, 0]
+    total = chunks[:, :, 0].clone()
     for c in range(1, chunks.shape[2]):
-        total = total + chunks[:, :, c]
+        total.add_(chunks[:, :, c])  # in place: the same float32 add, without a new tensor per chunk
     return total
 
 
