@@ -16,22 +16,18 @@ from torch import Tensor
 def tree_attention(parents: Tensor) -> tuple[Tensor, Tensor]:
     """parents (b, n) (-1 for a root) -> ancestor-or-self mask (b, n, n) and depth (b, n).
 
-    Nodes are in topological order (parents before children). Each round moves every node's walk
-    pointer one ancestor up, so the loop runs over tree depth, never over tokens or rows.
+    Nodes are in topological order (parents before children). The ancestor relation is closed by squaring:
+    after round r every node knows its ancestors up to 2^r levels up, so ceil(log2 n) rounds of a small
+    matrix product suffice, with no read of the device to learn the tree's depth (a GPU cycle waits on none).
     """
     b, n = parents.shape
-    mask = repeat(torch.eye(n, dtype=torch.bool, device=parents.device), "i j -> b i j", b=b).clone()
-    depth = torch.zeros_like(parents)
-    cur = repeat(torch.arange(n, device=parents.device), "n -> b n", b=b)
-    for _ in range(n):
-        par = parents.gather(1, cur.clamp(min=0))
-        alive = (cur >= 0) & (par >= 0)
-        if not alive.any():
-            break
-        depth = depth + alive.long()
-        cur = torch.where(alive, par, torch.full_like(par, -1))
-        mask |= torch.nn.functional.one_hot(cur.clamp(min=0), n).bool() & rearrange(alive, "b n -> b n 1")
-    return mask, depth
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
+    up = torch.nn.functional.one_hot(parents.clamp(min=0), n).bool() & rearrange(parents >= 0, "b n -> b n 1")
+    mask = (up | eye).float()  # (b, n, n): node i, then its ancestors j
+    for _ in range(max(n - 1, 1).bit_length()):
+        mask = (torch.bmm(mask, mask) > 0).float()  # exact: sums of at most n ones
+    mask = mask.bool()
+    return mask, mask.sum(-1) - 1
 
 
 def visibility(start: Tensor, n: int, allow: Tensor | None, capacity: int) -> Tensor:
@@ -148,6 +144,7 @@ class StaticCache:
         # is known to keep a prefix leaves it as it was (still an upper bound) instead of reading the lengths
         # back: the exact value is read only where it matters (eager spans, growth), see `exact_bound`.
         self.bound, self.stale = 0, False
+        self.span = 0  # the last eager span (slots attended): a wider one is taken only after an exact read
 
     @property
     def capacity(self) -> int:
@@ -170,7 +167,13 @@ class StaticCache:
         attention does not read hundreds of empty slots per step. Views: writes land in the cache."""
         if full:
             return self.k, self.v
-        span = min(self.capacity, -(-(self.exact_bound() + n) // 64) * 64)
+        # The upper bound gives a span that covers every row; only where it would cross into a further chunk of 64
+        # (rejected drafts left it above the lengths) is the exact bound read: a host read every few dozen
+        # tokens, not one per forward. Slots past a row's length are masked, so a wider span changes no result.
+        span = -(-(self.bound + n) // 64) * 64
+        if self.stale and span > self.span:
+            span = -(-(self.exact_bound() + n) // 64) * 64
+        self.span = span = min(self.capacity, span)
         return [t[:, :, :span] for t in self.k], [t[:, :, :span] for t in self.v]
 
     def advance(self, n: int) -> None:
@@ -200,13 +203,13 @@ class StaticCache:
         if prefix:
             self.lengths, self.stale = start + counts, True
             return
+        # The kept entries move down to fill the gaps (a no-op where a row keeps a prefix), without first reading
+        # back whether any row needs it: the gather and scatter over k slots cost less than the device wait.
         steps = torch.arange(k, device=keep.device)
-        if not bool((keep == (steps < counts[:, None])).all()):
-            order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # kept first, in order
-            _, heads, _, dim_head = self.k[0].shape
-            grab = lambda s: repeat(start[:, None] + s, "b k -> b h k d", h=heads, d=dim_head)  # noqa: E731
-            src, dst = grab(order), grab(steps)
-            for buf in self.k + self.v:
-                buf.scatter_(2, dst, buf.gather(2, src))
-        self.lengths = start + counts
-        self.bound, self.stale = int(self.lengths.max()), False
+        order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # kept first, in order
+        _, heads, _, dim_head = self.k[0].shape
+        grab = lambda s: repeat(start[:, None] + s, "b k -> b h k d", h=heads, d=dim_head)  # noqa: E731
+        src, dst = grab(order), grab(steps)
+        for buf in self.k + self.v:
+            buf.scatter_(2, dst, buf.gather(2, src))
+        self.lengths, self.stale = start + counts, True  # the bound stays an upper bound
