@@ -1,7 +1,7 @@
 """Host reads of the speculative cycle: what a GPU waits for. The loop reads the device once per cycle (whether any
 row goes on, whether the last values were finite, the budget left); a chain cycle of a drafter that drafts on the
-device (Medusa heads) reads nothing else, a tree cycle only the tree's shape its rule loops over. Counted by wrapping every Tensor method that copies a value to
-the host; a change that adds a read to the cycle fails here.
+device (Medusa heads) reads nothing else, a tree cycle only the tree's shape its rule loops over. Counted by
+wrapping every Tensor method that copies a value to the host; a change that adds a read to the cycle fails here.
 """
 
 from __future__ import annotations
