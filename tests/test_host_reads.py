@@ -67,10 +67,9 @@ def test_a_device_drafter_cycle_reads_the_host_once(base, mode, temperature, cou
     assert cycles >= 12
     # Per cycle: the loop's one read. A tree's acceptance also reads the tree's shape its loops run over (the
     # depth: the accepted path's width, which the budget check and the statistics need on the host; sampled, the
-    # widest node's child count and the sibling draws' ranks), and the Llama engine's tree forward how many of
-    # its chunks every node shares (its position-ordered plan). Measured here; a drafter could hand the shape
-    # over as host numbers with its draft, next.
-    per_cycle = 1 if mode == "chain" else (2 if temperature == 0 else 4) + (base == "llama")
+    # widest node's child count and the sibling draws' ranks). Measured here; a drafter could hand the shape over
+    # as host numbers with its draft, next.
+    per_cycle = 1 if mode == "chain" else (2 if temperature == 0 else 4)
     # Outside the cycles: the loop's last read (no row goes on), the tokens handed back (2); and the cache's
     # exact length, read only when its attended span would grow past a chunk of 64 slots (here at most once per
     # 4 cycles: rejected drafts leave the upper bound up to 7 slots ahead a cycle)

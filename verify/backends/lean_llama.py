@@ -176,7 +176,7 @@ class LlamaDecoder(LeanDecoder):
             heads=self.heads,
             kv_heads=self.kv_heads,
             bias=_group_bias(mask, self.heads, self.kv_heads),
-            static=self.compiled,
+            static=True,  # shared chunks up to the span (masked past c0): no host read of c0
         )
         index = kv_index(slots, k_buf[0])  # where keys/values go, in every layer
         rotated = self.heads + self.kv_heads  # queries and keys: rotated together, as (b, n, heads, dh)
