@@ -120,21 +120,18 @@ def attend_in_order(q: Tensor, k: Tensor, v: Tensor, plan: OrderPlan, scale: flo
         pad = -span % CHUNK  # a compiled step's capacity need not be a multiple of CHUNK
         if pad:
             e, values = F.pad(e, (0, pad)), F.pad(values, (0, 0, 0, pad))
-        o, z = _chunk_products(e, values, per_query=1)
-        out = (_sum_in_order(o) / _sum_in_order(z)[..., None]).to(q.dtype)
+        total = _sum_in_order(_chunk_products(e, values, per_query=1))
+        out = (total[..., :d] / total[..., d:]).to(q.dtype)
         return rearrange(out, "(b g) (r n) d -> b n (g r d)", b=b, n=n)
     # the shared chunks, then the tail (each query's own keys in position order), chunk by chunk
     e = scores[..., : plan.chunks * CHUNK].add(plan.shared).sub_(top).exp_()  # 0 past c0
-    o_shared, z_shared = _chunk_products(e, values[:, : plan.chunks * CHUNK], per_query=1)
+    shared = _chunk_products(e, values[:, : plan.chunks * CHUNK], per_query=1)
     e = scores.gather(2, plan.tail).add_(plan.tail_bias).sub_(top).exp_()  # (B, R, T)
     gathered = values.reshape(-1, d).index_select(0, plan.tail_rows)  # (B n T, d)
-    o_tail, z_tail = _chunk_products(e, gathered.view(b * g * n, -1, d), per_query=n)
+    tail = _chunk_products(e, gathered.view(b * g * n, -1, d), per_query=n)
     # chunk results added in position order (zero chunks change nothing), then normalised once
-    total = _sum_in_order(o_shared) if plan.chunks else 0.0
-    z = _sum_in_order(z_shared) if plan.chunks else 0.0
-    for c in range(o_tail.shape[2]):
-        total, z = total + o_tail[:, :, c], z + z_tail[:, :, c]
-    out = (total / z[..., None]).to(q.dtype)  # (B, R, d)
+    total = _sum_in_order(torch.cat((shared, tail), dim=2))
+    out = (total[..., :d] / total[..., d:]).to(q.dtype)  # (B, R, d)
     return rearrange(out, "(b g) (r n) d -> b n (g r d)", b=b, n=n)
 
 
@@ -148,15 +145,15 @@ def _sum_in_order(chunks: Tensor) -> Tensor:
     return total
 
 
-def _chunk_products(e: Tensor, values: Tensor, *, per_query: int) -> tuple[Tensor, Tensor]:
+def _chunk_products(e: Tensor, values: Tensor, *, per_query: int) -> Tensor:
     """e (B, R, C c) float32 weights over c chunks of CHUNK keys, values (B Q, C c, d) with Q = per_query value
-    sequences per B (query row r n of B reads sequence n) -> (p @ v (B, R, c, d), exp-sums (B, R, c)), each
-    chunk reduced on its own, in float32."""
+    sequences per B (query row r n of B reads sequence n) -> (B, R, c, d + 1): each chunk's p @ v, and its
+    exp-sum as the last channel (so that one add per chunk sums both), each chunk reduced on its own, in float32."""
     (bg, rows, width), d = e.shape, values.shape[-1]
     c = width // CHUNK
     if c == 0:
-        return e.new_zeros(bg, rows, 0, d), e.new_zeros(bg, rows, 0)
-    z = e.view(bg, rows, c, CHUNK).sum(dim=-1)
+        return e.new_zeros(bg, rows, 0, d + 1)
+    z = e.view(bg, rows, c, CHUNK).sum(dim=-1, keepdim=True)
     p = rearrange(e.to(values.dtype), "B (r n) (c k) -> (B n c) r k", n=per_query, k=CHUNK)
     out = bmm_rows(p, rearrange(values, "Q (c k) d -> (Q c) k d", k=CHUNK))
-    return rearrange(out, "(B n c) r d -> B (r n) c d", n=per_query, c=c).float(), z
+    return torch.cat((rearrange(out, "(B n c) r d -> B (r n) c d", n=per_query, c=c).float(), z), dim=-1)
