@@ -38,14 +38,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.cli.preflight import hydra_preflight
 from experiments.lib.common.errors import exit_on_user_error
+from experiments.lib.common.machine import cpu_model, device_info
 from experiments.lib.families.registry import FAMILIES, TREE_FAMILIES
 from experiments.lib.methods.calibrate import (
     cached_verify_cost,
     choose_chain_budget,
     choose_tree_budget,
-    cpu_model,
     decode_precision,
-    device_info,
     format_cost_table,
 )
 from experiments.lib.methods.decode_checks import check_benchmark, check_exact, sampling_for

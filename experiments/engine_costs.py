@@ -33,7 +33,8 @@ from omegaconf import DictConfig, ListConfig
 
 from experiments.lib.cli.preflight import hydra_preflight
 from experiments.lib.common.errors import exit_on_user_error, write_atomic
-from experiments.lib.methods.calibrate import device_info, device_line, measure_verify_cost
+from experiments.lib.common.machine import device_info, device_line
+from experiments.lib.methods.calibrate import measure_verify_cost
 from experiments.lib.methods.decode_checks import check_run
 from experiments.lib.store.checkpoint import load_lm
 from experiments.lib.training.precision import DTYPES

@@ -34,9 +34,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.cli.preflight import hydra_preflight
 from experiments.lib.common.errors import exit_on_user_error, write_atomic
+from experiments.lib.common.machine import cpu_model, device_info, device_line
 from experiments.lib.data.pipeline import base_data_config, prepare_data
 from experiments.lib.data.prompts import heldout_prompts
-from experiments.lib.methods.calibrate import cpu_model, device_info, device_line
 from experiments.lib.methods.decode_checks import check_checkpoints, check_prompt_lookup, check_run
 from experiments.lib.store.checkpoint import is_hf_directory, load_lm, read_meta, tokenizer_mismatch
 from experiments.lib.store.rundir import check_writable

@@ -26,7 +26,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from verify.backends.cache import StaticCache, visibility, write_kv
-from verify.backends.lean_llama import _attend_grouped, _group_bias, _rotate_halves, half_rotary_table
+from verify.backends.lean_llama import attend_grouped, group_bias, half_rotary_table, rotate_halves
 from verify.common.numerics import check_int
 
 ARCHS = ("eagle", "eagle3")
@@ -130,12 +130,12 @@ class EagleLayer(nn.Module):
         (k_buf,), (v_buf,) = cache.buffers(n, full=False)
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
         cos, sin = self._rotary(slots if pos is None else pos)
-        bias = _group_bias(visibility(start, n, allow, k_buf.shape[2]), self.heads, self.kv_heads)
+        bias = group_bias(visibility(start, n, allow, k_buf.shape[2]), self.heads, self.kv_heads)
 
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             k, v = (rearrange(t, "b n g d -> b g n d") for t in (k, v))
             k_all, v_all = write_kv(k_buf, v_buf, k, v, slots)  # (b, g, S, dh)
-            return _attend_grouped(q, k_all, v_all, bias, self.dim_head**-0.5)
+            return attend_grouped(q, k_all, v_all, bias, self.dim_head**-0.5)
 
         out = self._block(x, cos, sin, attend)
         cache.advance(n)
@@ -164,7 +164,7 @@ class EagleLayer(nn.Module):
         q, k, v = (
             rearrange(p(h), "b n (h d) -> b n h d", d=self.dim_head) for p in (self.q_proj, self.k_proj, self.v_proj)
         )
-        q, k = _rotate_halves(q, cos, sin), _rotate_halves(k, cos, sin)
+        q, k = rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
         h = residual + self.o_proj(attend(q, k, v))
         m = self.post_attention_layernorm(h)
         return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))

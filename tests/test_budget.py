@@ -129,6 +129,7 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
+from experiments.lib.common.machine import machine_key  # noqa: E402
 from experiments.lib.methods import calibrate  # noqa: E402
 from experiments.lib.methods.calibrate import (  # noqa: E402
     binary_tree,
@@ -136,7 +137,6 @@ from experiments.lib.methods.calibrate import (  # noqa: E402
     choose_chain_budget,
     choose_tree_budget,
     format_cost_table,
-    machine_key,
     measure_verify_cost,
     pilot,
 )

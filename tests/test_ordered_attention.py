@@ -86,7 +86,7 @@ def attention_case(prefix: int, dtype: torch.dtype, seed: int):
     """Random queries / keys / values of a tree forward behind `prefix` cached slots, and of each node's path
     decoded alone: (tree output (n, h d), [the path's last-step output (h d) per node])."""
     from verify.backends.cache import tree_attention, visibility
-    from verify.backends.lean_llama import _group_bias
+    from verify.backends.lean_llama import group_bias
     from verify.backends.ordered_attention import attend_in_order, order_plan
 
     heads, kv_heads, d, n = 6, 2, 16, len(PARENTS)
@@ -99,7 +99,7 @@ def attention_case(prefix: int, dtype: torch.dtype, seed: int):
         span = -(-keys.shape[2] // CHUNK) * CHUNK  # the eager engine's span: slots in use, rounded up to CHUNK
         pad = lambda t: torch.cat((t, t.new_zeros(1, kv_heads, span - t.shape[2], d)), dim=2)  # noqa: E731
         m, begin = queries.shape[1], torch.tensor([start])
-        bias = _group_bias(visibility(begin, m, allow, span), heads, kv_heads)
+        bias = group_bias(visibility(begin, m, allow, span), heads, kv_heads)
         plan = order_plan(begin, m, allow, span, heads=heads, kv_heads=kv_heads, bias=bias)
         return attend_in_order(queries, pad(keys), pad(values), plan, d**-0.5)[0]
 

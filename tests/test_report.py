@@ -148,9 +148,9 @@ def fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
 
     import torch
 
-    from experiments.lib.methods import calibrate
+    from experiments.lib.common import machine
 
-    monkeypatch.setattr(calibrate, "cpu_model", lambda: "AMD EPYC 9454")
+    monkeypatch.setattr(machine, "cpu_model", lambda: "AMD EPYC 9454")
     monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(**FAKE_H100))
@@ -158,7 +158,7 @@ def fake_h100(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_cuda_run_describes_its_gpu(fake_h100: None) -> None:
-    from experiments.lib.methods.calibrate import device_description, device_info
+    from experiments.lib.common.machine import device_description, device_info
 
     info = device_info("cuda")
     assert info == {
@@ -178,18 +178,18 @@ def test_a_cuda_run_describes_its_gpu(fake_h100: None) -> None:
 def test_a_cpu_run_describes_its_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from experiments.lib.methods import calibrate
+    from experiments.lib.common import machine
 
-    monkeypatch.setattr(calibrate, "cpu_model", lambda: "AMD EPYC 9454")
-    info = calibrate.device_info("cpu")
+    monkeypatch.setattr(machine, "cpu_model", lambda: "AMD EPYC 9454")
+    info = machine.device_info("cpu")
     threads = torch.get_num_threads()
     assert info == {"type": "cpu", "torch": torch.__version__, "name": "AMD EPYC 9454", "threads": threads}
-    assert calibrate.device_description(torch.device("cpu")) == "CPU: AMD EPYC 9454"  # the header's line as before
+    assert machine.device_description(torch.device("cpu")) == "CPU: AMD EPYC 9454"  # the header's line as before
 
 
 def test_the_machine_key_of_a_gpu_names_it(fake_h100: None) -> None:
     """A cost table measured on a CPU (or on another GPU) must never be read back on this GPU."""
-    from experiments.lib.methods.calibrate import machine_key
+    from experiments.lib.common.machine import machine_key
 
     gpu, cpu = machine_key("cuda"), machine_key("cpu")
     assert gpu.startswith("AMD EPYC 9454 | torch 2.11.0+cu130 | ") and "NVIDIA H100 80GB HBM3" in gpu
@@ -198,7 +198,7 @@ def test_the_machine_key_of_a_gpu_names_it(fake_h100: None) -> None:
 
 
 def test_the_header_names_the_gpu_of_a_cuda_run(fake_h100: None) -> None:
-    from experiments.lib.methods.calibrate import device_info
+    from experiments.lib.common.machine import device_info
     from experiments.lib.report.results import header_line
 
     results = {"cpu": "AMD EPYC 9454", "device_info": device_info("cuda"), "base": {"parameters": 10_500_000}}

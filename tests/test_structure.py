@@ -33,7 +33,7 @@ LAYERS = (  # lowest first; verify/__init__.py and experiments/lib/__init__.py l
     "verify.encdec",  # encoder-decoder targets
     "medusa",
     "prophet",
-    "experiments.lib.common",  # one-line errors and exit statuses, sweep failures, atomic writes
+    "experiments.lib.common",  # one-line errors and exit statuses, sweep failures, atomic writes, the machine
     "experiments.lib.data",  # corpus, split, tokenizer, token-id cache, prompts
     "experiments.lib.store",  # build_lm, checkpoints, pretrained bases, the run directory's lock
     "experiments.lib.families",  # the drafter-family registry

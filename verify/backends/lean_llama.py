@@ -51,11 +51,12 @@ def half_rotary_table(inv_freq: Tensor, length: int) -> tuple[Tensor, Tensor]:
     return torch.cat((freqs.cos(), freqs.cos()), dim=-1), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
 
 
-def _rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def rotate_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary on x (..., dh) with `half_rotary_table`'s cos, sin (transformers' rotate_half convention)."""
     return x * cos + torch.cat(x.chunk(2, dim=-1)[::-1], dim=-1) * sin
 
 
-def _group_bias(mask: Tensor, heads: int, kv_heads: int) -> Tensor:
+def group_bias(mask: Tensor, heads: int, kv_heads: int) -> Tensor:
     """mask (b, 1, n, S) -> the additive float32 bias (b * g, r * n, S) of grouped attention (0 seen, -inf not):
     the r query heads of a group stack along n, so the mask repeats r times. Built once per forward, not per
     layer; float32, as the scores it is added to."""
@@ -64,9 +65,9 @@ def _group_bias(mask: Tensor, heads: int, kv_heads: int) -> Tensor:
     return bias.expand(b, kv_heads, n, span).repeat(1, 1, heads // kv_heads, 1).reshape(-1, n * heads // kv_heads, span)
 
 
-def _attend_grouped(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+def attend_grouped(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
     """q (b, n, h, dh) over k, v (b, g, S, dh), g kv heads shared by h / g query heads each, under the additive
-    `_group_bias` -> (b, n, h * dh). The queries of a group stack along n, so one batched matmul (scale and
+    `group_bias` -> (b, n, h * dh). The queries of a group stack along n, so one batched matmul (scale and
     bias folded into it) covers every head and no key is copied."""
     b, n, h, d = q.shape
     g, span = k.shape[1], k.shape[2]
@@ -175,7 +176,7 @@ class LlamaDecoder(LeanDecoder):
             capacity,
             heads=self.heads,
             kv_heads=self.kv_heads,
-            bias=_group_bias(mask, self.heads, self.kv_heads),
+            bias=group_bias(mask, self.heads, self.kv_heads),
             static=True,  # shared chunks up to the span (masked past c0): no host read of c0
         )
         index = kv_index(slots, k_buf[0])  # where keys/values go, in every layer
@@ -186,7 +187,7 @@ class LlamaDecoder(LeanDecoder):
             h = F.rms_norm(x, (self.dim,), w[0], self.eps)
             if kind == "a":
                 qkv = rearrange(linear(h, w[1], w[2]), "b n (h d) -> b n h d", d=self.dim_head)
-                qk = _rotate_halves(qkv[:, :, :rotated], cos, sin)
+                qk = rotate_halves(qkv[:, :, :rotated], cos, sin)
                 k, v = (rearrange(t, "b n h d -> b h n d") for t in (qk[:, :, self.heads :], qkv[:, :, rotated:]))
                 k_all, v_all = write_kv(k_buf[layer], v_buf[layer], k, v, slots, index)
                 if ordered:

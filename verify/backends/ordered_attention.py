@@ -67,7 +67,7 @@ def order_plan(
     static: bool = False,
 ) -> OrderPlan:
     """The plan of a forward writing n entries from slot start (b,), visibility as verify.backends.cache's
-    `visibility` (allow (b, n, r) over the last r slots; None: causal); bias is its additive `_group_bias`.
+    `visibility` (allow (b, n, r) over the last r slots; None: causal); bias is its additive `group_bias`.
     static: shapes that depend on the capacity only (a compiled or graph-captured step); else the shared
     chunks stop at the batch's largest c0 (one host read, free on a CPU)."""
     b, device = start.shape[0], start.device

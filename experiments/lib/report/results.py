@@ -27,7 +27,8 @@ from typing import Any
 import matplotlib
 
 from experiments.lib.common.errors import write_atomic
-from experiments.lib.methods.calibrate import device_line, format_cost_table
+from experiments.lib.common.machine import device_line
+from experiments.lib.methods.calibrate import format_cost_table
 from experiments.lib.report.by_category import category_table
 
 matplotlib.use("Agg")  # files only, no display
@@ -104,7 +105,7 @@ def markdown_table(results: dict) -> str:
 def header_line(results: dict) -> str:
     """'<device line>; base: <size>' and a blank line, or nothing when neither is known. The device line is
     'CPU: <model>', or 'GPU: <name> (<memory> GiB), torch <version>, CUDA <version>; host CPU: <model>' for a
-    run on a GPU (calibrate.device_line; results written before device_info have their cpu alone)."""
+    run on a GPU (machine.device_line; results written before device_info have their cpu alone)."""
     header = [device_line(results)] if device_line(results) else []
     header += [f"base: {base_line(results['base'], results.get('dtype', 'float32'))}"] if results.get("base") else []
     header += [prompts_line(results)] if results.get("prompt_set") else []

@@ -22,8 +22,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from experiments.lib.common.errors import write_atomic
+from experiments.lib.common.machine import cpu_model, device_info, device_line
 from experiments.lib.data.seq2seq import Pairs
-from experiments.lib.methods.calibrate import cpu_model, device_info, device_line
 from experiments.lib.report.results import repeated_ngram_share
 from verify.common.numerics import EosId
 from verify.drafters.prompt_lookup import PromptLookupDrafter
