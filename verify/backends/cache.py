@@ -187,6 +187,31 @@ class StaticCache:
             self.bound, self.stale = int(self.lengths.max()), False
         return self.bound
 
+    def row(self, b: int) -> StaticCache:
+        """Row b as a cache of one row, empty, over the same storage: a forward on it writes row b's slots.
+        Continuous batching (verify/loop/continuous.py) prefills a new prompt into a finished row this way, alone,
+        so the prompt gets the bits a batch of one gives it. The view never grows: its caller sized the cache."""
+        view = object.__new__(StaticCache)
+        view.k, view.v = [t[b : b + 1] for t in self.k], [t[b : b + 1] for t in self.v]
+        view._release = weakref.finalize(view, lambda: None)  # the storage is this cache's, not the view's
+        view.lengths = torch.zeros(1, dtype=torch.long, device=self.lengths.device)
+        view.bound, view.stale, view.span = 0, False, 0
+        return view
+
+    def set_lengths(self, lengths: list[int]) -> None:
+        """Every row's length, known on the host (a continuous batch counts them): exact bound, no read."""
+        self.lengths = torch.tensor(lengths, dtype=torch.long, device=self.lengths.device)
+        self.bound, self.stale = max(lengths), False
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only these rows (in this order): a continuous batch whose queue ran dry sheds finished rows.
+        Copies every buffer once, so a caller does it rarely (when half the rows are idle)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.lengths.device)
+        self._release.detach()  # the old buffers are dropped: a pool holds caches of one batch size each
+        self.k, self.v = [t.index_select(0, index) for t in self.k], [t.index_select(0, index) for t in self.v]
+        self._release = weakref.finalize(self, _give_back, self.k, self.v)
+        self.lengths = self.lengths.index_select(0, index)
+
     @torch.inference_mode()
     def commit(self, keep: Tensor, *, prefix: bool = False) -> None:
         """Roll back: of the last k entries of each row, keep those where keep (b, k) is True, in order.

@@ -167,6 +167,23 @@ class Target:
         return TargetOutput(logits=logits, hidden=right_to_left(hidden, lengths), layers=layers)
 
     @torch.inference_mode()
+    def open_rows(self, batch: int, capacity: int) -> None:
+        """An empty cache of `batch` rows and `capacity` slots each, for a continuous batch (`fill_row`)."""
+        self.cache = None  # dropped first, so that the new cache can take its buffers
+        self.cache = self.engine.decoder.new_cache(batch, capacity + self.max_draft + 1, device=self.device)
+
+    @torch.inference_mode()
+    def fill_row(self, row: int, prompt: list[int]) -> Tensor:
+        """Empty row `row` and prefill `prompt` into it alone (the bits a batch of one gives it); returns the
+        logits (V,) at its last position. The caller sets every row's length afterwards (`cache.set_lengths`)."""
+        if len(prompt) + 1 > self.cache.capacity:
+            raise ValueError(f"a prompt of {len(prompt)} tokens does not fit rows of {self.cache.capacity} slots")
+        tokens = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        last = torch.tensor([len(prompt) - 1], device=self.device)
+        logits, *_ = self.engine(tokens, self.cache.row(row), eager=True, attention="fused", logits_at=last)
+        return logits[0, 0]
+
+    @torch.inference_mode()
     def extend(self, tokens: Tensor, *, parents: Tensor | None = None) -> TargetOutput:
         """Run k new tokens (b, k) in one forward on top of the cache and append them to it.
 

@@ -1,0 +1,128 @@
+"""Continuous batching (verify/loop/continuous.py): every prompt's answer is the answer plain decoding gives it in a
+batch of one with the same seed, bit for bit, in bfloat16 on the lean Llama engine, whatever the batch size, and
+however rows finish, refill and are shed; greedy and T = 1 prompts mixed; bad inputs refused in one line."""
+
+import pytest
+import torch
+
+from tests.conftest import make_lm
+from verify.backends.choose import make_target
+from verify.backends.target import Target
+from verify.common.numerics import NonFiniteError
+from verify.loop.continuous import continuous_generate
+from verify.loop.plain import plain_generate
+from verify.loop.sampling import SamplingConfig
+
+transformers = pytest.importorskip("transformers")
+
+from verify.backends.hf import HFBase  # noqa: E402
+
+V = 199
+EOS = 7
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return HFBase(transformers.LlamaForCausalLM(config)).eval().to(torch.bfloat16)
+
+
+def prompts_of(count: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 150, (count,), generator=g).tolist()  # across chunk boundaries of 64
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+
+
+def alone(base, prompt, *, budget, cfg, seed, eos_id=EOS) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return plain_generate(
+        make_target(base), [prompt], max_new_tokens=budget, sampling=cfg, generator=g, eos_id=eos_id
+    ).tokens[0]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_every_answer_equals_plain_decoding_alone(llama, batch):
+    prompts = prompts_of(11, seed=batch)
+    budgets = [5 + 7 * (i % 5) for i in range(len(prompts))]  # rows finish at different steps
+    cfgs = [SamplingConfig(temperature=1.0) if i % 2 else SamplingConfig() for i in range(len(prompts))]
+    seeds = [100 + i for i in range(len(prompts))]
+    target = make_target(llama)
+    got = {}
+    for answer in continuous_generate(
+        target, prompts, max_new_tokens=budgets, batch=batch, sampling=cfgs, seeds=seeds, eos_id=EOS
+    ):
+        assert answer.index not in got
+        got[answer.index] = answer.tokens
+    assert sorted(got) == list(range(len(prompts)))
+    for i, prompt in enumerate(prompts):
+        assert got[i] == alone(llama, prompt, budget=budgets[i], cfg=cfgs[i], seed=seeds[i]), f"prompt {i}"
+
+
+def test_a_row_stops_at_eos_and_is_refilled(llama):
+    prompts = prompts_of(6, seed=3)
+    free = [alone(llama, p, budget=40, cfg=SamplingConfig(), seed=0, eos_id=None) for p in prompts]
+    eos = free[0][4]  # the first prompt's fifth token: that row ends early and takes the next prompt
+    answers = list(continuous_generate(make_target(llama), prompts, max_new_tokens=40, batch=2, eos_id=eos))
+    by_index = {a.index: a.tokens for a in answers}
+    for i, tokens in enumerate(free):
+        cut = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        assert by_index[i] == tokens[:cut]
+    assert len(by_index[0]) <= 5
+    assert answers[0].index == 0  # finished first, while the other row went on
+
+
+def test_the_x_transformers_engine_refills_rows_too(tiny_base_model):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]]
+    got = {a.index: a.tokens for a in continuous_generate(Target(tiny_base_model), prompts, max_new_tokens=6, batch=2)}
+    for i, p in enumerate(prompts):
+        assert got[i] == plain_generate(Target(tiny_base_model), [p], max_new_tokens=6).tokens[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_base_model():
+    return make_lm(num_tokens=64, max_seq_len=64, seed=1).eval()
+
+
+def test_nan_logits_name_the_prompt(llama):
+    target = make_target(llama)
+    embedding = target.engine.embedding.clone()
+    embedding[3] = float("nan")  # only the second prompt holds token 3
+    target.engine.embedding = embedding
+    with pytest.raises(NonFiniteError, match="decode step 0 .*row 1"):
+        list(continuous_generate(target, [[1, 2], [3, 4]], max_new_tokens=3, batch=1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(batch=0), "batch=0: must be an integer >= 1"),
+        (dict(batch=True), "batch=True"),
+        (dict(max_new_tokens=0), "max_new_tokens=0"),
+        (dict(max_new_tokens=[3]), "max_new_tokens has 1 entries for 2 prompts"),
+        (dict(seeds=[1, 2, 3]), "seeds has 3 entries for 2 prompts"),
+        (dict(seeds=1.5), "seed=1.5"),
+        (dict(sampling=0.7), "sampling=0.7: must be a SamplingConfig"),
+    ],
+)
+def test_bad_inputs_refused_in_one_line(llama, kwargs, message):
+    args = dict(max_new_tokens=4, batch=2) | kwargs
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        next(continuous_generate(make_target(llama), [[1, 2], [3]], **args))
+
+
+def test_a_prompt_the_model_cannot_take_is_refused(llama):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        next(continuous_generate(make_target(llama), [[1, 2], []], max_new_tokens=4))
