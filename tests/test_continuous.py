@@ -2,6 +2,8 @@
 batch of one with the same seed, bit for bit, in bfloat16 on the lean Llama engine, whatever the batch size, and
 however rows finish, refill and are shed; greedy and T = 1 prompts mixed; bad inputs refused in one line."""
 
+from collections import deque
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from tests.conftest import make_lm
 from verify.backends.choose import make_target
 from verify.backends.target import Target
 from verify.common.numerics import NonFiniteError
-from verify.loop.continuous import continuous_generate
+from verify.loop.continuous import Request, continuous_generate, serve
 from verify.loop.plain import plain_generate
 from verify.loop.sampling import SamplingConfig
 
@@ -126,3 +128,29 @@ def test_bad_inputs_refused_in_one_line(llama, kwargs, message):
 def test_a_prompt_the_model_cannot_take_is_refused(llama):
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         next(continuous_generate(make_target(llama), [[1, 2], []], max_new_tokens=4))
+
+
+def test_a_follow_up_queued_while_serving_is_served_as_if_alone(llama):
+    """The data engine queues a second turn when the first answer arrives: served in the same batch, same bits."""
+    firsts = prompts_of(5, seed=9)
+    queue = deque(Request(p, 12) for p in firsts)
+
+    def feed():
+        while queue:
+            yield queue.popleft()
+
+    follow_ups, got = {}, {}
+    for answer in serve(make_target(llama), feed(), batch=3, capacity=400, eos_id=None):
+        got[answer.index] = answer.tokens
+        if answer.index < len(firsts):  # a first turn: ask a follow-up built on its answer
+            follow = firsts[answer.index] + answer.tokens + [5, 6]
+            queue.append(Request(follow, 8, SamplingConfig(temperature=1.0), seed=answer.index))
+            follow_ups[len(firsts) + len(follow_ups)] = (follow, answer.index)
+    assert len(got) == 2 * len(firsts)
+    for i, (prompt, seed) in follow_ups.items():
+        assert got[i] == alone(llama, prompt, budget=8, cfg=SamplingConfig(temperature=1.0), seed=seed, eos_id=None)
+
+
+def test_a_request_past_the_rows_capacity_is_refused(llama):
+    with pytest.raises(ValueError, match="prompt 1 has 3 tokens \\+ max_new_tokens=9: more than the rows' capacity=10"):
+        list(serve(make_target(llama), iter([Request([1], 4), Request([1, 2, 3], 9)]), batch=1, capacity=10))

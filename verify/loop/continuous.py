@@ -26,11 +26,19 @@ from verify.loop.plain import check_max_new_tokens
 from verify.loop.sampling import SamplingConfig, sample_token
 
 
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig = SamplingConfig()
+    seed: int = 0  # the prompt's generator at T > 0
+
+
 @dataclass
 class Answer:
-    index: int  # which prompt
+    index: int  # which request, in the order they were taken
     tokens: list[int]  # its new tokens, EOS included when it was emitted
-    steps: int  # forwards of the batch while this prompt held a row (what it shared)
+    steps: int  # forwards of the batch while this request held a row (what it shared)
 
 
 def _per_prompt(value, n: int, name: str) -> list:
@@ -42,10 +50,25 @@ def _per_prompt(value, n: int, name: str) -> list:
     return [value] * n
 
 
-def check_continuous(
-    target: Target, prompts: Sequence[list[int]], *, batch: int, budgets: list[int], samplings: list, seeds: list
-) -> None:
-    """One-line errors before any work starts."""
+def check_request(target: Target, request: Request, *, index: int, capacity: int | None = None) -> None:
+    """One-line errors for a request the target cannot serve."""
+    check_max_new_tokens(request.max_new_tokens)
+    if not isinstance(request.sampling, SamplingConfig):
+        raise ValueError(f"sampling={request.sampling!r}: must be a SamplingConfig (or a list of one per prompt)")
+    if isinstance(request.seed, bool) or not isinstance(request.seed, int):
+        raise ValueError(f"seed={request.seed!r}: each prompt's seed must be an integer")
+    try:
+        target.check_tokens([request.prompt], max_new_tokens=request.max_new_tokens)
+    except ValueError as e:
+        raise ValueError(str(e).replace("prompt 0", f"prompt {index}", 1)) from None
+    if capacity is not None and len(request.prompt) + request.max_new_tokens > capacity:
+        raise ValueError(
+            f"prompt {index} has {len(request.prompt)} tokens + max_new_tokens={request.max_new_tokens}: "
+            f"more than the rows' capacity={capacity}"
+        )
+
+
+def check_serving(target: Target, batch: int) -> None:
     if not hasattr(target, "fill_row"):
         raise ValueError(
             f"{type(target).__name__} cannot refill one row of its cache: continuous batching runs on the lean "
@@ -53,18 +76,8 @@ def check_continuous(
         )
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch={batch!r}: must be an integer >= 1 (rows decoded at once)")
-    for n in budgets:
-        check_max_new_tokens(n)
-    for cfg in samplings:
-        if not isinstance(cfg, SamplingConfig):
-            raise ValueError(f"sampling={cfg!r}: must be a SamplingConfig (or a list of one per prompt)")
-    for seed in seeds:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed={seed!r}: each prompt's seed must be an integer")
-    target.check_tokens(list(prompts), max_new_tokens=max(budgets))
 
 
-@torch.inference_mode()
 def continuous_generate(
     target: Target,
     prompts: Sequence[list[int]],
@@ -76,68 +89,92 @@ def continuous_generate(
     eos_id: EosId = None,
 ) -> Iterator[Answer]:
     """Answer every prompt, `batch` rows at a time; yields each answer as it finishes (not in prompt order).
-
-    max_new_tokens, sampling and seeds: one for all prompts or one per prompt; prompt i at T > 0 samples from a
-    generator seeded with seeds[i]. Raises NonFiniteError when a prompt's logits held NaN or inf (naming the
-    prompt as the row and its token as the step)."""
+    max_new_tokens, sampling and seeds: one for all prompts or one per prompt. Every prompt is checked first."""
     n = len(prompts)
-    budgets = _per_prompt(max_new_tokens, n, "max_new_tokens")
-    samplings = _per_prompt(sampling, n, "sampling")
-    seeds = _per_prompt(seeds, n, "seeds")
-    check_continuous(target, prompts, batch=batch, budgets=budgets, samplings=samplings, seeds=seeds)
+    requests = [
+        Request(list(p), m, c, s)
+        for p, m, c, s in zip(
+            prompts,
+            _per_prompt(max_new_tokens, n, "max_new_tokens"),
+            _per_prompt(sampling, n, "sampling"),
+            _per_prompt(seeds, n, "seeds"),
+        )
+    ]
+    check_serving(target, batch)
+    if not requests:
+        raise ValueError("prompts=[]: need at least one prompt")
+    for i, r in enumerate(requests):
+        check_request(target, r, index=i)
+    capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    return serve(target, iter(requests), batch=min(batch, n), capacity=capacity, eos_id=eos_id)
+
+
+@torch.inference_mode()
+def serve(
+    target: Target, requests: Iterator[Request], *, batch: int, capacity: int, eos_id: EosId = None
+) -> Iterator[Answer]:
+    """Serve requests as they come, `batch` rows of `capacity` slots (prompt + new tokens) each; yields each
+    answer as it finishes. `requests` is read lazily: a caller may queue a follow-up (a second turn) while it
+    handles an answer, and it is served before the batch drains. Raises NonFiniteError when a request's logits
+    held NaN or inf (naming the request as the row and its token as the step)."""
+    check_serving(target, batch)
     eos = eos_ids(eos_id, target.vocab_size, target.device)
     eos = set() if eos is None else set(eos.tolist())
     target.use_layers(())
-    rows = min(batch, n)
-    target.open_rows(rows, max(len(p) + b for p, b in zip(prompts, budgets)))
-    taken = 0  # prompts handed to a row so far
-    held: list[int | None] = [None] * rows  # the prompt each row holds; None: idle (every prompt taken)
-    out: list[list[int]] = [[] for _ in range(rows)]
-    started, lengths = [0] * rows, [0] * rows  # the step each row took its prompt at; its cached tokens
-    generators: list[torch.Generator | None] = [None] * rows
-    logits = torch.empty(rows, target.vocab_size, device=target.device)  # (rows, V) what each row samples next
+    target.open_rows(batch, capacity)
+    taken = 0  # requests handed to a row so far
+    held: list[Request | None] = [None] * batch  # the request each row serves; None: idle (none left)
+    index, out = [0] * batch, [[] for _ in range(batch)]
+    started, lengths = [0] * batch, [0] * batch  # the step each row took its request at; its cached tokens
+    generators: list[torch.Generator | None] = [None] * batch
+    logits = torch.empty(batch, target.vocab_size, device=target.device)  # (rows, V) what each row samples next
     step = 0
 
     def fill(r: int) -> None:
         nonlocal taken
-        i = taken if taken < n else None
-        held[r], out[r], started[r], lengths[r] = i, [], step, 0
-        if i is None:
+        request = next(requests, None)
+        held[r], out[r], started[r], lengths[r] = request, [], step, 0
+        if request is None:
             return
-        taken += 1
-        logits[r] = target.fill_row(r, list(prompts[i]))
-        lengths[r] = len(prompts[i])
-        generators[r] = None if samplings[i].greedy else torch.Generator(device=target.device).manual_seed(seeds[i])
+        check_request(target, request, index=taken, capacity=capacity)
+        index[r], taken = taken, taken + 1
+        logits[r] = target.fill_row(r, request.prompt)
+        lengths[r] = len(request.prompt)
+        greedy = request.sampling.greedy
+        generators[r] = None if greedy else torch.Generator(device=target.device).manual_seed(request.seed)
 
-    for r in range(rows):
+    for r in range(batch):
         fill(r)
-    while True:
+    while any(h is not None for h in held):
         target.cache.set_lengths(lengths)
         nxt = logits.argmax(dim=-1)  # (rows,) the greedy rows' tokens; a sampled row draws alone, from its generator
-        for r, i in enumerate(held):
-            if i is not None and not samplings[i].greedy:
-                nxt[r] = sample_token(logits[r : r + 1], samplings[i], generators[r])[0]
+        for r, h in enumerate(held):
+            if h is not None and not h.sampling.greedy:
+                nxt[r] = sample_token(logits[r : r + 1], h.sampling, generators[r])[0]
         tokens, peaks = nxt.tolist(), logits.amax(dim=-1).tolist()  # the step's one host read
         finished = []
-        for r, i in enumerate(held):
-            if i is None:
+        for r, h in enumerate(held):
+            if h is None:
                 continue
             if not math.isfinite(peaks[r]):
-                raise nonfinite_error(TARGET_LOGITS, len(out[r]), i, peaks[r])
+                raise nonfinite_error(TARGET_LOGITS, len(out[r]), index[r], peaks[r])
             out[r].append(tokens[r])
-            if tokens[r] in eos or len(out[r]) == budgets[i]:
+            if tokens[r] in eos or len(out[r]) == h.max_new_tokens:
                 finished.append(r)
-                yield Answer(index=i, tokens=out[r], steps=step + 1 - started[r])
-        busy = [r for r, i in enumerate(held) if i is not None and r not in finished]
-        if not busy and taken == n:
-            return
+                yield Answer(index=index[r], tokens=out[r], steps=step + 1 - started[r])
+        if len(finished) == sum(h is not None for h in held):  # every row done: refill before another step
+            for r in finished:
+                fill(r)
+            continue
         logits = target.extend(nxt[:, None]).logits[:, -1].float()
         step += 1
-        lengths = [length + 1 if i is not None else 0 for length, i in zip(lengths, held)]  # idle rows hold nothing
+        lengths = [length + 1 if h is not None else 0 for length, h in zip(lengths, held)]  # idle rows hold nothing
         for r in finished:
             fill(r)
-        active = [r for r, i in enumerate(held) if i is not None]
-        if len(active) <= len(held) // 2:  # every prompt taken: shed the idle rows (a copy of the cache, so rarely)
+        active = [r for r, h in enumerate(held) if h is not None]
+        if len(active) <= len(held) // 2:  # no request left: shed the idle rows (a copy of the cache, so rarely)
             target.cache.keep_rows(active)
-            held, out, started = [held[r] for r in active], [out[r] for r in active], [started[r] for r in active]
-            lengths, generators, logits = [lengths[r] for r in active], [generators[r] for r in active], logits[active]
+            held, index, out, started, lengths, generators = (
+                [xs[r] for r in active] for xs in (held, index, out, started, lengths, generators)
+            )
+            logits = logits[active]
