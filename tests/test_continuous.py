@@ -135,12 +135,10 @@ def test_a_follow_up_queued_while_serving_is_served_as_if_alone(llama):
     firsts = prompts_of(5, seed=9)
     queue = deque(Request(p, 12) for p in firsts)
 
-    def feed():
-        while queue:
-            yield queue.popleft()
-
     follow_ups, got = {}, {}
-    for answer in serve(make_target(llama), feed(), batch=3, capacity=400, eos_id=None):
+    for answer in serve(
+        make_target(llama), lambda: queue.popleft() if queue else None, batch=3, capacity=400, eos_id=None
+    ):
         got[answer.index] = answer.tokens
         if answer.index < len(firsts):  # a first turn: ask a follow-up built on its answer
             follow = firsts[answer.index] + answer.tokens + [5, 6]
@@ -153,4 +151,5 @@ def test_a_follow_up_queued_while_serving_is_served_as_if_alone(llama):
 
 def test_a_request_past_the_rows_capacity_is_refused(llama):
     with pytest.raises(ValueError, match="prompt 1 has 3 tokens \\+ max_new_tokens=9: more than the rows' capacity=10"):
-        list(serve(make_target(llama), iter([Request([1], 4), Request([1, 2, 3], 9)]), batch=1, capacity=10))
+        requests = iter([Request([1], 4), Request([1, 2, 3], 9)])
+        list(serve(make_target(llama), lambda: next(requests, None), batch=1, capacity=10))

@@ -15,7 +15,7 @@ the batch size and whichever prompts share its step (tested; on the lean engine'
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,17 +106,19 @@ def continuous_generate(
     for i, r in enumerate(requests):
         check_request(target, r, index=i)
     capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
-    return serve(target, iter(requests), batch=min(batch, n), capacity=capacity, eos_id=eos_id)
+    queue = iter(requests)
+    return serve(target, lambda: next(queue, None), batch=min(batch, n), capacity=capacity, eos_id=eos_id)
 
 
 @torch.inference_mode()
 def serve(
-    target: Target, requests: Iterator[Request], *, batch: int, capacity: int, eos_id: EosId = None
+    target: Target, pull: Callable[[], Request | None], *, batch: int, capacity: int, eos_id: EosId = None
 ) -> Iterator[Answer]:
     """Serve requests as they come, `batch` rows of `capacity` slots (prompt + new tokens) each; yields each
-    answer as it finishes. `requests` is read lazily: a caller may queue a follow-up (a second turn) while it
-    handles an answer, and it is served before the batch drains. Raises NonFiniteError when a request's logits
-    held NaN or inf (naming the request as the row and its token as the step)."""
+    answer as it finishes. `pull()` gives the next request, or None when there is none now: it is asked again
+    whenever a row is free, so a caller may queue a follow-up (a second turn) while it handles an answer. Serving
+    ends when every row is idle and `pull()` has nothing. Raises NonFiniteError when a request's logits held NaN
+    or inf (naming the request as the row and its token as the step)."""
     check_serving(target, batch)
     eos = eos_ids(eos_id, target.vocab_size, target.device)
     eos = set() if eos is None else set(eos.tolist())
@@ -132,7 +134,7 @@ def serve(
 
     def fill(r: int) -> None:
         nonlocal taken
-        request = next(requests, None)
+        request = pull()
         held[r], out[r], started[r], lengths[r] = request, [], step, 0
         if request is None:
             return
@@ -163,16 +165,16 @@ def serve(
                 finished.append(r)
                 yield Answer(index=index[r], tokens=out[r], steps=step + 1 - started[r])
         if len(finished) == sum(h is not None for h in held):  # every row done: refill before another step
-            for r in finished:
+            for r in range(len(held)):
                 fill(r)
             continue
         logits = target.extend(nxt[:, None]).logits[:, -1].float()
         step += 1
         lengths = [length + 1 if h is not None else 0 for length, h in zip(lengths, held)]  # idle rows hold nothing
-        for r in finished:
+        for r in [r for r, h in enumerate(held) if h is None or r in finished]:  # idle rows ask again too
             fill(r)
         active = [r for r, h in enumerate(held) if h is not None]
-        if len(active) <= len(held) // 2:  # no request left: shed the idle rows (a copy of the cache, so rarely)
+        if len(active) <= len(held) // 2:  # no request now: shed the idle rows (a copy of the cache, so rarely)
             target.cache.keep_rows(active)
             held, index, out, started, lengths, generators = (
                 [xs[r] for r in active] for xs in (held, index, out, started, lengths, generators)
