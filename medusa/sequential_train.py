@@ -17,6 +17,9 @@ samples positions t < T - K, where every head has one.
 Because head k conditions on the true path, `head{k}_rank{r}` is how often its rank-r guess is the base's
 top-1 *given that the path to it was accepted*: the conditional rate a static tree's node value multiplies
 (medusa.trees.tree_from_accuracies grows trees for these heads from it unchanged).
+
+A batch mask is honoured as Medusa's (sample_positions, heads_loss, evaluate): head k at t counts only where its
+token t + 1 + k is an answer token; the tokens it reads may be the user's.
 """
 
 from __future__ import annotations

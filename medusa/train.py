@@ -18,6 +18,10 @@ Position subsampling. Consecutive positions of a window are highly correlated, a
 per position; so each step trains on `positions` positions drawn at random from all windows of the batch
 (all with t < T - K, where every head has a target) rather than on every position of a few windows: many
 more windows for the same compute.
+
+Answer mask. With a batch mask (verify/training/features.py), head k at t counts only where token t + 1 + k is
+an answer token (mask[:, t + k]): positions are drawn among those where at least one head's target is, and
+each head's loss and metrics are means over its own answer targets.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch import Tensor, nn
 from medusa.heads import MedusaHeads
 from medusa.trees import RANKS
 from verify.common.vocab import full_ids
-from verify.training.distill import check_target, distill_loss, subset_index
+from verify.training.distill import check_mask, check_target, distill_loss, masked_mean, subset_index
 from verify.training.features import FeatureBatch
 
 __all__ = ["build", "loss", "evaluate"]
@@ -49,10 +53,15 @@ def check_batch(module: MedusaHeads, batch: FeatureBatch) -> None:
         raise ValueError(f"sequence length T={t}: head {module.num_heads} needs T > num_heads to have any target")
 
 
-def _sample_positions(b: int, usable: int, positions: int | None, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Row and position indices (n,) of `positions` random positions t < usable (all of them when None)."""
-    total = b * usable
+def _sample_positions(
+    b: int, usable: int, positions: int | None, device: torch.device, eligible: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Row and position indices (n,) of `positions` random positions t < usable (all of them when None), drawn
+    among those where `eligible` (B, usable) is True when given."""
+    candidates = None if eligible is None else eligible.flatten().nonzero()[:, 0]  # (m,) flat indices
+    total = b * usable if candidates is None else candidates.numel()
     pick = torch.randperm(total, device=device)[: total if positions is None else min(positions, total)]
+    pick = pick if candidates is None else candidates[pick]
     return pick // usable, pick % usable
 
 
@@ -60,7 +69,8 @@ def sample_positions(
     module: nn.Module, batch: FeatureBatch, *, weight: float, target: str, positions: int | None
 ) -> tuple[Tensor, Tensor]:
     """Check the loss settings and the batch; row and position indices (n,) of `positions` random positions
-    t < T - K (where every head has a target). Shared by Medusa's and the sequential heads' losses."""
+    t < T - K (where every head has a target), with a batch mask only those where some head's target is an answer
+    token. Shared by Medusa's and the sequential heads' losses."""
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight <= 0:
         raise ValueError(f"weight={weight!r}: must be a number > 0 (0.8 is the common choice)")
     if positions is not None and (isinstance(positions, bool) or not isinstance(positions, int) or positions < 1):
@@ -68,7 +78,10 @@ def sample_positions(
     check_target(target)
     check_batch(module, batch)
     b, t, _ = batch.hidden.shape
-    return _sample_positions(b, t - module.num_heads, positions, batch.hidden.device)
+    k = module.num_heads
+    # (B, T - K): some head's target at t, token t + 1 + k for k = 1..K, is an answer token (mask[:, t + k])
+    eligible = None if batch.mask is None else batch.mask.unfold(1, k, 1)[:, 1:].any(dim=-1)
+    return _sample_positions(b, t - k, positions, batch.hidden.device, eligible)
 
 
 def heads_loss(
@@ -83,7 +96,8 @@ def heads_loss(
     target: str,
 ) -> tuple[Tensor, dict[str, float]]:
     """logits (n, K, N) of heads 1..K at positions (row, pos) -> (sum_k weight^k * L_k, metrics), L_k head k's
-    distillation loss for token t + 1 + k (teacher: the base's distribution at t + k)."""
+    distillation loss for token t + 1 + k (teacher: the base's distribution at t + k), with a batch mask over the
+    positions where that token is an answer token."""
     index = subset_index(vocab, vocab_size, logits.device)
     terms = [
         distill_loss(
@@ -93,6 +107,7 @@ def heads_loss(
             true_ids=batch.tokens[row, pos + k + 1],
             target=target,
             index=index,
+            mask=None if batch.mask is None else batch.mask[row, pos + k],
         )
         for k in range(1, logits.shape[1] + 1)
     ]
@@ -131,7 +146,8 @@ def evaluate(
     true prefix (what greedy acceptance of head k's chain token needs); `head{k}_top1` / `head{k}_top5`
     against the corpus token; and for each rank r < 10 `head{k}_rank{r}`: how often the rank-r guess is
     the base's top-1 (rank0 = agree). The rank rates are what a static tree is grown from
-    (medusa.trees.tree_from_accuracies); a vocabulary smaller than 10 has fewer ranks."""
+    (medusa.trees.tree_from_accuracies); a vocabulary smaller than 10 has fewer ranks. With a batch mask, each
+    is a rate over the positions whose token t + 1 + k is an answer token."""
     check_batch(module, batch)
     t = batch.hidden.shape[1]
     out = module(batch.hidden, vocab)  # (B, T, K, N)
@@ -142,18 +158,24 @@ def evaluate(
         top = full_ids(logits.topk(ranks, dim=-1).indices, vocab)  # (B, T - k, R) full-vocabulary ids
         truth = batch.tokens[:, k + 1 :, None] == top  # (B, T - k, R)
         base_pick = batch.top_ids[:, k:, 0]  # (B, T - k): the base's own choice of token t + 1 + k
+        mask = batch.mask_at(k)  # (B, T - k): whether token t + 1 + k is an answer token, or None
         names += [f"head{k}_agree", f"head{k}_top1", f"head{k}_top5"]
         values += [
-            (top[..., 0] == base_pick).float().mean(),
-            truth[..., 0].float().mean(),
-            truth[..., :5].any(-1).float().mean(),
+            masked_mean(top[..., 0] == base_pick, mask),
+            masked_mean(truth[..., 0], mask),
+            masked_mean(truth[..., :5].any(-1), mask),
         ]
         names += [f"head{k}_rank{r}" for r in range(ranks)]
-        values += list(rank_rates(top, base_pick))
+        values += list(rank_rates(top, base_pick, mask))
     return dict(zip(names, torch.stack(values).tolist()))  # one host sync
 
 
-def rank_rates(top: Tensor, base_pick: Tensor) -> Tensor:
-    """How often each rank's guess is the base's own choice: top (..., R) full ids, ranked; base_pick (...) -> (R,).
+def rank_rates(top: Tensor, base_pick: Tensor, mask: Tensor | None = None) -> Tensor:
+    """How often each rank's guess is the base's own choice: top (..., R) full ids, ranked; base_pick (...) -> (R,),
+    over the positions where `mask` (...) is True when given (0 when none is).
     What a static tree of ranks grows from (medusa.trees.tree_from_accuracies)."""
-    return (top == base_pick[..., None]).float().flatten(0, -2).mean(dim=0)
+    hits = (top == base_pick[..., None]).float().flatten(0, -2)  # (n, R)
+    if mask is None:
+        return hits.mean(dim=0)
+    check_mask(mask, base_pick.shape)
+    return (hits * mask.flatten()[:, None]).sum(dim=0) / mask.sum().clamp(min=1)

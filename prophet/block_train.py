@@ -16,6 +16,10 @@ target (s <= T - 1 - K), the same for every window of the batch. null draws T //
 instead of the autoregressive prophet's T, and a training step (forward, loss, backward) of 1.8x its
 teacher-forced one (measured at T = 256, K = 4, prophet width 256, a 2048-token vocabulary, one CPU thread;
 every start, T // (K - 1), costs 2.5x). Validation takes every start.
+
+Answer mask. With a batch mask (verify/training/features.py), a prediction of f_u counts only where its logits'
+token, u + 1, is an answer token (mask[:, u]): every term and metric is a mean over those, and the starts are
+drawn among those whose slots predict an answer token in some window.
 """
 
 from __future__ import annotations
@@ -62,12 +66,13 @@ def loss(
     if starts is not None:
         check_int("starts", starts)
     count = min(usable, starts if starts is not None else max(1, t // (2 * (module.block - 1))))
-    chosen = torch.randperm(usable, device=batch.hidden.device)[:count].sort().values  # (S,)
+    chosen = _draw_starts(batch, module.block, usable, count)  # (S,)
     weight, bias = trim_linear(module.head.to_logits, vocab)  # the frozen output layer (its subset rows)
     index = subset_index(vocab, module.vocab_size, batch.hidden.device)
     total, parts = batch.hidden.new_zeros(()), {}
     for j, (pred, u) in enumerate(_positions(module, batch, chosen), start=1):
         top_ids, top_logp, true_ids = batch.top_ids[:, u], batch.top_logp[:, u], batch.tokens[:, u + 1]
+        mask = None if batch.mask is None else batch.mask[:, u]  # (B, n): whether token u + 1 is an answer token
         feature, ce, agree = position_loss(
             pred,
             batch.hidden[:, u],
@@ -78,12 +83,13 @@ def loss(
             index=index,
             vocab=vocab,
             target=target,
+            mask=mask,
         )
         total = total + decay ** (j - 1) * (feature_weight * feature + ce_weight * ce)
         parts.update({f"pos{j}_feature": feature, f"pos{j}_ce": ce, f"pos{j}_agree": agree})
     parts["loss"] = total
     values = torch.stack([v.detach().float() for v in parts.values()]).tolist()  # one host sync
-    return total, dict(zip(parts, values)) | {"starts": count}
+    return total, dict(zip(parts, values)) | {"starts": chosen.numel()}
 
 
 @torch.no_grad()
@@ -93,12 +99,14 @@ def evaluate(
     """For each draft position j = 1..K, over every block start: `head{j}_agree`, how often its top-1 is the
     base's own top-1 for that token given the true prefix (what greedy acceptance needs), and `head{j}_rank{r}`
     for r < 10, how often its rank-r guess is (rank0 = agree), which a static tree grows from
-    (medusa.trees.tree_from_accuracies). Blocks run in chunks of T // (K - 1) starts, as in training."""
+    (medusa.trees.tree_from_accuracies). Blocks run in chunks of T // (K - 1) starts, as in training. With a
+    batch mask, each is a rate over the predictions whose token is an answer token."""
     t = _check_batch(module, base, batch)
     weight, bias = trim_linear(module.head.to_logits, vocab)
     ranks = min(RANKS, weight.shape[0])
     tops: dict[int, list[Tensor]] = {}
     picks: dict[int, list[Tensor]] = {}
+    masks: dict[int, list[Tensor]] = {}
     every = torch.arange(t - module.block, device=batch.hidden.device)
     for chunk in every.split(max(1, t // (module.block - 1))):
         for j, (pred, u) in enumerate(_positions(module, batch, chunk), start=1):
@@ -107,12 +115,24 @@ def evaluate(
             top = full_ids(F.linear(pred, weight, bias).topk(ranks, dim=-1).indices, vocab)  # (B, n, R)
             tops.setdefault(j, []).append(top.flatten(0, 1))
             picks.setdefault(j, []).append(batch.top_ids[:, u, 0].flatten())
+            if batch.mask is not None:
+                masks.setdefault(j, []).append(batch.mask[:, u].flatten())
     names, values = [], []
     for j in sorted(tops):
-        rates = rank_rates(torch.cat(tops[j]), torch.cat(picks[j]))  # (R,)
+        rates = rank_rates(torch.cat(tops[j]), torch.cat(picks[j]), torch.cat(masks[j]) if masks else None)  # (R,)
         names += [f"head{j}_agree"] + [f"head{j}_rank{r}" for r in range(ranks)]
         values += [rates[0], *rates]
     return dict(zip(names, torch.stack(values).tolist()))  # one host sync
+
+
+def _draw_starts(batch: FeatureBatch, block: int, usable: int, count: int) -> Tensor:
+    """(S,) sorted: `count` random block starts among 0 .. usable - 1, with a batch mask among those whose slots'
+    tokens s + 3 .. s + 1 + K hold an answer token in some window (all of them if none does: nothing trains)."""
+    candidates = torch.arange(usable, device=batch.hidden.device)
+    if batch.mask is not None:
+        answered = batch.mask.unfold(1, block - 1, 1)[:, 2:].any(dim=2).any(dim=0)  # (usable,): mask[:, s + 2 ..]
+        candidates = candidates[answered] if answered.any() else candidates
+    return candidates[torch.randperm(candidates.numel(), device=candidates.device)[:count]].sort().values
 
 
 def _positions(module: BlockProphet, batch: FeatureBatch, starts: Tensor) -> list[tuple[Tensor, Tensor]]:

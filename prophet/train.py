@@ -11,6 +11,10 @@ base's f_{t+1} plus cross-entropy of the prophet's logits against the base's own
 t + 1 (weights 1.0 and 0.1; `target` as in verify/training/distill.py). Steps 2..unroll (EAGLE-3's
 training-time test): the prophet reads its own predicted features, as it does when drafting; step j is
 weighted decay^(j - 1).
+
+Answer mask. With a batch mask (verify/training/features.py), step j's prediction of f_{t+1} counts only where
+its logits' token, t + 2, is an answer token (mask[:, t + 1]): its feature, cross-entropy and agreement terms
+are means over those positions alone.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prophet.model import Prophet, check_same_base
-from verify.training.distill import agreement, check_target, distill_loss, subset_index
+from verify.training.distill import agreement, check_target, distill_loss, masked_mean, subset_index
 from verify.training.features import FeatureBatch
 
 
@@ -49,7 +53,7 @@ def loss(
     index = subset_index(vocab, module.vocab_size, batch.hidden.device)
     total, parts = batch.hidden.new_zeros(()), {}
     for j, pred in enumerate(module.unroll(batch.hidden, batch.tokens[:, 1:], unroll, layers=batch.layers), start=1):
-        pred, truth, top_ids, top_logp = _valid(pred, batch, j)
+        pred, truth, top_ids, top_logp, mask = _valid(pred, batch, j)
         feature, ce, agree = position_loss(
             module.readout(pred),  # EAGLE-3: its final norm, what both the output layer and f_{t+1} compare with
             truth,
@@ -60,6 +64,7 @@ def loss(
             index=index,
             vocab=vocab,
             target=target,
+            mask=mask,
         )
         total = total + decay ** (j - 1) * (feature_weight * feature + ce_weight * ce)
         parts.update({f"step{j}_feature": feature, f"step{j}_ce": ce, f"step{j}_agree": agree})
@@ -87,11 +92,13 @@ def position_loss(
     index: Tensor | None,
     vocab: Tensor | None,
     target: str,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One draft position's terms: predicted features (B, n, d) against the base's (B, n, d), and their logits
     through the (trimmed) frozen output layer `layer` = (weight, bias) against the base's top-k (B, n, k) and the
     corpus tokens (B, n) -> (SmoothL1 of the features, distillation loss, agreement with the base's top-1).
-    `vocab` the sorted subset ids (None: all V) and `index` their map (verify.training.distill.subset_index)."""
+    `vocab` the sorted subset ids (None: all V) and `index` their map (verify.training.distill.subset_index);
+    `mask` (B, n) bool: each term a mean over the predictions where it is True (None: all)."""
     logits = F.linear(pred, *layer)  # (B, n, N)
     ce = distill_loss(
         logits.flatten(0, 1),
@@ -100,8 +107,13 @@ def position_loss(
         true_ids=true_ids.flatten(),
         target=target,
         index=index,
+        mask=None if mask is None else mask.flatten(),
     )
-    return F.smooth_l1_loss(pred.float(), truth), ce, agreement(logits, top_ids, vocab)
+    if mask is None:
+        feature = F.smooth_l1_loss(pred.float(), truth)
+    else:  # per prediction first, so a masked-out one adds neither to the sum nor to the count
+        feature = masked_mean(F.smooth_l1_loss(pred.float(), truth, reduction="none").mean(dim=-1), mask)
+    return feature, ce, agreement(logits, top_ids, vocab, mask)
 
 
 @torch.no_grad()
@@ -112,23 +124,24 @@ def evaluate(
 
     Step j reads the prophet's own predicted features for j - 1 steps after the true ones, exactly the
     attention a draft chain sees (teacher-forced tokens: a draft only matters after accepted ones).
-    `vocab` restricts the prophet's choice to the subset it drafts from."""
+    `vocab` restricts the prophet's choice to the subset it drafts from. With a batch mask, over the predictions
+    whose token is an answer token."""
     _check_batch(module, base, batch, steps=eval_steps, name="eval_steps")
     _, weight, bias = module.output_layer(vocab)
     out = {}
     for j, pred in enumerate(
         module.unroll(batch.hidden, batch.tokens[:, 1:], eval_steps, layers=batch.layers), start=1
     ):
-        pred, _, top_ids, _ = _valid(pred, batch, j)
-        out[f"step{j}_agree"] = agreement(F.linear(module.readout(pred), weight, bias), top_ids, vocab)
+        pred, _, top_ids, _, mask = _valid(pred, batch, j)
+        out[f"step{j}_agree"] = agreement(F.linear(module.readout(pred), weight, bias), top_ids, vocab, mask)
     return dict(zip(out, torch.stack(list(out.values())).tolist()))
 
 
-def _valid(pred: Tensor, batch: FeatureBatch, j: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Step j's predictions at indices t in [j - 1, T - 2] (B, T - j, d), with their targets f_{t+1} and
-    the base's top-k at t + 1 (B, T - j, k). Earlier indices have no j - 1 predictions before them; the
-    last one has no f_T in the batch."""
-    return pred[:, j - 1 : -1], batch.hidden[:, j:], batch.top_ids[:, j:], batch.top_logp[:, j:]
+def _valid(pred: Tensor, batch: FeatureBatch, j: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """Step j's predictions at indices t in [j - 1, T - 2] (B, T - j, d), with their targets f_{t+1}, the base's
+    top-k at t + 1 (B, T - j, k) and whether token t + 2 is an answer token (B, T - j) (None without a mask).
+    Earlier indices have no j - 1 predictions before them; the last one has no f_T in the batch."""
+    return pred[:, j - 1 : -1], batch.hidden[:, j:], batch.top_ids[:, j:], batch.top_logp[:, j:], batch.mask_at(j)
 
 
 def _check_batch(module: Prophet, base: nn.Module, batch: FeatureBatch, *, steps, name) -> None:

@@ -16,6 +16,10 @@ Three targets:
 A trimmed drafter vocabulary (`vocab`, sorted ids (N,)) gives student logits over the subset only; teacher
 tokens outside it are dropped (the drafter can never propose them), and positions whose target falls
 wholly outside it are left out of the mean.
+
+A `mask` (bool, one flag per position) keeps only the positions whose target is an answer token: the loss and
+the agreement are means over those alone, and a batch without any is a zero loss (with a graph) and a 0
+agreement, never a NaN.
 """
 
 from __future__ import annotations
@@ -51,11 +55,14 @@ def distill_loss(
     true_ids: Tensor | None = None,
     target: str = "kl",
     index: Tensor | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """Mean loss of student logits (N, V') against the teacher top-k (N, k) (or true ids (N,)).
 
-    `index` (from `subset_index`) maps full ids to the student's subset columns when V' < V."""
+    `index` (from `subset_index`) maps full ids to the student's subset columns when V' < V; `mask` (N,) bool
+    keeps only the positions where it is True (None: all)."""
     check_target(target)
+    check_mask(mask, logits.shape[:-1])
     log_q = logits.float().log_softmax(dim=-1)  # (N, V')
     if target == "true":
         if true_ids is None:
@@ -70,7 +77,7 @@ def distill_loss(
         weight = weight * (ids >= 0)
         ids = ids.clamp(min=0)
     mass = weight.sum(dim=-1)  # (N,)
-    keep = mass > 0
+    keep = mass > 0 if mask is None else (mass > 0) & mask
     p = weight[keep] / mass[keep, None]  # (n, k) renormalised teacher
     ce = -(p * log_q[keep].gather(-1, ids[keep])).sum(dim=-1)  # (n,)
     return ce.mean() if ce.numel() else log_q.sum() * 0.0  # no target at all: a zero that still has a graph
@@ -81,6 +88,24 @@ def student_top1(logits: Tensor, vocab: Tensor | None) -> Tensor:
     return full_ids(logits.argmax(dim=-1), vocab)
 
 
-def agreement(logits: Tensor, top_ids: Tensor, vocab: Tensor | None = None) -> Tensor:
-    """Share of positions where the student's top-1 is the base's top-1: logits (..., V'), top_ids (..., k)."""
-    return (student_top1(logits, vocab) == top_ids[..., 0]).float().mean()
+def agreement(logits: Tensor, top_ids: Tensor, vocab: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+    """Share of positions where the student's top-1 is the base's top-1: logits (..., V'), top_ids (..., k);
+    over the positions where `mask` (...) is True when given."""
+    return masked_mean(student_top1(logits, vocab) == top_ids[..., 0], mask)
+
+
+def masked_mean(values: Tensor, mask: Tensor | None) -> Tensor:
+    """Mean of `values` (...) over the positions where `mask` (...) is True (every position when None); 0 when
+    none is, so a batch without an answer position reports no NaN (a float keeps its graph)."""
+    if mask is None:
+        return values.float().mean()
+    check_mask(mask, values.shape)
+    return torch.where(mask, values.float(), 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def check_mask(mask: Tensor | None, shape: tuple[int, ...]) -> None:
+    """A one-line ValueError unless `mask` is None or bool of exactly `shape` (broadcasting would hide a shift)."""
+    if mask is not None and (mask.dtype != torch.bool or mask.shape != shape):
+        raise ValueError(
+            f"a loss mask must be bool {tuple(shape)}, one flag per position; got {mask.dtype} {tuple(mask.shape)}"
+        )

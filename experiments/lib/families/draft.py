@@ -19,7 +19,7 @@ from x_transformers import TransformerWrapper
 from experiments.lib.store.lm import build_lm
 from verify.backends.hf import HFBase
 from verify.common.vocab import subset_linear
-from verify.training.distill import agreement, check_target, distill_loss, student_top1, subset_index
+from verify.training.distill import agreement, check_target, distill_loss, masked_mean, student_top1, subset_index
 from verify.training.features import FeatureBatch
 
 __all__ = ["build", "loss", "evaluate"]
@@ -75,7 +75,8 @@ def loss(
     module: TransformerWrapper, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None, target: str = "kl"
 ) -> tuple[Tensor, dict[str, float]]:
     """Cross-entropy of the draft's next-token distribution to the base's (`kl`), its top-1 (`argmax`) or
-    the corpus token (`true`), over every position; metrics `loss` and `agree` (top-1 = base's top-1)."""
+    the corpus token (`true`), over every position (with a batch mask, every position whose next token is an
+    answer token); metrics `loss` and `agree` (top-1 = base's top-1)."""
     check_target(target)
     _check(module, base, batch)
     logits = _logits(module, batch.tokens[:, :-1], vocab)  # (B, T, N)
@@ -87,8 +88,10 @@ def loss(
         true_ids=batch.tokens[:, 1:].flatten(),
         target=target,
         index=index,
+        mask=None if batch.mask is None else batch.mask.flatten(),
     )
-    values = torch.stack([total.detach(), agreement(logits.detach(), batch.top_ids, vocab)]).tolist()
+    agree = agreement(logits.detach(), batch.top_ids, vocab, batch.mask)
+    values = torch.stack([total.detach(), agree]).tolist()
     return total, {"loss": values[0], "agree": values[1]}
 
 
@@ -97,8 +100,10 @@ def evaluate(
     module: TransformerWrapper, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None
 ) -> dict[str, float]:
     """`agree`: how often the draft's top-1 is the base's top-1 after the same true prefix (what accepts a
-    greedy draft token); `top1`: how often it is the corpus token."""
+    greedy draft token); `top1`: how often it is the corpus token. With a batch mask, rates over the answer
+    positions."""
     _check(module, base, batch)
     top = student_top1(_logits(module, batch.tokens[:, :-1], vocab), vocab)  # (B, T) full-vocabulary ids
-    values = torch.stack([(top == batch.top_ids[..., 0]).float().mean(), (top == batch.tokens[:, 1:]).float().mean()])
+    hits = (top == batch.top_ids[..., 0], top == batch.tokens[:, 1:])  # (B, T) each
+    values = torch.stack([masked_mean(hit, batch.mask) for hit in hits])
     return dict(zip(("agree", "top1"), values.tolist()))

@@ -26,7 +26,7 @@ from verify.backends.engine import check_layers
 from verify.backends.lean import lean
 from verify.common.vocab import subset_linear, trim_linear
 from verify.drafters.early_exit import check_lean_base
-from verify.training.distill import agreement, check_target, distill_loss, student_top1, subset_index
+from verify.training.distill import agreement, check_target, distill_loss, masked_mean, student_top1, subset_index
 from verify.training.features import FeatureBatch
 
 __all__ = ["build", "loss", "evaluate"]
@@ -85,7 +85,8 @@ def loss(
     module: ExitHead, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None, target: str = "kl"
 ) -> tuple[Tensor, dict[str, float]]:
     """Cross-entropy of the head's next-token distribution at every position to the base's (`kl`), its
-    top-1 (`argmax`) or the corpus token (`true`); metrics `loss` and `agree`."""
+    top-1 (`argmax`) or the corpus token (`true`), with a batch mask only where the next token is an answer
+    token; metrics `loss` and `agree`."""
     check_target(target)
     logits = module(_state(module, batch), vocab)  # (B, T, N)
     index = subset_index(vocab, module.vocab_size, logits.device)
@@ -96,8 +97,10 @@ def loss(
         true_ids=batch.tokens[:, 1:].flatten(),
         target=target,
         index=index,
+        mask=None if batch.mask is None else batch.mask.flatten(),
     )
-    values = torch.stack([total.detach(), agreement(logits.detach(), batch.top_ids, vocab)]).tolist()  # one host sync
+    agree = agreement(logits.detach(), batch.top_ids, vocab, batch.mask)
+    values = torch.stack([total.detach(), agree]).tolist()  # one host sync
     return total, {"loss": values[0], "agree": values[1]}
 
 
@@ -106,7 +109,9 @@ def evaluate(
     module: ExitHead, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None
 ) -> dict[str, float]:
     """`agree`: how often the head's top-1 is the base's own top-1 after the same prefix (what accepts a
-    greedy draft token); `top1`: how often it is the corpus token."""
+    greedy draft token); `top1`: how often it is the corpus token. With a batch mask, rates over the answer
+    positions."""
     top = student_top1(module(_state(module, batch), vocab), vocab)  # (B, T) full-vocabulary ids
-    values = torch.stack([(top == batch.top_ids[..., 0]).float().mean(), (top == batch.tokens[:, 1:]).float().mean()])
+    hits = (top == batch.top_ids[..., 0], top == batch.tokens[:, 1:])  # (B, T) each
+    values = torch.stack([masked_mean(hit, batch.mask) for hit in hits])
     return dict(zip(("agree", "top1"), values.tolist()))
