@@ -24,7 +24,7 @@ from experiments.lib.common.errors import exit_on_user_error
 from experiments.lib.data.pipeline import base_data_config, prepare_data
 from experiments.lib.store.checkpoint import load_lm, tokenizer_mismatch
 from experiments.lib.training.features import check_features_config, default_seq_len, feature_spec, open_features
-from experiments.lib.training.generated import generation_prompts
+from experiments.lib.training.generated import generated_windows
 from experiments.lib.training.settings import resolve_device
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,15 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError(tokenizer_mismatch("the data config", data.tokenizer, tokenizer, "use the base's data config"))
     spec = feature_spec(features, base_meta=base_meta, data=data, seq_len=seq_len, layers=tuple(cfg.layers or ()))
     started = time.perf_counter()
-    prompts = generation_prompts(spec, data.tokenizer, base_meta)
-    cache = open_features(base, data.train_ids, spec, prompts=prompts, directory=features["dir"], root=features["root"])
+    answered = None
+    if spec.source == "generated":
+        answered = generated_windows(
+            spec, base, tokenizer, base_meta, root=features["answers_root"], max_new_tokens=spec.answer_tokens,
+            batch=features["answer_batch"],
+        )  # fmt: skip
+    cache = open_features(
+        base, data.train_ids, spec, answered=answered, directory=features["dir"], root=features["root"]
+    )
     seconds = time.perf_counter() - started
     positions = spec.windows * spec.seq_len
     return {

@@ -114,7 +114,7 @@ def test_default_directory_is_keyed_by_the_spec(tmp_path):
 def test_the_caching_batch_names_the_cache_except_the_old_default():
     # 16 was the batch of every cache written before it was a setting: their directories keep their names
     old = {**asdict(spec_for()), "format": FORMAT_VERSION}
-    del old["batch"]
+    del old["batch"], old["answer_tokens"]  # answer_tokens names generated caches only
     assert spec_for().key() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
     assert spec_for(batch=64).key() != spec_for().key()
 
@@ -170,6 +170,10 @@ def test_sampling_is_a_function_of_seed_and_step(tmp_path):
         ({"use": "yes"}, "features.use"),
         ({"prompt_len": -1}, "features.prompt_len=-1"),
         ({"batch": 0}, "features.batch=0"),
+        ({"answer_tokens": 0}, "features.answer_tokens=0"),
+        ({"answer_batch": 0}, "features.answer_batch=0"),
+        ({"answer_batch": True}, "features.answer_batch=True"),
+        ({"answers_root": ""}, "features.answers_root=''"),
     ],
 )
 def test_bad_feature_settings_are_one_line_errors(change, match):
@@ -183,6 +187,9 @@ def test_bad_feature_settings_are_one_line_errors(change, match):
         "top_k": 8,
         "dtype": "float16",
         "seed": 0,
+        "answer_tokens": 512,
+        "answers_root": ".cache/answers",
+        "answer_batch": 64,
         "batch": 16,
     }
     with pytest.raises(ValueError, match=match) as info:

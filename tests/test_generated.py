@@ -1,8 +1,8 @@
 """features.source=generated: the base's own answers to training chat questions disjoint from the benchmark's.
 
-The windows are [prompt + the base's answer]: greedy batches equal plain decoding, sampled batches are a
-function of their seed (so an interrupted cache resumes to the same text), batches alternate T = 0 and T = 1;
-the questions come from the stdlib's training files only, never from what the benchmark set quotes."""
+Each window is one answered turn [prompt + the base's answer] with a mask over the answer's tokens, kept in the
+feature cache's shards (the answers themselves: tests/test_answers.py); the stdlib questions come from training
+files only, never from what the benchmark set quotes."""
 
 import json
 
@@ -14,9 +14,7 @@ from experiments.lib.data.chat_train import TRAIN_CATEGORIES, chat_train_questio
 from experiments.lib.data.sources import is_validation
 from experiments.lib.store.lm import build_lm
 from experiments.lib.training.features import FeatureCache, FeatureSpec, open_features, write_features
-from experiments.lib.training.generated import answer_windows, generation_prompts, window_temperature
-from verify.backends.target import Target
-from verify.loop.plain import plain_generate
+from experiments.lib.training.generated import generated_windows
 
 V = 97
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -69,56 +67,61 @@ def test_bad_question_counts_are_refused(n):
         chat_train_questions(n)
 
 
-def test_prompts_need_a_chat_template():
+def test_generated_windows_need_a_chat_template(tmp_path):
     with pytest.raises(ValueError, match="no chat template"):
-        generation_prompts(spec_for(), None, {"model_config": {"arch": "x-transformers"}})
-    assert generation_prompts(spec_for(source="corpus"), None, {}) is None
+        generated_windows(
+            spec_for(), make_base(), None, {"model_config": {"arch": "x-transformers"}}, root=tmp_path,
+            max_new_tokens=4, batch=2,
+        )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ the windows
 
 
-def test_greedy_answers_are_plain_decoding_cut_to_the_window():
-    base, prompts = make_base(), prompts_of([3, 5, 8])
-    windows = answer_windows(base, prompts, seq_len=16, temperature=0.0, seed=0)
-    assert windows.shape == (3, 17)
-    plain = plain_generate(Target(base), prompts, max_new_tokens=14).tokens
-    for row, prompt, answer in zip(windows.tolist(), prompts, plain):
-        assert row == (prompt + answer)[:17]
+def answered_windows(n: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    windows = torch.randint(1, V, (n, 17), generator=g)
+    mask = torch.arange(16)[None, :] >= torch.randint(1, 10, (n, 1), generator=g)  # each window's answer start
+    return windows, mask
 
 
-def test_sampled_answers_are_a_function_of_the_seed():
-    base, prompts = make_base(), prompts_of([4, 4])
-    a = answer_windows(base, prompts, seq_len=16, temperature=1.0, seed=3)
-    assert torch.equal(a, answer_windows(base, prompts, seq_len=16, temperature=1.0, seed=3))
-    assert not torch.equal(a, answer_windows(base, prompts, seq_len=16, temperature=1.0, seed=4))
-
-
-def test_cache_alternates_greedy_and_sampled_batches_and_resumes(tmp_path):
+def test_the_cache_keeps_each_windows_answer_mask_and_resumes(tmp_path):
     base, spec = make_base(), spec_for(windows=6)
-    prompts = prompts_of([2, 3, 3, 5, 6, 8])
+    answered = answered_windows()
     d = tmp_path / "g"
-    write_features(d, base, None, spec, prompts=prompts, shard_windows=4, batch_size=2)
-    full = FeatureCache(d, spec).data
-    tokens = full["tokens"].long()
-    assert [window_temperature(i) for i in range(3)] == [0.0, 1.0, 0.0]
-    for b in (0, 2):  # greedy batches: the base's top-1 is the next token after the prompt
-        rows = slice(2 * b, 2 * b + 2)
-        greedy = answer_windows(base, prompts[rows], seq_len=16, temperature=0.0, seed=0)
-        assert torch.equal(tokens[rows], greedy)
-    sampled = tokens[2:4]
-    assert not torch.equal(sampled, answer_windows(base, prompts[2:4], seq_len=16, temperature=0.0, seed=0))
+    write_features(d, base, None, spec, answered=answered, shard_windows=4, batch_size=2)
+    cache = FeatureCache(d, spec)
+    assert torch.equal(cache.data["tokens"].long(), answered[0])
+    assert torch.equal(cache.data["mask"], answered[1])
+    batch = cache.batch(torch.tensor([4, 1]))
+    assert torch.equal(batch.mask, answered[1][[4, 1]])
     meta = json.loads((d / "meta.json").read_text())
     (d / "meta.json").write_text(json.dumps({**meta, "complete": False}))
     (d / "shard-00001.safetensors").unlink()
-    write_features(d, base, None, spec, prompts=prompts)
+    write_features(d, base, None, spec, answered=answered)
     again = FeatureCache(d, spec).data
-    assert all(torch.equal(full[k], again[k]) for k in full)
+    assert all(torch.equal(cache.data[k], again[k]) for k in cache.data)
 
 
-def test_generated_cache_needs_one_prompt_per_window(tmp_path):
-    with pytest.raises(ValueError, match="needs 6 prompts, got 2"):
-        open_features(make_base(), None, spec_for(), prompts=prompts_of([2, 3]), directory=tmp_path / "x")
+def test_a_corpus_cache_has_no_mask(tmp_path):
+    base = make_base()
+    spec = FeatureSpec(base_fingerprint="b", data_key="d", seq_len=16, windows=3, top_k=8, dtype="float32")
+    ids = torch.randint(1, V, (200,), generator=torch.Generator().manual_seed(0))
+    cache = open_features(base, ids, spec, directory=tmp_path / "c")
+    assert "mask" not in cache.data and cache.batch(torch.tensor([0])).mask is None
+
+
+def test_generated_cache_needs_one_window_per_answer(tmp_path):
+    with pytest.raises(ValueError, match=r"needs windows \(6, 17\), got \(2, 17\)"):
+        open_features(make_base(), None, spec_for(), answered=answered_windows(2), directory=tmp_path / "x")
+
+
+def test_generated_answers_do_not_name_the_cache_by_batch():
+    """Continuous batching never changes an answer: the batch is not part of a generated cache's name."""
+    assert spec_for(batch=16).key() == spec_for(batch=64).key()
+    assert spec_for(answer_tokens=256).key() != spec_for().key()
+    corpus = dict(source="corpus")
+    assert spec_for(**corpus, answer_tokens=256).key() == spec_for(**corpus).key()
 
 
 def test_a_checkpoint_drafts_from_the_vocabulary_it_recorded():

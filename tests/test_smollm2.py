@@ -135,25 +135,31 @@ def test_bf16_tree_nodes_equal_their_paths_only_in_position_order(smol_bf16):
         torch.set_num_threads(threads)
 
 
-def test_generated_data_prompts_are_chat_rendered_training_questions(smol):
-    """features.source=generated: each prompt is a training question in the base's own chat template, at most
-    prompt_len tokens, sorted by length (batches of similar lengths)."""
-    from experiments.lib.data.chat_train import chat_train_questions
+def test_generated_windows_are_chat_rendered_bank_questions_answered_by_the_base(smol, tmp_path):
+    """features.source=generated: each window is a bank question in the base's own chat template followed by the
+    base's answer, and the mask starts exactly where the answer does."""
+    from experiments.lib.data.question_bank import bank_questions
     from experiments.lib.training.features import FeatureSpec
-    from experiments.lib.training.generated import generation_prompts
+    from experiments.lib.training.generated import VALIDATION_QUESTIONS, generated_windows
 
-    _, tokenizer, meta, _ = smol
-    spec = FeatureSpec(base_fingerprint="b", data_key="d", seq_len=512, windows=12, source="generated", prompt_len=160)
-    prompts = generation_prompts(spec, tokenizer, meta)
-    assert len(prompts) == 12 and all(len(p) <= 160 for p in prompts)
-    assert [len(p) for p in prompts] == sorted(len(p) for p in prompts)
-    questions = {q for _, q in chat_train_questions(200)}
-    for p in prompts:
-        text = tokenizer.decode(p, skip_special_tokens=False)
-        assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
-        assert any(q in text for q in questions)
+    base, tokenizer, meta, _ = smol
+    spec = FeatureSpec(base_fingerprint="b", data_key="d", seq_len=256, windows=3, source="generated", prompt_len=200)
+    questions = bank_questions(VALIDATION_QUESTIONS + 4)
+    windows, mask = generated_windows(
+        spec, base, tokenizer, meta, root=tmp_path, max_new_tokens=6, batch=4, questions=questions
+    )
+    texts = {q.turns[0] for q in questions[:4]}
+    for window, m in zip(windows.tolist(), mask.tolist()):
+        start = m.index(True) + 1  # the first answer token
+        prompt = tokenizer.decode(window[:start], skip_special_tokens=False)
+        assert prompt.startswith("<|im_start|>system") and prompt.endswith("<|im_start|>assistant\n")
+        assert any(t in prompt for t in texts)
+        assert sum(m) <= 6  # at most max_new_tokens answer tokens
     with pytest.raises(ValueError, match="fit in features.prompt_len=20 tokens"):
-        generation_prompts(replace(spec, prompt_len=20), tokenizer, meta)
+        generated_windows(
+            replace(spec, prompt_len=20), base, tokenizer, meta, root=tmp_path, max_new_tokens=6, batch=4,
+            questions=questions,
+        )  # fmt: skip
 
 
 def test_unknown_file_and_missing_wheel_are_one_line_errors(monkeypatch, tmp_path, smol_dir):

@@ -47,7 +47,7 @@ from experiments.lib.training.features import (
     open_features,
     teacher_batch,
 )
-from experiments.lib.training.generated import generation_prompts
+from experiments.lib.training.generated import generated_windows
 from experiments.lib.training.loop import (
     LoopSettings,
     LoopState,
@@ -161,21 +161,63 @@ def layers_needed(cfg: DictConfig) -> tuple[int, ...]:
 def validate(
     family: Family, module: nn.Module, base: nn.Module, batches: list[FeatureBatch], *, vocab: Tensor | None
 ) -> dict[str, float]:
-    """Drafter metrics over the fixed validation batches, averaged with weights by batch size, and
-    `mean_agree`: the mean of the per-position agreements (`agree`, `head{k}_agree`, `step{j}_agree`), the
-    figure the best checkpoint is picked by."""
+    """Drafter metrics over the fixed validation batches, averaged with weights by batch size (by answer positions
+    for masked batches), and `mean_agree`: the mean of the per-position agreements (`agree`, `head{k}_agree`,
+    `step{j}_agree`), the figure the best checkpoint is picked by."""
     module.eval()
     totals: dict[str, float] = {}
-    rows = sum(b.tokens.shape[0] for b in batches)
+    rows = sum(eval_weight(b) for b in batches)
     for batch in batches:
         for key, value in family.evaluate(module, base, batch, vocab=vocab).items():
-            totals[key] = totals.get(key, 0.0) + float(value) * batch.tokens.shape[0]
+            totals[key] = totals.get(key, 0.0) + float(value) * eval_weight(batch)
     module.train()
-    metrics = {key: value / rows for key, value in totals.items()}
+    metrics = {key: value / max(rows, 1) for key, value in totals.items()}
     agree = [value for key, value in metrics.items() if key == "agree" or key.endswith("_agree")]
     if not agree:
         raise ValueError(f"the drafter's evaluate reports no agreement figure (got {sorted(metrics)})")
     return {**metrics, MONITOR.metric: sum(agree) / len(agree)}
+
+
+def validation_batches(cfg, base: nn.Module, data, batches, *, seq_len: int, device: torch.device) -> list:
+    """The fixed validation batches: with generated answers, the base's answers to cfg.eval_blocks held-out
+    questions (the text a drafter drafts, masked to the answers); else cfg.eval_blocks windows of the corpus's
+    validation split."""
+    if batches.spec is not None and batches.spec.source == "generated":
+        windows, mask = batches.answered(held_out=cfg.eval_blocks)
+        chunks = zip(windows.split(16), mask.split(16))
+    else:
+        blocks = validation_blocks(data.val_ids, seq_len=seq_len, eval_blocks=cfg.eval_blocks)
+        chunks = ((chunk, None) for chunk in blocks.split(16))
+    out = []
+    for chunk, m in chunks:
+        batch = teacher_batch(base, chunk.to(device), layers=batches.layers, top_k=cfg.features.top_k)
+        batch.mask = None if m is None else m.to(device)
+        out.append(batch)
+    return out
+
+
+def coverage(vocab: Tensor, batches: list[FeatureBatch]) -> float:
+    """The share of the batches' answer tokens (every target token where a batch has no mask) inside vocab."""
+    inside = total = 0
+    for b in batches:
+        targets = b.tokens[:, 1:] if b.mask is None else b.tokens[:, 1:][b.mask]
+        inside += int(torch.isin(targets, vocab.to(targets.device)).sum())
+        total += targets.numel()
+    return inside / max(total, 1)
+
+
+def eval_weight(batch: FeatureBatch) -> int:
+    """A validation batch's weight in the average: its rows, or with a mask its answer positions (a family's
+    metrics are means over those; a batch of prompts alone weighs nothing)."""
+    return batch.tokens.shape[0] if batch.mask is None else int(batch.mask.sum())
+
+
+def positions_trained(batch: FeatureBatch, metrics: dict[str, float]) -> int:
+    """The training units of a step's batch: the positions the loss reports having sampled, else every position
+    (with a mask, every answer position)."""
+    if "positions" in metrics:
+        return int(metrics["positions"])
+    return batch.hidden.shape[0] * batch.hidden.shape[1] if batch.mask is None else int(batch.mask.sum())
 
 
 def save(
@@ -247,7 +289,7 @@ class Batches:
             batch_size,
             device,
         )
-        self.ctx = ctx
+        self.ctx, self.base_meta = ctx, base_meta
         self.layers, f = layers_needed(cfg), cfg.features
         self.cache, self.spec = None, None
         if f.use:
@@ -256,11 +298,20 @@ class Batches:
             )
             started = time.perf_counter()
             with main_first(ctx):  # rank 0 writes the cache; the others open it after
-                prompts = generation_prompts(self.spec, data.tokenizer, base_meta)
+                answered = self.answered() if self.spec.source == "generated" else None
                 self.cache = open_features(
-                    base, data.train_ids, self.spec, prompts=prompts, directory=f.dir, root=f.root
+                    base, data.train_ids, self.spec, answered=answered, directory=f.dir, root=f.root
                 )
             self.cache_seconds = time.perf_counter() - started
+
+    def answered(self, *, held_out: int = 0) -> tuple[Tensor, Tensor]:
+        """The base's answered turns as windows (N, T + 1) and answer masks (N, T): the training windows, or those
+        of the first `held_out` held-out questions (generated first where missing)."""
+        f = self.cfg.features
+        return generated_windows(
+            self.spec, self.base, self.data.tokenizer, self.base_meta, root=f.answers_root,
+            max_new_tokens=self.spec.answer_tokens, batch=f.answer_batch, held_out=held_out,
+        )  # fmt: skip
 
     def __call__(self, step: int) -> FeatureBatch:
         """This rank's rows of step `step`'s batch (all of it in a single process)."""
@@ -351,19 +402,21 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     )  # before the feature cache takes minutes
     batches = Batches(cfg, base, base_meta, data, seq_len=seq_len, batch_size=batch_size, device=device, ctx=ctx)
     if cfg.vocab is not None and batches.cache is not None and batches.spec.source == "generated":
-        # The base's own answers are the text the drafter drafts: its vocabulary is counted over them, not over a
-        # corpus (on SmolLM2 the 2048 most frequent stdlib tokens held 71% of its greedy answers' tokens).
-        counts = torch.bincount(batches.cache.data["tokens"].long().flatten(), minlength=base.num_tokens)
+        # The base's own answers are the text the drafter drafts: its vocabulary is counted over their tokens only,
+        # not over a corpus (on SmolLM2 the 2048 most frequent stdlib tokens held 71% of its greedy answers' tokens)
+        # nor over the questions.
+        cached = batches.cache.data
+        counts = torch.bincount(cached["tokens"][:, 1:][cached["mask"]].long(), minlength=base.num_tokens)
         vocab = frequent_tokens(counts, cfg.vocab)
         vocab = None if vocab is None else vocab.to(device)
         log.info("training vocabulary: the %d most frequent tokens of the base's own answers", cfg.vocab)
     val_batches = []
     if ctx.main:  # only rank 0 validates; computed once: the base is frozen
-        blocks = validation_blocks(data.val_ids, seq_len=seq_len, eval_blocks=cfg.eval_blocks)
-        val_batches = [
-            teacher_batch(base, chunk.to(device), layers=batches.layers, top_k=cfg.features.top_k)
-            for chunk in blocks.split(16)
-        ]
+        val_batches = validation_batches(cfg, base, data, batches, seq_len=seq_len, device=device)
+        if batches.spec is not None and batches.spec.source == "generated" and vocab is not None:
+            log.info(
+                "training vocabulary covers %.1f%% of the held-out answers' tokens", 100 * coverage(vocab, val_batches)
+            )
     optimizer = make_optimizer(
         module, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay
     )
@@ -401,7 +454,7 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
         model=module,
         loss_fn=lambda m, b: family.loss(m, base, b, vocab=vocab, **share(loss_kwargs, b, batch_size)),
         batch_fn=batches,
-        count_fn=lambda b, metrics: int(metrics.get("positions", b.hidden.shape[0] * b.hidden.shape[1])),
+        count_fn=positions_trained,
         validate_fn=lambda: validate(family, module, base, val_batches, vocab=vocab),
         save_fn=save_fn,
         optimizer=optimizer,

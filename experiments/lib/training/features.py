@@ -17,9 +17,9 @@ retrained base simply gets a new cache).
 
 Sources: `corpus` caches windows of the training split; `greedy` and `sample` cache the base's own
 continuations (T = 0 and T = 1) of the first `prompt_len` tokens of those windows: the text the drafter
-will really draft for; `generated` caches the base's own answers (half greedy, half at T = 1) to chat prompts
-of its own template, prompts of at most `prompt_len` tokens disjoint from every benchmark prompt
-(experiments/lib/training/generated.py).
+will really draft for; `generated` caches the base's own answered turns (half greedy, half at T = 1) to the
+training question bank in its chat template, one per window, prompts of at most `prompt_len` tokens, with a
+`mask` (n, T) that keeps the loss on the answer's tokens (experiments/lib/training/generated.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from experiments.lib.training.generated import answer_windows, window_temperature
 from prophet.model import base_features
 from verify.backends.choose import make_target
 from verify.loop.plain import plain_generate
@@ -74,11 +73,12 @@ class FeatureSpec:
     top_k: int = 16  # teacher tokens kept per position
     dtype: str = "float16"  # storage of hidden and layer states (the teacher's log-probs stay float32)
     seed: int = 0  # which windows, and the sampling of `sample`
-    batch: int = 16  # windows the base runs at once; for greedy / sample / generated it also decides each
-    # batch's seed (and, for generated, which batches are greedy), so it is part of what the cache holds
+    batch: int = 16  # windows the base runs at once; for greedy / sample it also decides each batch's seed, so
+    # it is part of what the cache holds (generated answers do not depend on it)
+    answer_tokens: int = 512  # generated: the most tokens the base writes per answered turn
 
     def __post_init__(self) -> None:
-        for name in ("seq_len", "windows", "top_k", "prompt_len", "batch"):
+        for name in ("seq_len", "windows", "top_k", "prompt_len", "batch", "answer_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"features.{name}={value!r}: must be an integer >= 1")
@@ -94,13 +94,17 @@ class FeatureSpec:
 
     def key(self) -> str:
         record = {**asdict(self), "format": FORMAT_VERSION}
-        if self.batch == 16:  # the batch every cache was written with before it was a setting: same names
+        if self.batch == 16 or self.source == "generated":  # 16: every cache's batch before it was a setting
             del record["batch"]
+        if self.source != "generated":  # the setting of generated answers only: other caches keep their names
+            del record["answer_tokens"]
+        else:
+            record["format"] = 2  # one answered turn per window, with its answer mask
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
 
     def bytes_per_window(self, dim: int) -> int:
         t, width = self.seq_len, DTYPES[self.dtype].itemsize
-        return 4 * (t + 1) + width * t * dim * (1 + len(self.layers)) + 8 * t * self.top_k
+        return 4 * (t + 1) + width * t * dim * (1 + len(self.layers)) + 8 * t * self.top_k + t
 
 
 @torch.no_grad()
@@ -194,12 +198,12 @@ def write_features(
     train_ids: Tensor,
     spec: FeatureSpec,
     *,
-    prompts: list[list[int]] | None = None,
+    answered: tuple[Tensor, Tensor] | None = None,
     shard_windows: int = 256,
     batch_size: int | None = None,
 ) -> Path:
     """Compute and store the cache for `spec` (resumes an interrupted one); returns the directory.
-    prompts: the chat prompts of source `generated` (generated.generation_prompts), one per window."""
+    answered: source `generated`'s windows (N, T + 1) and answer masks (N, T) (generated.generated_windows)."""
     directory = Path(directory)
     meta = _check_meta(directory, spec)
     if meta is not None and meta.get("complete"):
@@ -231,10 +235,12 @@ def write_features(
     }
     _write_meta(directory, meta)
     device = next(base.parameters()).device
+    masks = None
     if spec.source == "generated":
-        if prompts is None or len(prompts) != spec.windows:
-            raise ValueError(f"features.source=generated needs {spec.windows} prompts, got {prompts and len(prompts)}")
-        windows = prompts
+        if answered is None or answered[0].shape != (spec.windows, spec.seq_len + 1):
+            got = None if answered is None else tuple(answered[0].shape)
+            raise ValueError(f"features.source=generated needs windows ({spec.windows}, {spec.seq_len + 1}), got {got}")
+        windows, masks = answered
     else:
         windows = corpus_windows(train_ids, seq_len=spec.seq_len, windows=spec.windows, seed=spec.seed)
     console = Console(stderr=True)
@@ -251,7 +257,7 @@ def write_features(
                     spec,
                     batch_size=batch_size or spec.batch,
                     device=device,
-                    start=i * shard_windows,
+                    mask=None if masks is None else masks[i * shard_windows : (i + 1) * shard_windows],
                 )
             progress.update(task, advance=len(rows))
     _write_meta(directory, {**meta, "complete": True})
@@ -273,22 +279,16 @@ def _write_shard(
     *,
     batch_size: int,
     device: torch.device,
-    start: int = 0,
+    mask: Tensor | None = None,
 ) -> None:
-    """rows: (n, T + 1) windows, or n chat prompts (lists of ids) for source `generated`; start: the index of
-    the shard's first window in the cache."""
+    """rows: (n, T + 1) windows; mask (n, T): source `generated`'s answer positions, stored with them."""
     parts: dict[str, list[Tensor]] = {"tokens": [], "hidden": [], "top_ids": [], "top_logp": [], "layers": []}
     for j in range(0, len(rows), batch_size):
         chunk, seed = rows[j : j + batch_size], spec.seed * 1_000_003 + i * 4099 + j // batch_size
-        if spec.source == "generated":  # batches alternate T = 0 and T = 1 across the whole cache
-            chunk = answer_windows(
-                base,
-                chunk,
-                seq_len=spec.seq_len,
-                temperature=window_temperature((start + j) // batch_size),
-                seed=seed,
-            )
-        elif spec.source != "corpus":  # every chunk has its own seed, so a resumed shard samples the same text
+        if spec.source in (
+            "greedy",
+            "sample",
+        ):  # every chunk has its own seed, so a resumed shard samples the same text
             chunk = continue_windows(
                 base,
                 chunk.to(device),
@@ -307,6 +307,8 @@ def _write_shard(
         if batch.layers is not None:
             parts["layers"].append(batch.layers.to(store).cpu())
     tensors = {name: torch.cat(chunks).contiguous() for name, chunks in parts.items() if chunks}
+    if mask is not None:
+        tensors["mask"] = mask.to(torch.uint8).contiguous()
     tmp = directory / f".shard-{i:05d}.{os.getpid()}.tmp"
     save_file(tensors, str(tmp))
     os.replace(tmp, _shard_path(directory, i))  # atomic: a shard that exists is whole
@@ -334,6 +336,8 @@ class FeatureCache:
                     parts.setdefault(name, []).append(shard.get_tensor(name))
                 if keep:
                     parts.setdefault("layers", []).append(shard.get_tensor("layers")[:, :, keep])
+                if "mask" in shard.keys():
+                    parts.setdefault("mask", []).append(shard.get_tensor("mask").bool())
         self.data = {name: torch.cat(chunks) for name, chunks in parts.items()}
         self.directory, self.spec, self.dim = directory, spec, meta["dim"]
         if self.data["tokens"].shape != (spec.windows, spec.seq_len + 1):
@@ -356,6 +360,7 @@ class FeatureCache:
             top_ids=d["top_ids"][rows].long(),
             top_logp=d["top_logp"][rows],
             layers=layers,
+            mask=d["mask"][rows] if "mask" in d else None,
         )
 
     def sample(self, *, step: int, seed: int, batch_size: int) -> FeatureBatch:
@@ -369,7 +374,7 @@ def open_features(
     train_ids: Tensor,
     spec: FeatureSpec,
     *,
-    prompts: list[list[int]] | None = None,
+    answered: tuple[Tensor, Tensor] | None = None,
     directory: str | Path | None = None,
     root: str | Path = ".cache/features",
 ) -> FeatureCache:
@@ -377,7 +382,7 @@ def open_features(
 
     An explicit `directory` may hold more layers than `spec` asks for: one cache serves every drafter."""
     directory = Path(directory) if directory is not None else Path(root) / spec.key()
-    write_features(directory, base, train_ids, spec, prompts=prompts)
+    write_features(directory, base, train_ids, spec, answered=answered)
     return FeatureCache(directory, spec)
 
 
@@ -388,6 +393,11 @@ def check_features_config(features: dict) -> None:
     windows = features["windows"]
     if windows is not None and (isinstance(windows, bool) or not isinstance(windows, int) or windows < 1):
         raise ValueError(f"features.windows={windows!r}: must be a positive integer or null (every window)")
+    batch = features["answer_batch"]
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"features.answer_batch={batch!r}: must be an integer >= 1 (rows answered at once)")
+    if not isinstance(features["answers_root"], str) or not features["answers_root"]:
+        raise ValueError(f"features.answers_root={features['answers_root']!r}: give a directory for the answers")
     FeatureSpec(
         base_fingerprint="",
         data_key="",
@@ -399,6 +409,7 @@ def check_features_config(features: dict) -> None:
         dtype=features["dtype"],
         seed=features["seed"],
         batch=features["batch"],
+        answer_tokens=features["answer_tokens"],
     )
 
 
@@ -418,6 +429,7 @@ def feature_spec(features: dict, *, base_meta: dict, data, seq_len: int, layers:
         dtype=features["dtype"],
         seed=features["seed"],
         batch=features["batch"],
+        answer_tokens=features["answer_tokens"],
     )
 
 

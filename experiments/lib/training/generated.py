@@ -1,70 +1,136 @@
-"""Regenerated training data (`features.source=generated`): the frozen base's own answers to chat prompts.
+"""Regenerated training data (`features.source=generated`): windows of the frozen base's own conversations.
 
 A drafter learns to guess what the base will write. A corpus is text the base did not write: its tokens and
 style differ from the base's answers (an instruct model answers in markdown, with its own phrases), so a
 drafter trained on it learns the wrong distribution at the positions that matter. Medusa-2 and EAGLE
-therefore train on the base's answers to chat prompts. Here the prompts are experiments/lib/data/chat_train.py's
-questions (stdlib training files only, disjoint from every benchmark prompt), rendered with the base's own chat
-template; the base answers half of the windows greedily and half at temperature 1 (alternate batches), since
-drafting must serve both. The feature cache stores each window [prompt + answer] like any other, with the
-teacher's outputs at every position, so shards stay resumable: a batch's answers depend only on its prompts
-and its seed.
+therefore train on the base's answers to chat questions. Here the questions are the training question bank
+(experiments/lib/data/question_bank.py: none is a benchmark prompt), the answers come from
+experiments/lib/training/answers.py (continuous batching, half greedy and half at T = 1, second turns included),
+and each answered turn becomes one window: [prompt + answer], cut to seq_len + 1 tokens and padded, with a mask
+that is True only where the next token is the base's answer. A drafter drafts answers only: the question's
+tokens are text the base did not write, so they neither train it nor count in its validation.
+
+The bank's last VALIDATION_QUESTIONS questions are answered too but never trained on: validation and
+best-checkpoint selection run on those held-out answers.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import logging
+from pathlib import Path
+
 import torch
+from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from experiments.lib.data.chat import chat_template_for
-from experiments.lib.data.chat_train import chat_train_questions
-from verify.backends.choose import make_target
-from verify.loop.plain import plain_generate
-from verify.loop.sampling import SamplingConfig
+from experiments.lib.data.prompts import Question
+from experiments.lib.data.question_bank import bank_questions
+from experiments.lib.training.answers import AnswerSpec, answer_records, generate_answers
+from experiments.lib.training.precision import native_bf16
 
-__all__ = ["answer_windows", "generation_prompts", "window_temperature"]
+__all__ = ["VALIDATION_QUESTIONS", "answer_spec", "conversation_windows", "generated_windows", "split_questions"]
+
+log = logging.getLogger(__name__)
+VALIDATION_QUESTIONS = 96  # the bank's last questions: answered for validation, never trained on
 
 
-def generation_prompts(spec, tokenizer, base_meta: dict) -> list[list[int]] | None:
-    """The chat prompts (token ids) the base answers for `spec`'s windows, or None when spec.source is not
-    `generated`. A question whose prompt is longer than spec.prompt_len tokens is skipped, so every window keeps
-    at least seq_len + 1 - prompt_len tokens of answer."""
-    if spec.source != "generated":
-        return None
-    template = chat_template_for(base_meta)
-    prompts: list[list[int]] = []
-    for _, question in chat_train_questions():
-        ids = template.encode(tokenizer, [question])
-        if len(ids) <= spec.prompt_len:
-            prompts.append(ids)
-        if len(prompts) == spec.windows:
+def split_questions(questions: list[Question]) -> tuple[list[Question], list[Question]]:
+    """(training questions, held-out questions): the last VALIDATION_QUESTIONS are held out."""
+    if len(questions) <= VALIDATION_QUESTIONS:
+        raise ValueError(f"{len(questions)} questions: need more than the {VALIDATION_QUESTIONS} held out")
+    return questions[:-VALIDATION_QUESTIONS], questions[-VALIDATION_QUESTIONS:]
+
+
+def questions_key(questions: list[Question]) -> str:
+    """Names a question list by its content: answers to another bank are other answers."""
+    text = "\n\n".join("\n".join(q.turns) for q in questions)
+    return f"{len(questions)}-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def answer_spec(spec, base_meta: dict, device: torch.device, *, max_new_tokens: int, questions: str) -> AnswerSpec:
+    """The answers `spec`'s windows come from: the base decodes in bf16 where the device computes it natively
+    (batched bf16 decoding of SmolLM2 ran several times faster than fp32 here), else in fp32."""
+    dtype = "bf16" if native_bf16(device)[0] else "fp32"
+    return AnswerSpec(
+        base_fingerprint=spec.base_fingerprint, questions=questions, max_new_tokens=max_new_tokens, dtype=dtype,
+        seed=spec.seed,
+    )  # fmt: skip
+
+
+def conversation_windows(records: list[dict], *, seq_len: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Answered turns -> windows (N, seq_len + 1) long, [prompt + answer] cut and padded with pad_id, and mask
+    (N, seq_len) bool: position t is True where token t + 1 is the answer's."""
+    windows = torch.full((len(records), seq_len + 1), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(records), seq_len, dtype=torch.bool)
+    for i, record in enumerate(records):
+        ids = (record["prompt"] + record["answer"])[: seq_len + 1]
+        windows[i, : len(ids)] = torch.tensor(ids)
+        mask[i, len(record["prompt"]) - 1 : len(ids) - 1] = True
+    return windows, mask
+
+
+def _base_in(base: nn.Module, dtype: str) -> nn.Module:
+    return base if dtype == "fp32" else copy.deepcopy(base).to(torch.bfloat16)
+
+
+def generated_windows(
+    spec,
+    base: nn.Module,
+    tokenizer: Tokenizer,
+    base_meta: dict,
+    *,
+    root: str | Path,
+    max_new_tokens: int,
+    batch: int,
+    held_out: int = 0,
+    questions: list[Question] | None = None,
+    template=None,
+) -> tuple[Tensor, Tensor]:
+    """The windows and masks of spec.windows answered turns of training questions whose prompts fit in
+    spec.prompt_len tokens; held_out=n: instead, those of the first n held-out questions (each turn). Answers
+    missing from root/<answer spec key> are generated first, a shard of questions at a time, until there are
+    enough. `questions` and `template` replace the bank and the base's chat template (tests)."""
+    template = template or chat_template_for(base_meta)
+    train, val = split_questions(questions if questions is not None else bank_questions())
+    if held_out and not 1 <= held_out <= len(val):
+        raise ValueError(f"{held_out} held-out questions asked: there are {len(val)} (eval_blocks at most that)")
+    pool = val[:held_out] if held_out else train
+    aspec = answer_spec(spec, base_meta, next(base.parameters()).device, max_new_tokens=max_new_tokens,
+                        questions=questions_key(train + val))  # fmt: skip
+    directory = Path(root) / (aspec.key() + (f"-val{held_out}" if held_out else ""))
+    wanted = len(pool) if held_out else spec.windows
+    count, decoder = min(len(pool), wanted), None
+    while True:
+        shards = -(-count // aspec.shard_questions)
+        if not (directory / "meta.json").exists() or _shards_written(directory) < shards:
+            decoder = decoder or _base_in(base, aspec.dtype)
+            generate_answers(directory, decoder, tokenizer, template, pool[: shards * aspec.shard_questions], aspec,
+                             batch=batch)  # fmt: skip
+        records = [r for r in answer_records(directory, shards=shards) if len(r["prompt"]) <= spec.prompt_len]
+        asked = min(len(pool), shards * aspec.shard_questions)
+        if len(records) >= wanted or asked == len(pool):
             break
-    if len(prompts) < spec.windows:
+        # at the rate seen so far, would the questions left give enough? (else say so now, not after answering all)
+        if not held_out and len(records) * len(pool) < wanted * asked:
+            break
+        count = asked + aspec.shard_questions
+    if not held_out and len(records) < spec.windows:
         raise ValueError(
-            f"features.windows={spec.windows}: only {len(prompts)} training questions fit in features.prompt_len="
-            f"{spec.prompt_len} tokens; ask for fewer windows or allow longer prompts"
+            f"features.windows={spec.windows}: {asked} of the {len(pool)} training questions gave only "
+            f"{len(records)} answered turns whose prompts fit in features.prompt_len={spec.prompt_len} tokens, too "
+            "few at that rate; ask for fewer windows or allow longer prompts"
         )
-    # Batches of similar lengths waste fewer generated tokens (a batch generates for its shortest prompt).
-    return sorted(prompts[: spec.windows], key=len)
+    log.info("%d answered turns from %s", len(records), directory)
+    pad = tokenizer.token_to_id("<|im_end|>") if tokenizer.token_to_id("<|im_end|>") is not None else 0
+    return conversation_windows(records[:wanted], seq_len=spec.seq_len, pad_id=pad)
 
 
-def window_temperature(batch_index: int) -> float:
-    """Even batches are answered greedily, odd ones at temperature 1."""
-    return 0.0 if batch_index % 2 == 0 else 1.0
-
-
-@torch.no_grad()
-def answer_windows(base: nn.Module, prompts: list[list[int]], *, seq_len: int, temperature: float, seed: int) -> Tensor:
-    """(B, seq_len + 1) windows: each prompt followed by the base's answer, cut to seq_len + 1 tokens. The base
-    is not stopped at its end-of-turn token: what it writes after it is its own text too."""
-    longest = seq_len + 1 - min(len(p) for p in prompts)
-    device = next(base.parameters()).device
-    out = plain_generate(
-        make_target(base),
-        prompts,
-        max_new_tokens=longest,
-        sampling=SamplingConfig(temperature=temperature),
-        generator=torch.Generator(device=device).manual_seed(seed),
-    ).tokens
-    rows = [(p + answer)[: seq_len + 1] for p, answer in zip(prompts, out)]
-    return torch.tensor(rows, dtype=torch.long, device=device)
+def _shards_written(directory: Path) -> int:
+    """Consecutive shards present from the first."""
+    i = 0
+    while (directory / f"answers-{i:05d}.jsonl").exists():
+        i += 1
+    return i

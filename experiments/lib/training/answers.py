@@ -1,0 +1,217 @@
+"""The base's own answers to training questions, generated once with continuous batching and kept in resumable shards.
+
+A drafter learns to guess what its base writes, so its training text is the base's own answers (Medusa-2, EAGLE
+and PARD regenerate their data the same way). Each question is answered in the base's chat template; a question
+with a second turn is asked it after the base's first answer (rendered from the answer's text, as a user's client
+would send it back), so multi-turn text is the base's too. Half of the questions (odd indices) are answered at
+T = 1, each from its own seeded generator, and half greedily: drafting must serve both, and an answer depends only
+on its question, its index and the seed, never on the batch size (verify/loop/continuous.py).
+
+Layout of an answer directory:
+    meta.json                the AnswerSpec, shards written, and what each holds
+    answers-00000.jsonl      one record per answered turn: question_id, category, turn, temperature, seed,
+    ...                      prompt (token ids the base was given), answer (its tokens, <|im_end|> included)
+A shard covers `shard_questions` consecutive questions and is written to a temporary name then renamed, so a
+shard that exists is whole and an interrupted run resumes at the first missing one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from tokenizers import Tokenizer
+from torch import nn
+
+from experiments.lib.data.chat import ChatTemplate
+from experiments.lib.data.prompts import Question
+from verify.backends.choose import make_target
+from verify.loop.continuous import Request, serve
+from verify.loop.sampling import SamplingConfig
+
+__all__ = ["AnswerSpec", "answer_records", "generate_answers", "question_sampling"]
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class AnswerSpec:
+    """Everything that decides an answer directory's contents (the batch size does not)."""
+
+    base_fingerprint: str
+    questions: str  # the question list's key (its source, size and seed)
+    max_new_tokens: int = 512  # per answered turn
+    dtype: str = "bf16"  # what the base decodes in: bf16 answers are bf16 decoding's, not fp32's
+    seed: int = 0
+    shard_questions: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "shard_questions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"answers.{name}={value!r}: must be an integer >= 1")
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"answers.dtype={self.dtype!r}: must be bf16 or fp32")
+
+    def key(self) -> str:
+        record = {**asdict(self), "format": FORMAT_VERSION}
+        return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def question_sampling(spec: AnswerSpec, index: int, turn: int) -> tuple[SamplingConfig, int]:
+    """Question `index` (0-based in the list) is answered greedily when even, at T = 1 when odd; its seed is a
+    function of the spec's seed, the index and the turn only."""
+    temperature = float(index % 2)
+    return SamplingConfig(temperature=temperature), spec.seed * 1_000_003 + 4099 * index + turn
+
+
+def _shard_path(directory: Path, i: int) -> Path:
+    return directory / f"answers-{i:05d}.jsonl"
+
+
+def _check_meta(directory: Path, spec: AnswerSpec) -> None:
+    path = directory / "meta.json"
+    if not path.exists():
+        return
+    try:
+        found = json.loads(path.read_text())["spec"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not an answer directory's meta.json ({type(e).__name__}): delete it") from None
+    wanted = asdict(spec)
+    diff = ", ".join(f"{k}: written {found.get(k)!r}, wanted {v!r}" for k, v in wanted.items() if found.get(k) != v)
+    if diff:
+        raise ValueError(f"answer directory {directory} was written for another setting ({diff}): choose another one")
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold]answers"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("questions · {task.fields[tokens]:,} tokens · {task.fields[rate]:.0f} tok/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not console.is_terminal,
+    )
+
+
+def generate_answers(
+    directory: str | Path,
+    base: nn.Module,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    questions: list[Question],
+    spec: AnswerSpec,
+    *,
+    batch: int = 64,
+    console: Console | None = None,
+) -> Path:
+    """Answer `questions` (every shard that is missing) with `base` (already in spec.dtype); returns the directory."""
+    directory = Path(directory)
+    _check_meta(directory, spec)
+    directory.mkdir(parents=True, exist_ok=True)
+    shards = -(-len(questions) // spec.shard_questions)
+    _write_json(directory / "meta.json", {"spec": asdict(spec), "format": FORMAT_VERSION, "shards": shards})
+    missing = [i for i in range(shards) if not _shard_path(directory, i).exists()]
+    if not missing:
+        return directory
+    eos = tokenizer.token_to_id("<|im_end|>")
+    target = make_target(base)
+    console = console or Console(stderr=True)
+    done = (shards - len(missing)) * spec.shard_questions
+    with _progress(console) as progress:
+        task = progress.add_task("answers", total=len(questions), completed=min(done, len(questions)), tokens=0, rate=0)
+        started, tokens = time.perf_counter(), 0
+        for i in missing:
+            first = i * spec.shard_questions
+            records = []
+            for record in _answer_shard(
+                target, tokenizer, template, questions[first : first + spec.shard_questions], spec,
+                first=first, batch=batch, eos_id=eos,
+            ):  # fmt: skip
+                records.append(record)
+                tokens += len(record["answer"])
+                rate = tokens / (time.perf_counter() - started)
+                progress.update(task, advance=int(record["last"]), tokens=tokens, rate=rate)
+            records.sort(key=lambda r: (r["index"], r["turn"]))
+            _write_lines(_shard_path(directory, i), records)
+    return directory
+
+
+def _answer_shard(
+    target, tokenizer: Tokenizer, template: ChatTemplate, questions: list[Question], spec: AnswerSpec, *,
+    first: int, batch: int, eos_id: int,
+) -> Iterator[dict]:  # fmt: skip
+    """Records of one shard's questions as they finish; a second turn is queued when its first answer arrives."""
+    queue: deque[tuple[Request, int, int]] = deque()  # (request, question's position in the shard, turn)
+    for j, q in enumerate(questions):
+        sampling, seed = question_sampling(spec, first + j, 1)
+        queue.append((Request(template.encode(tokenizer, [q.turns[0]]), spec.max_new_tokens, sampling, seed), j, 1))
+    taken: list[tuple[Request, int, int]] = []
+
+    def pull() -> Request | None:
+        if not queue:
+            return None
+        taken.append(queue.popleft())
+        return taken[-1][0]
+
+    # A second turn's prompt holds the first answer (re-encoded from its text: a few tokens either way) and turn 2.
+    longest = max(len(template.encode(tokenizer, list(q.turns[:2]), [""] * (len(q.turns[:2]) - 1))) for q in questions)
+    capacity = longest + 2 * spec.max_new_tokens + 64
+    for answer in serve(target, pull, batch=min(batch, len(questions)), capacity=capacity, eos_id=eos_id):
+        request, j, turn = taken[answer.index]
+        q = questions[j]
+        last = turn == len(q.turns) or turn == 2
+        if not last:  # the second turn, after the base's first answer as its text
+            text = tokenizer.decode(answer.tokens, skip_special_tokens=True).strip()
+            sampling, seed = question_sampling(spec, first + j, 2)
+            prompt = template.encode(tokenizer, list(q.turns[:2]), [text])
+            queue.append((Request(prompt, spec.max_new_tokens, sampling, seed), j, 2))
+        yield {
+            "index": first + j,
+            "question_id": q.question_id,
+            "category": q.category,
+            "turn": turn,
+            "temperature": request.sampling.temperature,
+            "seed": request.seed,
+            "prompt": request.prompt,
+            "answer": answer.tokens,
+            "last": last,
+        }
+
+
+def answer_records(directory: str | Path, *, shards: int | None = None) -> Iterator[dict]:
+    """The records of an answer directory's first `shards` shards (None: all it lists), in question order (turn 1
+    before turn 2)."""
+    directory = Path(directory)
+    shards = json.loads((directory / "meta.json").read_text())["shards"] if shards is None else shards
+    for i in range(shards):
+        path = _shard_path(directory, i)
+        if not path.exists():
+            raise ValueError(f"answer directory {directory} lacks {path.name}: generate the answers first")
+        with path.open() as f:
+            for line in f:
+                yield json.loads(line)
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+def _write_lines(path: Path, records: list[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("w") as f:
+        for record in records:
+            f.write(json.dumps(record, separators=(",", ":")) + "\n")
+    os.replace(tmp, path)  # atomic: a shard that exists is whole
