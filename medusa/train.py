@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from medusa.heads import MedusaHeads
 from medusa.trees import RANKS
 from verify.common.vocab import full_ids
-from verify.training.distill import check_mask, check_target, distill_loss, masked_mean, subset_index
+from verify.training.distill import chain_tau, check_mask, check_target, distill_loss, masked_mean, subset_index
 from verify.training.features import FeatureBatch
 
 __all__ = ["build", "loss", "evaluate"]
@@ -152,7 +152,7 @@ def evaluate(
     t = batch.hidden.shape[1]
     out = module(batch.hidden, vocab)  # (B, T, K, N)
     ranks = min(RANKS, out.shape[-1])
-    names, values = [], []
+    names, values, matches = [], [], []
     for k in range(1, module.num_heads + 1):
         logits = out[:, : t - k, k - 1]  # (B, T - k, N)
         top = full_ids(logits.topk(ranks, dim=-1).indices, vocab)  # (B, T - k, R) full-vocabulary ids
@@ -167,6 +167,9 @@ def evaluate(
         ]
         names += [f"head{k}_rank{r}" for r in range(ranks)]
         values += list(rank_rates(top, base_pick, mask))
+        matches.append(top[..., 0] == base_pick)  # the chain from t drafts head k's top-1 as token t + 1 + k
+    names.append("chain_tau")
+    values.append(chain_tau(matches, batch.mask_at(1)))
     return dict(zip(names, torch.stack(values).tolist()))  # one host sync
 
 

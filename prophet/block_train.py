@@ -36,7 +36,7 @@ from prophet.model import check_same_base
 from prophet.train import check_loss_settings, position_loss
 from verify.common.numerics import check_int
 from verify.common.vocab import full_ids, trim_linear
-from verify.training.distill import subset_index
+from verify.training.distill import chain_tau, subset_index
 from verify.training.features import FeatureBatch
 
 
@@ -107,12 +107,14 @@ def evaluate(
     tops: dict[int, list[Tensor]] = {}
     picks: dict[int, list[Tensor]] = {}
     masks: dict[int, list[Tensor]] = {}
+    hits: dict[int, list[Tensor]] = {}  # per draft position, (B, n) top-1 matches by start, for the chain
     every = torch.arange(t - module.block, device=batch.hidden.device)
     for chunk in every.split(max(1, t // (module.block - 1))):
         for j, (pred, u) in enumerate(_positions(module, batch, chunk), start=1):
             if j == 1 and chunk[0] > 0:
                 continue  # the context's predictions do not depend on the blocks: counted once
             top = full_ids(F.linear(pred, weight, bias).topk(ranks, dim=-1).indices, vocab)  # (B, n, R)
+            hits.setdefault(j, []).append(top[..., 0] == batch.top_ids[:, u, 0])
             tops.setdefault(j, []).append(top.flatten(0, 1))
             picks.setdefault(j, []).append(batch.top_ids[:, u, 0].flatten())
             if batch.mask is not None:
@@ -122,6 +124,10 @@ def evaluate(
         rates = rank_rates(torch.cat(tops[j]), torch.cat(picks[j]), torch.cat(masks[j]) if masks else None)  # (R,)
         names += [f"head{j}_agree"] + [f"head{j}_rank{r}" for r in range(ranks)]
         values += [rates[0], *rates]
+    # the chain from start s: the context's draft at index s (token s + 2), then slots 1, 2, ... of s's block
+    matches = [torch.cat(hits[j], dim=1) for j in sorted(hits)]
+    names.append("chain_tau")
+    values.append(chain_tau(matches, batch.mask_at(1)))
     return dict(zip(names, torch.stack(values).tolist()))  # one host sync
 
 

@@ -24,7 +24,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prophet.model import Prophet, check_same_base
-from verify.training.distill import agreement, check_target, distill_loss, masked_mean, subset_index
+from verify.training.distill import (
+    agreement,
+    chain_tau,
+    check_target,
+    distill_loss,
+    masked_mean,
+    student_top1,
+    subset_index,
+)
 from verify.training.features import FeatureBatch
 
 
@@ -128,12 +136,15 @@ def evaluate(
     whose token is an answer token."""
     _check_batch(module, base, batch, steps=eval_steps, name="eval_steps")
     _, weight, bias = module.output_layer(vocab)
-    out = {}
+    out, matches = {}, []
     for j, pred in enumerate(
         module.unroll(batch.hidden, batch.tokens[:, 1:], eval_steps, layers=batch.layers), start=1
     ):
         pred, _, top_ids, _, mask = _valid(pred, batch, j)
-        out[f"step{j}_agree"] = agreement(F.linear(module.readout(pred), weight, bias), top_ids, vocab, mask)
+        logits = F.linear(module.readout(pred), weight, bias)
+        out[f"step{j}_agree"] = agreement(logits, top_ids, vocab, mask)
+        matches.append(student_top1(logits, vocab) == top_ids[..., 0])  # index s: the chain started at s's step j
+    out["chain_tau"] = chain_tau(matches, batch.mask_at(1))
     return dict(zip(out, torch.stack(list(out.values())).tolist()))
 
 

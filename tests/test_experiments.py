@@ -361,7 +361,8 @@ def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path
     base_meta = load_checkpoint(tiny_base).meta
     assert load_checkpoint(result["last_checkpoint"]).meta["step"] == 4  # the latest
     assert meta["kind"] == "drafter" and meta["step"] == result["best_step"] and meta["selected"] == "best"
-    assert meta["best_value"] == result["best_mean_agree"] == max(r["mean_agree"] for r in rows if r["kind"] == "val")
+    assert meta["best_value"] == result["best_chain_tau"] == max(r["chain_tau"] for r in rows if r["kind"] == "val")
+    assert all(1 <= r["chain_tau"] <= 4 for r in rows if r["kind"] == "val")  # a 3-draft chain's tau
     assert meta["base_fingerprint"] == base_meta["fingerprint"]
     assert meta["model_config"]["package"] == family and meta["base_checkpoint"] == str(tiny_base)
     assert meta["precision"]["used"] in ("bf16", "fp32") and meta["precision"]["requested"] == "auto"

@@ -309,3 +309,17 @@ def test_validation_weighs_batches_by_their_answer_positions():
     assert both == pytest.approx(alone, rel=1e-6)
     assert drafter_trainer.positions_trained(answered, {}) == int(answered.mask.sum())
     assert drafter_trainer.positions_trained(case.batch, {}) == B * T
+
+
+def test_chain_tau_counts_the_leading_run_of_matches_per_start():
+    from verify.training.distill import chain_tau
+
+    m1 = torch.tensor([[1, 1, 0, 1, 1]], dtype=torch.bool)  # draft 1 of the chain started at s = 0..4
+    m2 = torch.tensor([[1, 0, 1, 1]], dtype=torch.bool)  # draft 2 (one start fewer: it runs past the end)
+    m3 = torch.tensor([[0, 1, 1, 1]], dtype=torch.bool)
+    # runs per start: 2 (third draft rejected), 1, 0 (a match after a rejection counts nothing), 3
+    assert chain_tau([m1, m2, m3]).item() == pytest.approx(1 + 6 / 4)
+    mask = torch.tensor([[True, False, True, True, True]])
+    assert chain_tau([m1, m2, m3], mask).item() == pytest.approx(1 + 5 / 3)
+    assert chain_tau([m1, m2, m3], depth=1).item() == pytest.approx(1 + 4 / 5)  # draft 1 alone, every start
+    assert chain_tau([m1, m2, m3], torch.zeros(1, 5, dtype=torch.bool)).item() == 1.0  # no answer: no NaN

@@ -102,8 +102,9 @@ def test_loss_drops(unroll):
     assert losses[-1] < 0.7 * first.item(), (first.item(), losses[-1])
     before = train.evaluate(train.build(base, dim=32, depth=1, heads=2), base, data, eval_steps=3)
     after = train.evaluate(prophet, base, data, eval_steps=3)
-    assert list(after) == ["step1_agree", "step2_agree", "step3_agree"]
+    assert list(after) == ["step1_agree", "step2_agree", "step3_agree", "chain_tau"]
     assert after["step1_agree"] > before["step1_agree"] + 0.2
+    assert after["chain_tau"] > before["chain_tau"] and 1 <= before["chain_tau"] <= after["chain_tau"] <= 4
 
 
 # ---------------------------------------------------------------- forwards
@@ -484,7 +485,7 @@ def test_config_drives_the_four_functions():
     assert torch.isfinite(loss) and set(metrics) == {
         f"step{j}_{m}" for j in steps for m in ("feature", "ce", "agree")
     } | {"loss"}
-    assert set(train.evaluate(module, base, data)) == {f"step{j}_agree" for j in range(1, 6)}
+    assert set(train.evaluate(module, base, data)) == {f"step{j}_agree" for j in range(1, 6)} | {"chain_tau"}
     drafter = make_drafter(module, base, **cfg["decode"])
     out = speculative_generate(Target(base), drafter, PROMPTS, max_new_tokens=8, spec=SpecConfig(gamma=5))
     assert out.tokens == plain_generate(Target(base), PROMPTS, max_new_tokens=8).tokens

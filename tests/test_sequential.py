@@ -160,7 +160,13 @@ def test_evaluate_keys_ranges_and_alignment():
     batch = random_batch(base)
     metrics = train.evaluate(heads, base, batch)
     expected = {f"head{k}_{m}" for k in (1, 2) for m in ["agree", "top1", "top5", *[f"rank{r}" for r in range(10)]]}
-    assert set(metrics) == expected and all(0 <= v <= 1 for v in metrics.values())
+    assert set(metrics) == expected | {"chain_tau"}
+    chain = metrics.pop("chain_tau")
+    assert all(0 <= v <= 1 for v in metrics.values())
+    # the chain from t: head 1's draft of token t + 2, then head 2's of t + 3, each the base's top-1 there or not
+    t = batch.hidden.shape[1]
+    hits = [(manual_head_logits(heads, batch, k).argmax(-1) == batch.top_ids[:, k:, 0])[:, : t - 2] for k in (1, 2)]
+    assert abs(chain - (1 + (hits[0].float() + (hits[0] & hits[1]).float()).mean().item())) < 1e-6
     for k in (1, 2):
         assert metrics[f"head{k}_top1"] <= metrics[f"head{k}_top5"]
         assert metrics[f"head{k}_agree"] == metrics[f"head{k}_rank0"]

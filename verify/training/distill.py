@@ -94,6 +94,22 @@ def agreement(logits: Tensor, top_ids: Tensor, vocab: Tensor | None = None, mask
     return masked_mean(student_top1(logits, vocab) == top_ids[..., 0], mask)
 
 
+CHAIN = 3  # drafts of the chain whose acceptance validation measures (`chain_tau`)
+
+
+def chain_tau(matches: list[Tensor], mask: Tensor | None = None, *, depth: int = CHAIN) -> Tensor:
+    """tau of a greedy chain of `depth` drafts (or as many as there are), teacher-forced: matches[j] (B, L_j) bool
+    says whether draft j + 1 of the chain started at position s is the base's own top-1 there (the drafts before it
+    taken as accepted, which greedy text makes true). A chain accepts its leading run of matches and the verify
+    pass adds one token, so tau = 1 + the mean of that run over starts s (mask (B, >= L): the starts whose first
+    draft is an answer token). What a drafter is worth at T = 0, in one forward, where per-draft agreement rates
+    would count a draft after a rejected one."""
+    chain = matches[:depth]
+    length = min(m.shape[1] for m in chain)
+    run = torch.stack([m[:, :length] for m in chain], dim=-1).float().cumprod(dim=-1).sum(dim=-1)  # (B, L)
+    return 1 + masked_mean(run, None if mask is None else mask[:, :length])
+
+
 def masked_mean(values: Tensor, mask: Tensor | None) -> Tensor:
     """Mean of `values` (...) over the positions where `mask` (...) is True (every position when None); 0 when
     none is, so a batch without an answer position reports no NaN (a float keeps its graph)."""

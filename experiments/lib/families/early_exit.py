@@ -26,7 +26,16 @@ from verify.backends.engine import check_layers
 from verify.backends.lean import lean
 from verify.common.vocab import subset_linear, trim_linear
 from verify.drafters.early_exit import check_lean_base
-from verify.training.distill import agreement, check_target, distill_loss, masked_mean, student_top1, subset_index
+from verify.training.distill import (
+    CHAIN,
+    agreement,
+    chain_tau,
+    check_target,
+    distill_loss,
+    masked_mean,
+    student_top1,
+    subset_index,
+)
 from verify.training.features import FeatureBatch
 
 __all__ = ["build", "loss", "evaluate"]
@@ -113,5 +122,7 @@ def evaluate(
     positions."""
     top = student_top1(module(_state(module, batch), vocab), vocab)  # (B, T) full-vocabulary ids
     hits = (top == batch.top_ids[..., 0], top == batch.tokens[:, 1:])  # (B, T) each
-    values = torch.stack([masked_mean(hit, batch.mask) for hit in hits])
-    return dict(zip(("agree", "top1"), values.tolist()))
+    # the chain from position s drafts s, s + 1, ... in turn, each after the true (greedy: accepted) tokens
+    chain = chain_tau([hits[0][:, j:] for j in range(CHAIN)], batch.mask)
+    values = torch.stack([masked_mean(hit, batch.mask) for hit in hits] + [chain])
+    return dict(zip(("agree", "top1", "chain_tau"), values.tolist()))

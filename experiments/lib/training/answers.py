@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from collections import deque
@@ -40,6 +41,8 @@ from verify.loop.sampling import SamplingConfig
 __all__ = ["AnswerSpec", "answer_records", "generate_answers", "question_sampling"]
 
 FORMAT_VERSION = 1
+LOG_EVERY = 30.0  # seconds between progress lines when the console is not a terminal (a run under nohup)
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ def generate_answers(
     done = (shards - len(missing)) * spec.shard_questions
     with _progress(console) as progress:
         task = progress.add_task("answers", total=len(questions), completed=min(done, len(questions)), tokens=0, rate=0)
-        started, tokens = time.perf_counter(), 0
+        started, tokens, logged, answered = time.perf_counter(), 0, time.perf_counter(), 0
         for i in missing:
             first = i * spec.shard_questions
             records = []
@@ -140,8 +143,14 @@ def generate_answers(
             ):  # fmt: skip
                 records.append(record)
                 tokens += len(record["answer"])
-                rate = tokens / (time.perf_counter() - started)
+                now = time.perf_counter()
+                rate, answered = tokens / (now - started), answered + int(record["last"])
                 progress.update(task, advance=int(record["last"]), tokens=tokens, rate=rate)
+                if not console.is_terminal and now - logged > LOG_EVERY:
+                    left = (len(questions) - done - answered) * (now - started) / max(answered, 1)
+                    log.info("answers: %d/%d questions, %d tokens, %.0f tok/s, about %.0f min left",
+                             done + answered, len(questions), tokens, rate, left / 60)  # fmt: skip
+                    logged = now
             records.sort(key=lambda r: (r["index"], r["turn"]))
             _write_lines(_shard_path(directory, i), records)
     return directory

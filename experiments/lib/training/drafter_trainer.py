@@ -10,10 +10,13 @@ DDP under torchrun) is experiments/lib/training/loop.py's, shared with the base;
 drafter's loss, batches and validation. A drafter checkpoint records the base's fingerprint;
 families.load_drafter refuses any other base.
 
-`checkpoint/` holds the drafter of the best validation: the highest `mean_agree`, the mean over draft
-positions of how often the drafter's top-1 is the base's top-1. That is the figure drafter validation has
-always measured, and the one acceptance (and so speed) follows; the training loss is a surrogate for it
-(the prophet's is mostly feature regression). `last/` holds the latest, which a resumed run continues from.
+`checkpoint/` holds the drafter of the best validation: the highest `chain_tau`, the tau a greedy chain of 3
+drafts would reach at T = 0 on the validation text, teacher-forced in one pass (verify/training/distill.py
+`chain_tau`): the figure speed follows. `mean_agree` (the mean over draft positions of how often the drafter's
+top-1 is the base's) is logged beside it; it counts a draft after a rejected one as if it mattered. The
+training loss is a surrogate for both (the prophet's is mostly feature regression). With generated answers the
+validation text is the base's answers to held-out bank questions. `last/` holds the latest, which a resumed run
+continues from.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from verify.training.features import FeatureBatch
 log = logging.getLogger(__name__)
 # Module settings added after runs were recorded, with the values those runs had: left out of the recipe.
 LATER_MODULE_DEFAULTS = {"arch": ("xtransformers", "x-transformers"), "kv_heads": (None,)}
-MONITOR = Monitor("mean_agree", lower_is_better=False)  # what picks checkpoint/ (see the module docstring)
+MONITOR = Monitor("chain_tau", lower_is_better=False)  # what picks checkpoint/ (see the module docstring)
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -162,8 +165,8 @@ def validate(
     family: Family, module: nn.Module, base: nn.Module, batches: list[FeatureBatch], *, vocab: Tensor | None
 ) -> dict[str, float]:
     """Drafter metrics over the fixed validation batches, averaged with weights by batch size (by answer positions
-    for masked batches), and `mean_agree`: the mean of the per-position agreements (`agree`, `head{k}_agree`,
-    `step{j}_agree`), the figure the best checkpoint is picked by."""
+    for masked batches), `chain_tau` (every family reports it: the figure the best checkpoint is picked by) and
+    `mean_agree`: the mean of the per-position agreements (`agree`, `head{k}_agree`, `step{j}_agree`)."""
     module.eval()
     totals: dict[str, float] = {}
     rows = sum(eval_weight(b) for b in batches)
@@ -173,9 +176,9 @@ def validate(
     module.train()
     metrics = {key: value / max(rows, 1) for key, value in totals.items()}
     agree = [value for key, value in metrics.items() if key == "agree" or key.endswith("_agree")]
-    if not agree:
-        raise ValueError(f"the drafter's evaluate reports no agreement figure (got {sorted(metrics)})")
-    return {**metrics, MONITOR.metric: sum(agree) / len(agree)}
+    if not agree or MONITOR.metric not in metrics:
+        raise ValueError(f"the drafter's evaluate reports no agreement or {MONITOR.metric} (got {sorted(metrics)})")
+    return {**metrics, "mean_agree": sum(agree) / len(agree)}
 
 
 def validation_batches(cfg, base: nn.Module, data, batches, *, seq_len: int, device: torch.device) -> list:
@@ -481,9 +484,9 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
         "stopped_by": result["stopped_by"],
         "elapsed_s": loop.elapsed(),
         "parameters": count_parameters(module),
-        "checkpoint": str(out_dir / "checkpoint"),  # the best: highest mean_agree
+        "checkpoint": str(out_dir / "checkpoint"),  # the best: highest chain_tau
         "best_step": result["best_step"],
-        "best_mean_agree": result["best_value"],
+        "best_chain_tau": result["best_value"],
         "last_checkpoint": str(out_dir / "last"),
         "out_dir": str(out_dir),
         "precision": precision["used"],
