@@ -162,3 +162,27 @@ def test_held_out_questions_are_counted_and_bounded(base, tmp_path):
     assert 5 <= windows.shape[0] <= 7  # five questions, each of one or two turns
     with pytest.raises(ValueError, match=f"{VALIDATION_QUESTIONS + 1} held-out questions asked: there are"):
         generated_windows(Spec(1), base, Tokens(), {}, held_out=VALIDATION_QUESTIONS + 1, **kwargs)
+
+
+def test_a_stream_killed_midway_keeps_its_whole_shards_and_resumes(base, tmp_path, monkeypatch):
+    from experiments.lib.training import answers
+
+    questions, spec = questions_of(12), spec_of()
+    generate_answers(tmp_path / "a", base, Tokens(), Template(), questions, spec, batch=4)
+    written, write = [], answers._write_lines
+
+    def crash_after_one(path, records):
+        if written:
+            raise RuntimeError("killed")
+        written.append(path.name)
+        write(path, records)
+
+    monkeypatch.setattr(answers, "_write_lines", crash_after_one)
+    with pytest.raises(RuntimeError, match="killed"):
+        generate_answers(tmp_path / "b", base, Tokens(), Template(), questions, spec, batch=4)
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "b").glob("answers-*.jsonl")] == written  # one whole shard, nothing else
+    generate_answers(tmp_path / "b", base, Tokens(), Template(), questions, spec, batch=4)
+    for i in range(3):
+        name = f"answers-{i:05d}.jsonl"
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()

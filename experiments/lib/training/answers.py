@@ -54,7 +54,7 @@ class AnswerSpec:
     max_new_tokens: int = 512  # per answered turn
     dtype: str = "bf16"  # what the base decodes in: bf16 answers are bf16 decoding's, not fp32's
     seed: int = 0
-    shard_questions: int = 256
+    shard_questions: int = 32  # a shard is written once its questions are answered: small shards lose little
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "shard_questions"):
@@ -118,53 +118,59 @@ def generate_answers(
     batch: int = 64,
     console: Console | None = None,
 ) -> Path:
-    """Answer `questions` (every shard that is missing) with `base` (already in spec.dtype); returns the directory."""
+    """Answer `questions` (those of every shard that is missing) with `base` (already in spec.dtype), in one
+    continuous stream: a shard is written as soon as its last answer arrives. Returns the directory."""
     directory = Path(directory)
     _check_meta(directory, spec)
     directory.mkdir(parents=True, exist_ok=True)
-    shards = -(-len(questions) // spec.shard_questions)
+    size = spec.shard_questions
+    shards = -(-len(questions) // size)
     _write_json(directory / "meta.json", {"spec": asdict(spec), "format": FORMAT_VERSION, "shards": shards})
     missing = [i for i in range(shards) if not _shard_path(directory, i).exists()]
     if not missing:
         return directory
-    eos = tokenizer.token_to_id("<|im_end|>")
-    target = make_target(base)
+    turns = lambda i: sum(min(2, len(q.turns)) for q in questions[i * size : (i + 1) * size])  # noqa: E731
+    pending = {i: [] for i in missing}  # shard -> its records so far
+    indices = [j for i in missing for j in range(i * size, min((i + 1) * size, len(questions)))]
     console = console or Console(stderr=True)
-    done = (shards - len(missing)) * spec.shard_questions
     with _progress(console) as progress:
-        task = progress.add_task("answers", total=len(questions), completed=min(done, len(questions)), tokens=0, rate=0)
+        task = progress.add_task("answers", total=len(questions), completed=len(questions) - len(indices), tokens=0,
+                                 rate=0)  # fmt: skip
         started, tokens, logged, answered = time.perf_counter(), 0, time.perf_counter(), 0
-        for i in missing:
-            first = i * spec.shard_questions
-            records = []
-            for record in _answer_shard(
-                target, tokenizer, template, questions[first : first + spec.shard_questions], spec,
-                first=first, batch=batch, eos_id=eos,
-            ):  # fmt: skip
-                records.append(record)
-                tokens += len(record["answer"])
-                now = time.perf_counter()
-                rate, answered = tokens / (now - started), answered + int(record["last"])
-                progress.update(task, advance=int(record["last"]), tokens=tokens, rate=rate)
-                if not console.is_terminal and now - logged > LOG_EVERY:
-                    left = (len(questions) - done - answered) * (now - started) / max(answered, 1)
-                    log.info("answers: %d/%d questions, %d tokens, %.0f tok/s, about %.0f min left",
-                             done + answered, len(questions), tokens, rate, left / 60)  # fmt: skip
-                    logged = now
-            records.sort(key=lambda r: (r["index"], r["turn"]))
-            _write_lines(_shard_path(directory, i), records)
+        eos = tokenizer.token_to_id("<|im_end|>")
+        for record in _answer_stream(make_target(base), tokenizer, template, questions, spec, indices=indices,
+                                     batch=batch, eos_id=eos):  # fmt: skip
+            shard = pending[record["index"] // size]
+            shard.append(record)
+            if len(shard) == turns(record["index"] // size):  # its last answer: the shard is whole
+                _write_lines(_shard_path(directory, record["index"] // size), sorted(shard, key=_order))
+            tokens += len(record["answer"])
+            now = time.perf_counter()
+            rate, answered = tokens / (now - started), answered + int(record["last"])
+            progress.update(task, advance=int(record["last"]), tokens=tokens, rate=rate)
+            if not console.is_terminal and now - logged > LOG_EVERY:
+                left = (len(indices) - answered) * (now - started) / max(answered, 1)
+                log.info("answers: %d/%d questions, %d tokens, %.0f tok/s, about %.0f min left",
+                         len(questions) - len(indices) + answered, len(questions), tokens, rate, left / 60)  # fmt: skip
+                logged = now
     return directory
 
 
-def _answer_shard(
+def _order(record: dict) -> tuple[int, int]:
+    return record["index"], record["turn"]
+
+
+def _answer_stream(
     target, tokenizer: Tokenizer, template: ChatTemplate, questions: list[Question], spec: AnswerSpec, *,
-    first: int, batch: int, eos_id: int,
+    indices: list[int], batch: int, eos_id: int,
 ) -> Iterator[dict]:  # fmt: skip
-    """Records of one shard's questions as they finish; a second turn is queued when its first answer arrives."""
-    queue: deque[tuple[Request, int, int]] = deque()  # (request, question's position in the shard, turn)
-    for j, q in enumerate(questions):
-        sampling, seed = question_sampling(spec, first + j, 1)
-        queue.append((Request(template.encode(tokenizer, [q.turns[0]]), spec.max_new_tokens, sampling, seed), j, 1))
+    """Records of questions[j] for j in `indices`, as they finish. A second turn is queued first in line when its
+    first answer arrives, so a question's turns finish close together and shards are written as the stream runs."""
+    queue: deque[tuple[Request, int, int]] = deque()  # (request, question index, turn)
+    for j in indices:
+        sampling, seed = question_sampling(spec, j, 1)
+        prompt = template.encode(tokenizer, [questions[j].turns[0]])
+        queue.append((Request(prompt, spec.max_new_tokens, sampling, seed), j, 1))
     taken: list[tuple[Request, int, int]] = []
 
     def pull() -> Request | None:
@@ -174,19 +180,20 @@ def _answer_shard(
         return taken[-1][0]
 
     # A second turn's prompt holds the first answer (re-encoded from its text: a few tokens either way) and turn 2.
-    longest = max(len(template.encode(tokenizer, list(q.turns[:2]), [""] * (len(q.turns[:2]) - 1))) for q in questions)
+    asked = [questions[j].turns[:2] for j in indices]
+    longest = max(len(template.encode(tokenizer, list(turns), [""] * (len(turns) - 1))) for turns in asked)
     capacity = longest + 2 * spec.max_new_tokens + 64
-    for answer in serve(target, pull, batch=min(batch, len(questions)), capacity=capacity, eos_id=eos_id):
+    for answer in serve(target, pull, batch=min(batch, len(indices)), capacity=capacity, eos_id=eos_id):
         request, j, turn = taken[answer.index]
         q = questions[j]
         last = turn == len(q.turns) or turn == 2
         if not last:  # the second turn, after the base's first answer as its text
             text = tokenizer.decode(answer.tokens, skip_special_tokens=True).strip()
-            sampling, seed = question_sampling(spec, first + j, 2)
+            sampling, seed = question_sampling(spec, j, 2)
             prompt = template.encode(tokenizer, list(q.turns[:2]), [text])
-            queue.append((Request(prompt, spec.max_new_tokens, sampling, seed), j, 2))
+            queue.appendleft((Request(prompt, spec.max_new_tokens, sampling, seed), j, 2))
         yield {
-            "index": first + j,
+            "index": j,
             "question_id": q.question_id,
             "category": q.category,
             "turn": turn,

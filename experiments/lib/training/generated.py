@@ -116,7 +116,7 @@ def generated_windows(
         # at the rate seen so far, would the questions left give enough? (else say so now, not after answering all)
         if not held_out and len(records) * len(pool) < wanted * asked:
             break
-        count = asked + aspec.shard_questions
+        count = max(asked + aspec.shard_questions, -(-asked * wanted * 11 // (10 * len(records))))  # the rate, +10%
     if not held_out and len(records) < spec.windows:
         raise ValueError(
             f"features.windows={spec.windows}: {asked} of the {len(pool)} training questions gave only "
@@ -125,7 +125,7 @@ def generated_windows(
         )
     log.info("%d answered turns from %s", len(records), directory)
     pad = tokenizer.token_to_id("<|im_end|>") if tokenizer.token_to_id("<|im_end|>") is not None else 0
-    return conversation_windows(records[:wanted], seq_len=spec.seq_len, pad_id=pad)
+    return conversation_windows(records if held_out else records[:wanted], seq_len=spec.seq_len, pad_id=pad)
 
 
 def _shards_written(directory: Path) -> int:
