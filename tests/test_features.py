@@ -263,8 +263,9 @@ def test_draft_model_learns_the_base_and_only_itself():
     assert all(p.grad is None for p in base.parameters())
     assert all(p.grad is not None for p in draft.parameters() if p.requires_grad)
     after = draft_family.evaluate(draft, base, batch)
-    assert set(after) == {"agree", "top1"}
+    assert set(after) == {"agree", "top1", "chain_tau"}
     assert after["agree"] > 0.8 > before["agree"], (before, after)
+    assert after["chain_tau"] > 1 + after["agree"] > before["chain_tau"]  # chains of 3 drafts: runs past the first
     trimmed = draft_family.evaluate(draft, base, batch, vocab=torch.arange(0, V, 3))
     assert trimmed["agree"] < after["agree"]  # the subset cannot hold every greedy token
 

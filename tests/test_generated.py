@@ -134,3 +134,17 @@ def test_a_checkpoint_drafts_from_the_vocabulary_it_recorded():
     assert checkpoint_vocab({"train_vocab": 3}, shared, "medusa") is shared  # an older checkpoint
     assert checkpoint_vocab({"train_vocab": 2, "train_vocab_ids": [1, 5]}, shared, "medusa") is shared
     assert checkpoint_vocab({"train_vocab_ids": [1, 5, 9]}, None, "medusa") is None  # full vocabulary asked
+
+
+def test_a_larger_cache_serves_its_first_windows(tmp_path):
+    """A data-scaling study caches the largest size once; each smaller run reads its first windows."""
+    base, answered = make_base(), answered_windows(6)
+    d = tmp_path / "g"
+    write_features(d, base, None, spec_for(windows=6), answered=answered, shard_windows=4, batch_size=2)
+    small = FeatureCache(d, spec_for(windows=3))
+    assert small.windows == 3 and torch.equal(small.data["tokens"].long(), answered[0][:3])
+    assert torch.equal(small.data["mask"], answered[1][:3]) and small.data["hidden"].shape[0] == 3
+    with pytest.raises(ValueError, match="windows: cached 6, wanted 7"):  # more than it holds: another setting
+        FeatureCache(d, spec_for(windows=7))
+    with pytest.raises(ValueError, match="seq_len: cached 16, wanted 8"):
+        FeatureCache(d, spec_for(windows=3, seq_len=8))

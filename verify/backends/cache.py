@@ -73,8 +73,8 @@ def write_kv(
     scatter_ along the slot axis rewrote the whole buffer on a CPU (22 us for 448 slots against 1.6)."""
     index = kv_index(slots, k_buf) if index is None else index
     d = k.shape[-1]
-    rows(k_buf).index_copy_(0, index, k.reshape(-1, d))
-    rows(v_buf).index_copy_(0, index, v.reshape(-1, d))
+    rows(k_buf).index_copy_(0, index, k.reshape(-1, d).to(k_buf.dtype))  # float32 keys of a bf16 model: exact
+    rows(v_buf).index_copy_(0, index, v.reshape(-1, d).to(v_buf.dtype))
     return k_buf, v_buf
 
 
@@ -87,28 +87,28 @@ _POOL: dict[tuple, list[tuple[list[Tensor], list[Tensor]]]] = {}
 POOL_SETS, POOL_BYTES = 2, 1 << 27
 
 
-def _key(k: list[Tensor]) -> tuple:
+def _key(k: list[Tensor], v: list[Tensor]) -> tuple:
     # inference tensors (made under torch.inference_mode) cannot be updated outside it: a pool of their own
-    return len(k), tuple(k[0].shape), k[0].device, k[0].dtype, k[0].is_inference()
+    return len(k), tuple(k[0].shape), k[0].device, k[0].dtype, v[0].dtype, k[0].is_inference()
 
 
-def _take(layers: int, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype):
-    """Zeroed key and value buffers: a dropped cache's of the same shape, or new ones."""
+def _take(layers: int, shape: tuple[int, ...], device: torch.device, dtypes: tuple[torch.dtype, torch.dtype]):
+    """Zeroed key and value buffers (of dtypes (keys', values')): a dropped cache's of the same shape, or new ones."""
     if device.type == "cuda" and device.index is None:  # the same device named two ways is one key
         device = torch.device("cuda", torch.cuda.current_device())
-    free = _POOL.get((layers, shape, device, dtype, torch.is_inference_mode_enabled()))
+    free = _POOL.get((layers, shape, device, *dtypes, torch.is_inference_mode_enabled()))
     if free:
         k, v = free.pop()
         for t in k + v:
             t.zero_()  # as a new cache: the slots a mask hides hold zeros, never another run's values
         return k, v
-    return tuple([torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)] for _ in range(2))
+    return tuple([torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)] for dtype in dtypes)
 
 
 def _give_back(k: list[Tensor], v: list[Tensor]) -> None:
-    if not k or 2 * len(k) * k[0].numel() * k[0].element_size() > POOL_BYTES:
+    if not k or len(k) * (k[0].numel() * k[0].element_size() + v[0].numel() * v[0].element_size()) > POOL_BYTES:
         return
-    free = _POOL.setdefault(_key(k), [])
+    free = _POOL.setdefault(_key(k, v), [])
     if len(free) < POOL_SETS:
         free.append((k, v))
 
@@ -136,8 +136,12 @@ class StaticCache:
         capacity: int,
         device: torch.device,
         dtype: torch.dtype,
+        key_dtype: torch.dtype | None = None,
     ):
-        self.k, self.v = _take(layers, (batch, heads, capacity, dim_head), torch.device(device), dtype)
+        # key_dtype: float32 keys for a bf16 model whose attention scores are float32 products (the lean Llama
+        # engine's): stored once, exactly, instead of converted over the whole span by every layer of every step
+        dtypes = (key_dtype or dtype, dtype)
+        self.k, self.v = _take(layers, (batch, heads, capacity, dim_head), torch.device(device), dtypes)
         self._release = weakref.finalize(self, _give_back, self.k, self.v)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) valid entries per row
         # A host-side upper bound of lengths.max(), to grow the buffers before they overflow. A commit that

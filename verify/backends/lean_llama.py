@@ -83,7 +83,7 @@ def _attend_fused(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -
     boolean mask (b, 1, n, S) -> (b, n, h * dh). Its CPU kernel keeps scores and sums in float32."""
     g = k.shape[1]
     out = F.scaled_dot_product_attention(
-        rearrange(q, "b n h d -> b h n d"), k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[2] != g
+        rearrange(q, "b n h d -> b h n d"), k.to(q.dtype), v, attn_mask=mask, scale=scale, enable_gqa=q.shape[2] != g
     )
     return rearrange(out, "b h n d -> b n (h d)")
 
@@ -126,7 +126,9 @@ class LlamaDecoder(LeanDecoder):
     def new_cache(
         self, batch: int, capacity: int, *, device: torch.device | None = None, layers: int | None = None
     ) -> StaticCache:
-        """Keys and values are cached for the kv heads only."""
+        """Keys and values are cached for the kv heads only; keys in float32, the precision attention scores are
+        computed in (each layer of each step converted the whole span's keys: most of a batch-64 step at 1,000
+        tokens). The same values, so the same bits as bf16 keys converted on the fly."""
         device = device if device is not None else self.inv_freq.device
         return StaticCache(
             layers=self.num_layers if layers is None else layers,
@@ -136,6 +138,7 @@ class LlamaDecoder(LeanDecoder):
             capacity=capacity,
             device=device,
             dtype=self.dtype,
+            key_dtype=torch.float32,
         )
 
     def _table(self, length: int) -> tuple[Tensor, Tensor]:

@@ -340,6 +340,10 @@ class Batches:
             "feature_windows": self.spec.windows,
             "feature_source": self.spec.source,
             "feature_seconds": round(self.cache_seconds, 1),
+            # the answer tokens the drafter learns from (every cached position without a mask)
+            "train_tokens": int(self.cache.data["mask"].sum())
+            if "mask" in self.cache.data
+            else self.spec.windows * self.spec.seq_len,
         }
 
 

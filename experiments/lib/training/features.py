@@ -51,6 +51,8 @@ FORMAT_VERSION = 1
 # and a drafter needs far less context than the base was trained on to learn the next few tokens.
 DEFAULT_WINDOW = 512
 SOURCES = ("corpus", "greedy", "sample", "generated")
+PREFIX_SOURCES = ("corpus", "generated")  # a larger cache's first windows are a smaller one's (greedy / sample: their
+# sampling seeds follow the caching batches)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -171,7 +173,9 @@ def _shard_path(directory: Path, i: int) -> Path:
 def _check_meta(directory: Path, spec: FeatureSpec) -> dict | None:
     """The directory's meta.json, refused in one line when it records another spec; None when absent.
 
-    A cache that holds more layers than asked serves the request (a fused prophet's cache serves Medusa)."""
+    A cache that holds more layers than asked serves the request (a fused prophet's cache serves Medusa); a complete
+    `corpus` or `generated` cache of more windows serves fewer, its first ones (the windows a smaller cache of the
+    same setting would hold: both sources take windows in a fixed order), so a data-scaling study caches once."""
     path = directory / "meta.json"
     if not path.exists():
         return None
@@ -184,6 +188,8 @@ def _check_meta(directory: Path, spec: FeatureSpec) -> dict | None:
             "directory"
         ) from None
     wanted = asdict(spec) | {"layers": found.layers if set(spec.layers) <= set(found.layers) else spec.layers}
+    if meta.get("complete") and found.source in PREFIX_SOURCES and found.windows >= spec.windows:
+        wanted["windows"] = found.windows
     diff = ", ".join(f"{k}: cached {v!r}, wanted {wanted[k]!r}" for k, v in asdict(found).items() if v != wanted[k])
     if diff:
         raise StaleFeatures(
@@ -338,7 +344,9 @@ class FeatureCache:
                     parts.setdefault("layers", []).append(shard.get_tensor("layers")[:, :, keep])
                 if "mask" in shard.keys():
                     parts.setdefault("mask", []).append(shard.get_tensor("mask").bool())
-        self.data = {name: torch.cat(chunks) for name, chunks in parts.items()}
+            if sum(len(t) for t in parts["tokens"]) >= spec.windows:
+                break  # the first spec.windows windows of a larger cache (_check_meta)
+        self.data = {name: torch.cat(chunks)[: spec.windows] for name, chunks in parts.items()}
         self.directory, self.spec, self.dim = directory, spec, meta["dim"]
         if self.data["tokens"].shape != (spec.windows, spec.seq_len + 1):
             raise StaleFeatures(
