@@ -1,6 +1,8 @@
-"""Training curves of drafter runs: agreement with the base's top-1 per draft position over wall time.
+"""Training curves of drafter runs: agreement with the base's top-1 per draft position over wall time; and with
+`scaling=true`, a data-scaling study: each run's best chain_tau against the answer tokens it trained on.
 
     python -m experiments.curves out=curves.png outputs/reference/medusa outputs/reference/prophet ...
+    python -m experiments.curves scaling=true out=scaling.png outputs/scaling/medusa-w120 ...
 
 Reads each run's metrics.jsonl (the "val" rows train_drafter writes) and plots, per run, the agreement at
 every draft position it reports (`head{k}_agree`, `step{j}_agree`, `agree`) against minutes of training;
@@ -11,6 +13,7 @@ agreement had these names reports it as `head{k}_rank0` (Medusa) or `step{j}_top
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -74,16 +77,86 @@ def plot(runs: list[Path], out: Path) -> str:
     return "\n".join(lines)
 
 
+def scaling_point(run: Path) -> dict:
+    """A run's family, training answer tokens (its best checkpoint's meta) and chain_tau curve (its metrics)."""
+    meta_path = run / "checkpoint" / "meta.json"
+    if not meta_path.is_file():
+        raise ValueError(f"{run}: no checkpoint/meta.json (a finished train_drafter run directory)")
+    meta = json.loads(meta_path.read_text())
+    rows = [r for r in val_rows(run) if "chain_tau" in r]
+    if not rows or "train_tokens" not in meta:
+        raise ValueError(f"{run}: no chain_tau validations or no train_tokens (a run from before the data engine)")
+    family = meta["model_config"]["package"] + (
+        f"-{meta['model_config'].get('arch')}" if "arch" in meta["model_config"] else ""
+    )
+    return {
+        "run": run.name,
+        "family": family,
+        "tokens": meta["train_tokens"],
+        "best": max(r["chain_tau"] for r in rows),
+        "minutes": [r["elapsed_s"] / 60 for r in rows],
+        "tau": [r["chain_tau"] for r in rows],
+    }
+
+
+def fit_log(points: list[dict]) -> tuple[float, float] | None:
+    """Least squares tau = a + b log10(tokens) over one family's points (None with fewer than two sizes)."""
+    xs, ys = [math.log10(p["tokens"]) for p in points], [p["best"] for p in points]
+    if len(set(xs)) < 2:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def plot_scaling(runs: list[Path], out: Path) -> str:
+    """Best chain_tau against training answer tokens (log axis, a log-linear fit per family extrapolated to 1M and
+    4M tokens) and chain_tau against training minutes; returns the markdown tables."""
+    points = [scaling_point(run) for run in runs]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    lines = ["| run | family | answer tokens | best chain_tau |", "|---|---|---|---|"]
+    fits = ["| family | tau = a + b log10(tokens) | at 1M tokens | at 4M tokens |", "|---|---|---|---|"]
+    for color, family in enumerate(sorted({p["family"] for p in points})):
+        mine = sorted((p for p in points if p["family"] == family), key=lambda p: p["tokens"])
+        left.plot([p["tokens"] for p in mine], [p["best"] for p in mine], "o-", color=f"C{color}", label=family)
+        for p in mine:
+            shade = 0.4 + 0.6 * p["tokens"] / mine[-1]["tokens"]  # more data, a darker line
+            label = f"{family} {p['tokens'] / 1e3:.0f}k"
+            right.plot(p["minutes"], p["tau"], ".-", color=f"C{color}", alpha=shade, label=label)
+            lines.append(f"| {p['run']} | {family} | {p['tokens']:,} | {p['best']:.3f} |")
+        fit = fit_log(mine)
+        if fit:
+            a, b = fit
+            xs = [mine[0]["tokens"], 4e6]
+            left.plot(xs, [a + b * math.log10(x) for x in xs], ":", color=f"C{color}")
+            fits.append(f"| {family} | {a:.3f} + {b:.3f} log10 | {a + 6 * b:.2f} | {a + b * math.log10(4e6):.2f} |")
+    left.set_xscale("log")
+    left.set_xlabel("training answer tokens")
+    left.set_ylabel("best chain_tau (3 drafts, T=0, held-out answers)")
+    right.set_xlabel("training minutes")
+    right.set_ylabel("chain_tau")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return "\n".join(lines) + "\n\n" + "\n".join(fits)
+
+
 def main(argv: list[str]) -> int:
     outs = [a for a in argv if a.startswith("out=")]
-    runs = [Path(a) for a in argv if not a.startswith("out=")]
+    scaling = "scaling=true" in argv
+    runs = [Path(a) for a in argv if not a.startswith(("out=", "scaling="))]
     if not runs:
-        print("usage: python -m experiments.curves out=curves.png <run dir> [<run dir> ...]", file=sys.stderr)
+        print(
+            "usage: python -m experiments.curves [scaling=true] out=curves.png <run dir> [<run dir> ...]",
+            file=sys.stderr,
+        )
         return 2
     try:
-        print(
-            plot(runs, Path(outs[-1][4:] if outs else "curves.png"))
-        )  # one colour per run, one line style per position
+        draw = plot_scaling if scaling else plot  # plot: one colour per run, one line style per position
+        print(draw(runs, Path(outs[-1][4:] if outs else "curves.png")))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
