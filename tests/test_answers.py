@@ -65,6 +65,8 @@ def spec_of(**over) -> AnswerSpec:
 def test_every_turn_is_plain_decodings_answer_alone(base, tmp_path):
     questions, spec = questions_of(7), spec_of()
     generate_answers(tmp_path, base, Tokens(), Template(), questions, spec, batch=3)
+    asked = [json.loads(line) for line in (tmp_path / "questions.jsonl").read_text().splitlines()]
+    assert [q["turns"] for q in asked] == [list(q.turns) for q in questions]  # what was asked, beside the answers
     records = list(answer_records(tmp_path))
     assert [(r["index"], r["turn"]) for r in records] == sorted(
         [(i, 1) for i in range(7)] + [(i, 2) for i in range(7) if i % 3 == 0]
@@ -172,9 +174,10 @@ def test_a_stream_killed_midway_keeps_its_whole_shards_and_resumes(base, tmp_pat
     written, write = [], answers._write_lines
 
     def crash_after_one(path, records):
-        if written:
-            raise RuntimeError("killed")
-        written.append(path.name)
+        if path.name.startswith("answers-"):  # the questions file is written first, always
+            if written:
+                raise RuntimeError("killed")
+            written.append(path.name)
         write(path, records)
 
     monkeypatch.setattr(answers, "_write_lines", crash_after_one)

@@ -9,6 +9,7 @@ on its question, its index and the seed, never on the batch size (verify/loop/co
 
 Layout of an answer directory:
     meta.json                the AnswerSpec, shards written, and what each holds
+    questions.jsonl          the questions (Spec-Bench's question.jsonl form), their category counts logged
     answers-00000.jsonl      one record per answered turn: question_id, category, turn, temperature, seed,
     ...                      prompt (token ids the base was given), answer (its tokens, <|im_end|> included)
 A shard covers `shard_questions` consecutive questions and is written to a temporary name then renamed, so a
@@ -22,7 +23,7 @@ import json
 import logging
 import os
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -126,6 +127,10 @@ def generate_answers(
     size = spec.shard_questions
     shards = -(-len(questions) // size)
     _write_json(directory / "meta.json", {"spec": asdict(spec), "format": FORMAT_VERSION, "shards": shards})
+    # the questions as Spec-Bench's question.jsonl beside their answers: what was asked, readable without the code
+    _write_lines(directory / "questions.jsonl", [q.as_json() for q in questions])
+    counts = Counter(q.category for q in questions)
+    log.info("%d questions by category: %s", len(questions), ", ".join(f"{c} {n}" for c, n in counts.items()))
     missing = [i for i in range(shards) if not _shard_path(directory, i).exists()]
     if not missing:
         return directory
