@@ -26,7 +26,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from verify.backends.cache import StaticCache, visibility, write_kv
-from verify.backends.lean_llama import attend_grouped, group_bias, half_rotary_table, rotate_halves
+from verify.backends.lean_llama import attend_grouped, group_bias, half_rotary_table, llama_shape, rotate_halves
 from verify.common.numerics import check_int
 
 ARCHS = ("eagle", "eagle3")
@@ -177,16 +177,7 @@ def layer_shape(base: nn.Module, *, heads: int, attn_dim_head: int | None, ff_mu
     dim = base.to_logits.in_features
     config = getattr(getattr(base, "hf", None), "config", None)
     if config is not None and getattr(config, "model_type", None) == "llama":
-        rope = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(config, "rope_theta", 1e4)
-        return dict(
-            dim=dim,
-            heads=config.num_attention_heads,
-            kv_heads=config.num_key_value_heads,
-            dim_head=getattr(config, "head_dim", None) or dim // config.num_attention_heads,
-            hidden=config.intermediate_size,
-            rope_theta=float(rope),
-            eps=config.rms_norm_eps,
-        )
+        return llama_shape(config)
     if attn_dim_head is None and dim % heads:
         raise ValueError(f"the base's width {dim} is not divisible by heads={heads}: pass attn_dim_head")
     return dict(dim=dim, heads=heads, kv_heads=heads, dim_head=attn_dim_head or dim // heads, hidden=ff_mult * dim)

@@ -44,6 +44,24 @@ def _check_config(config) -> None:
             )
 
 
+def llama_shape(config) -> dict:
+    """A Llama config (transformers' LlamaConfig, or its config.json as a dict) -> the shape of its layers: dim,
+    heads, kv_heads, dim_head, hidden (the feed-forward width), rope_theta, eps. The one place the project derives
+    it: the lean engine, the EAGLE draft layer and the serving formats all read it here."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    dim, heads = get("hidden_size"), get("num_attention_heads")
+    theta = (get("rope_parameters") or {}).get("rope_theta") or get("rope_theta") or 1e4
+    return dict(
+        dim=dim,
+        heads=heads,
+        kv_heads=get("num_key_value_heads") or heads,
+        dim_head=get("head_dim") or dim // heads,
+        hidden=get("intermediate_size"),
+        rope_theta=float(theta),
+        eps=get("rms_norm_eps") or 1e-6,
+    )
+
+
 def half_rotary_table(inv_freq: Tensor, length: int) -> tuple[Tensor, Tensor]:
     """cos, sin (length, dim_head) for rotary on the two halves of a head, with the sign of the swap in sin:
     rotary(x) = x * cos + swap_halves(x) * sin, swap_halves(x1, x2) = (x2, x1)."""
@@ -112,9 +130,9 @@ class LlamaDecoder(LeanDecoder):
             )
         self.depth = block_depth([kind for kind, _ in self.blocks])
         self.final_gain = model.norm.weight.detach()
-        self.eps = config.rms_norm_eps
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.dim_head = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        shape = llama_shape(config)
+        self.eps, self.heads, self.kv_heads = shape["eps"], shape["heads"], shape["kv_heads"]
+        self.dim_head = shape["dim_head"]
         self.scale = self.dim_head**-0.5
         self.inv_freq = model.rotary_emb.inv_freq.detach()
         self.dim = config.hidden_size

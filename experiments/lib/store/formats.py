@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from experiments.lib.store.served_dir import FormatError, read_config, setting, tensor_names
+from verify.backends.lean_llama import llama_shape
 
 FORMATS = ("eagle3", "eagle", "medusa", "draft_model")
 SERVED_FAMILY = {"eagle3": "prophet", "eagle": "prophet", "medusa": "medusa", "draft_model": "draft"}  # who reads it
@@ -53,20 +54,20 @@ def llama_config(base: nn.Module) -> Any:
 def layer_config(base: nn.Module, layer: nn.Module | None = None) -> dict[str, Any]:
     """A one-layer Llama config of the base's vocabulary: the draft layer's shape (an EagleLayer), or the base's."""
     config = llama_config(base)
-    shape = layer.config() if layer is not None else {}
-    theta = shape.get("rope_theta") or (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 1e4)
+    shape = llama_shape(config) | (layer.config() if layer is not None else {})
+    theta = shape["rope_theta"]
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": config.hidden_size,
-        "num_attention_heads": shape.get("heads", config.num_attention_heads),
-        "num_key_value_heads": shape.get("kv_heads", config.num_key_value_heads),
-        "head_dim": shape.get("dim_head", getattr(config, "head_dim", None)),
-        "intermediate_size": shape.get("hidden", config.intermediate_size),
+        "num_attention_heads": shape["heads"],
+        "num_key_value_heads": shape["kv_heads"],
+        "head_dim": shape["dim_head"],
+        "intermediate_size": shape["hidden"],
         "num_hidden_layers": 1,
-        "rms_norm_eps": shape.get("eps", config.rms_norm_eps),
-        "rope_theta": float(theta),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(theta)},
+        "rms_norm_eps": shape["eps"],
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
         "hidden_act": "silu",
@@ -233,19 +234,11 @@ def check_verifier(config: dict, base: nn.Module, path: Path) -> None:
 
 def layer_shape_from(config: dict, path: str | Path, within: str = "") -> dict[str, Any]:
     """A one-layer Llama config (in `path`'s config.json, under `within`) -> EagleLayer's shape keywords."""
-    heads, dim = (setting(config, key, path, within=within) for key in ("num_attention_heads", "hidden_size"))
-    theta = (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 1e4)
+    for key in ("num_attention_heads", "hidden_size", "intermediate_size"):
+        setting(config, key, path, within=within)  # a missing or bad size: one line naming the file
     if config.get("num_hidden_layers", 1) != 1:
         raise FormatError(f"num_hidden_layers={config['num_hidden_layers']}: this project drafts with one layer")
-    return dict(
-        dim=dim,
-        heads=heads,
-        kv_heads=config.get("num_key_value_heads") or heads,
-        dim_head=config.get("head_dim") or dim // heads,
-        hidden=setting(config, "intermediate_size", path, within=within),
-        rope_theta=float(theta),
-        eps=config.get("rms_norm_eps", 1e-6),
-    )
+    return llama_shape(config)
 
 
 def load_layer(layer: nn.Module, tensors: dict[str, Tensor], path: Path) -> None:
