@@ -86,9 +86,9 @@ def scaling_point(run: Path) -> dict:
     rows = [r for r in val_rows(run) if "chain_tau" in r]
     if not rows or "train_tokens" not in meta:
         raise ValueError(f"{run}: no chain_tau validations or no train_tokens (a run from before the data engine)")
-    family = meta["model_config"]["package"] + (
-        f"-{meta['model_config'].get('arch')}" if "arch" in meta["model_config"] else ""
-    )
+    config = meta["model_config"]
+    arch = (config.get("module") or {}).get("arch")
+    family = config["package"] + (f"-{arch}" if arch and arch != "xtransformers" else "")
     return {
         "run": run.name,
         "family": family,

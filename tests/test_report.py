@@ -255,16 +255,16 @@ def test_scaling_plots_best_chain_tau_against_answer_tokens_and_fits_a_log_line(
     ]:
         run = tmp_path / f"{family}-{tokens}"
         (run / "checkpoint").mkdir(parents=True)
-        meta = {"model_config": {"package": family}, "train_tokens": tokens}
+        meta = {"model_config": {"package": family, "module": {"arch": "eagle3"}}, "train_tokens": tokens}
         (run / "checkpoint" / "meta.json").write_text(json.dumps(meta))
         rows = [{"kind": "val", "elapsed_s": 60.0 * (i + 1), "chain_tau": t, "agree": 0.5} for i, t in enumerate(taus)]
         (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
         runs.append(run)
     table = plot_scaling(runs, tmp_path / "scaling.png")
-    assert "| medusa-100000 | medusa | 100,000 | 1.600 |" in table
+    assert "| medusa-100000 | medusa-eagle3 | 100,000 | 1.600 |" in table  # the family names its arch
     # medusa: 1.4 at 10k, 1.6 at 100k -> tau = 0.6 + 0.2 log10(tokens): 1.80 at 1M
-    assert "| medusa | 0.600 + 0.200 log10 | 1.80 |" in table
-    assert "| prophet |" not in table.split("\n\n")[1]  # one size: no line to fit
+    assert "| medusa-eagle3 | 0.600 + 0.200 log10 | 1.80 |" in table
+    assert "| prophet-eagle3 |" not in table.split("\n\n")[1]  # one size: no line to fit
     assert (tmp_path / "scaling.png").stat().st_size > 0
     (runs[0] / "checkpoint" / "meta.json").write_text(json.dumps({"model_config": {"package": "medusa"}}))
     assert main(["scaling=true", f"out={tmp_path / 'x.png'}", str(runs[0])]) == 1  # no train_tokens: one line
