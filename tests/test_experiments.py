@@ -336,6 +336,7 @@ def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path
         "feature_windows",
         "feature_source",
         "feature_seconds",
+        "train_tokens",
         "start_step",
         "stopped_by",
         "world_size",
@@ -343,6 +344,7 @@ def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path
         "replica_fingerprints",
     }
     assert about_the_run <= set(result), result
+    assert result["train_tokens"] == result["feature_windows"] * 32  # a corpus cache: every position (seq_len=32)
     metric_keys = set(result) - about_the_run
     assert metric_keys and all(isinstance(result[k], float) for k in metric_keys), result
     agreement = {
