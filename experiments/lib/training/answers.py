@@ -39,7 +39,7 @@ from verify.backends.choose import make_target
 from verify.loop.continuous import Request, serve
 from verify.loop.sampling import SamplingConfig
 
-__all__ = ["AnswerSpec", "answer_records", "generate_answers", "question_sampling"]
+__all__ = ["AnswerSpec", "answer_records", "generate_answers", "question_sampling", "shards_written"]
 
 FORMAT_VERSION = 1
 LOG_EVERY = 30.0  # seconds between progress lines when the console is not a terminal (a run under nohup)
@@ -79,6 +79,14 @@ def question_sampling(spec: AnswerSpec, index: int, turn: int) -> tuple[Sampling
 
 def _shard_path(directory: Path, i: int) -> Path:
     return directory / f"answers-{i:05d}.jsonl"
+
+
+def shards_written(directory: str | Path) -> int:
+    """How many shards of an answer directory exist, counted from the first (a later one alone does not count)."""
+    i = 0
+    while _shard_path(Path(directory), i).exists():
+        i += 1
+    return i
 
 
 def _check_meta(directory: Path, spec: AnswerSpec) -> None:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from experiments.lib.data.chat import chat_template_for
 from experiments.lib.data.prompts import Question
 from experiments.lib.data.question_bank import bank_questions
-from experiments.lib.training.answers import AnswerSpec, answer_records, generate_answers
+from experiments.lib.training.answers import AnswerSpec, answer_records, generate_answers, shards_written
 from experiments.lib.training.precision import native_bf16
 
 __all__ = ["VALIDATION_QUESTIONS", "answer_spec", "conversation_windows", "generated_windows", "split_questions"]
@@ -105,7 +105,7 @@ def generated_windows(
     count, decoder = min(len(pool), wanted), None
     while True:
         shards = -(-count // aspec.shard_questions)
-        if not (directory / "meta.json").exists() or _shards_written(directory) < shards:
+        if not (directory / "meta.json").exists() or shards_written(directory) < shards:
             decoder = decoder or _base_in(base, aspec.dtype)
             generate_answers(directory, decoder, tokenizer, template, pool[: shards * aspec.shard_questions], aspec,
                              batch=batch)  # fmt: skip
@@ -126,11 +126,3 @@ def generated_windows(
     log.info("%d answered turns from %s", len(records), directory)
     pad = tokenizer.token_to_id("<|im_end|>") if tokenizer.token_to_id("<|im_end|>") is not None else 0
     return conversation_windows(records if held_out else records[:wanted], seq_len=spec.seq_len, pad_id=pad)
-
-
-def _shards_written(directory: Path) -> int:
-    """Consecutive shards present from the first."""
-    i = 0
-    while (directory / f"answers-{i:05d}.jsonl").exists():
-        i += 1
-    return i
