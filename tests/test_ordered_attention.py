@@ -82,9 +82,10 @@ def test_chain_equals_one_token_steps_bit_for_bit(base):
             assert torch.equal(out[i], stepwise_logits(base, prompt, chain[: i + 1]))
 
 
-def attention_case(prefix: int, dtype: torch.dtype, seed: int):
+def attention_case(prefix: int, dtype: torch.dtype, seed: int, static: bool = False):
     """Random queries / keys / values of a tree forward behind `prefix` cached slots, and of each node's path
-    decoded alone: (tree output (n, h d), [the path's last-step output (h d) per node])."""
+    decoded alone: (tree output (n, h d), [the path's last-step output (h d) per node]). static: the tree's shared
+    chunks run to the span, as the engine's plan has them (its tail chunks then lie past them)."""
     from verify.backends.cache import tree_attention, visibility
     from verify.backends.lean_llama import group_bias
     from verify.backends.ordered_attention import attend_in_order, order_plan
@@ -100,8 +101,9 @@ def attention_case(prefix: int, dtype: torch.dtype, seed: int):
         pad = lambda t: torch.cat((t, t.new_zeros(1, kv_heads, span - t.shape[2], d)), dim=2)  # noqa: E731
         m, begin = queries.shape[1], torch.tensor([start])
         bias = group_bias(visibility(begin, m, allow, span), heads, kv_heads)
-        plan = order_plan(begin, m, allow, span, heads=heads, kv_heads=kv_heads, bias=bias)
-        return attend_in_order(queries, pad(keys), pad(values), plan, d**-0.5)[0]
+        plan = order_plan(begin, m, allow, span, heads=heads, kv_heads=kv_heads, bias=bias, static=static)
+        keys = pad(keys).transpose(2, 3).contiguous()  # stored transposed, as the lean Llama engine's cache
+        return attend_in_order(queries, keys, pad(values), plan, d**-0.5)[0]
 
     allow, _ = tree_attention(torch.tensor([PARENTS]))
     tree = attend(torch.cat((k_old, k_new), 2), torch.cat((v_old, v_new), 2), q, prefix, allow)
@@ -113,14 +115,16 @@ def attention_case(prefix: int, dtype: torch.dtype, seed: int):
     return tree, paths
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prefix", [5, CHUNK - 2, 2 * CHUNK - 2, 4 * CHUNK - 1])
-def test_a_tree_node_attends_as_its_path_stepped_alone_bit_for_bit(prefix, dtype):
+@pytest.mark.parametrize("prefix", [5, CHUNK - 2, 2 * CHUNK - 2, 4 * CHUNK - 1, 6 * CHUNK + 5])
+def test_a_tree_node_attends_as_its_path_stepped_alone_bit_for_bit(prefix, dtype, static):
     # float32 shows what bf16's rounding of the output can hide: a step sums all its chunks, a tree its shared
     # chunks then its gathered tail; the sums must be the same float32 adds (a cumsum, accumulated in float64 on
-    # a CPU, made every node of these trees leave its path in the last bit)
+    # a CPU, made every node of these trees leave its path in the last bit); summed pairwise, the tail's chunks must
+    # sit at their positions' chunk indices, not after the shared chunks (static: the engine's plan)
     for seed in range(3):
-        tree, paths = attention_case(prefix, dtype, seed)
+        tree, paths = attention_case(prefix, dtype, seed, static)
         assert [node for node in range(len(PARENTS)) if not torch.equal(tree[node], paths[node])] == []
 
 
