@@ -3,6 +3,7 @@
     python -m experiments.cache_features base_checkpoint=outputs/reference/base_small/checkpoint
     python -m experiments.cache_features base_checkpoint=... layers=[2,5]            # for a fused prophet
     python -m experiments.cache_features base_checkpoint=... features.source=greedy features.windows=2000
+    python -m experiments.cache_features base=smollm2 features.source=generated features.questions=mix  # + its own
 
 train_drafter writes the same cache on first use (same spec, same directory); this command does it up
 front, with a size estimate before it starts and a progress bar, and resumes an interrupted run.

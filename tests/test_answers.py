@@ -125,6 +125,7 @@ def test_windows_mask_exactly_the_answer_tokens():
 
 class Spec:  # the fields of a FeatureSpec that generated_windows reads
     base_fingerprint, seed, seq_len, prompt_len = "b", 0, 24, 12
+    questions = "bank"  # the bank's questions (self questions: tests/test_self_questions.py)
 
     def __init__(self, windows: int):
         self.windows = windows

@@ -115,6 +115,7 @@ def test_the_caching_batch_names_the_cache_except_the_old_default():
     # 16 was the batch of every cache written before it was a setting: their directories keep their names
     old = {**asdict(spec_for()), "format": FORMAT_VERSION}
     del old["batch"], old["answer_tokens"]  # answer_tokens names generated caches only
+    del old["questions"], old["self_questions"], old["self_steering"]  # so do questions other than the bank's
     assert spec_for().key() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
     assert spec_for(batch=64).key() != spec_for().key()
 
@@ -191,6 +192,9 @@ def test_bad_feature_settings_are_one_line_errors(change, match):
         "answers_root": ".cache/answers",
         "answer_batch": 64,
         "batch": 16,
+        "questions": "bank",
+        "self_questions": 1024,
+        "self_steering": True,
     }
     with pytest.raises(ValueError, match=match) as info:
         check_features_config({**config, **change})

@@ -28,6 +28,8 @@ from verify.loop.sampling import SamplingConfig
 
 __all__ = ["ChatTemplate", "chat_template_for", "encode_special", "second_turns"]
 
+USER_MARK = "USER-TURN-7f3c"  # text no template writes by itself: where the next user turn's content starts
+
 
 def encode_special(tokenizer: Tokenizer, text: str) -> list[int]:
     """Token ids of `text` with the tokenizer's special tokens parsed as such (the project's tokenizers
@@ -56,9 +58,11 @@ class ChatTemplate:
         if system is not None and (not isinstance(system, str) or not system.strip()):
             raise ValueError(f"prompts.system={system!r}: give a non-empty text, or null for the template's own")
 
-    def messages(self, turns: list[str], answers: list[str]) -> list[dict[str, str]]:
-        """[system?, user 1, assistant 1, ..., user n]: len(answers) == len(turns) - 1."""
-        out = [{"role": "system", "content": self.system}] if self.system is not None else []
+    def messages(self, turns: list[str], answers: list[str], *, system: str | None = None) -> list[dict[str, str]]:
+        """[system?, user 1, assistant 1, ..., user n]: len(answers) == len(turns) - 1; `system` replaces the
+        template's system prompt (None: self.system)."""
+        system = self.system if system is None else system
+        out = [{"role": "system", "content": system}] if system is not None else []
         for i, turn in enumerate(turns):
             out.append({"role": "user", "content": turn})
             if i < len(answers):
@@ -72,6 +76,21 @@ class ChatTemplate:
 
     def encode(self, tokenizer: Tokenizer, turns: list[str], answers: list[str] = ()) -> list[int]:
         return encode_special(tokenizer, self.render(turns, answers))
+
+    def user_prefix(
+        self, tokenizer: Tokenizer, turns: list[str] = (), answers: list[str] = (), *, system: str | None = None
+    ) -> list[int]:
+        """Token ids of the conversation so far (len(answers) == len(turns)) and the opening of the user's next
+        turn (`<|im_start|>user\\n`), exactly as the template renders it: what an instruct model continues with a
+        question of its own (Magpie). `system` replaces the prompt's system text (None: the template's own)."""
+        if len(answers) != len(turns):
+            raise ValueError(f"{len(turns)} turns and {len(answers)} answers: the next user turn follows an answer")
+        if system is not None and (not isinstance(system, str) or not system.strip()):
+            raise ValueError(f"system={system!r}: give a non-empty text, or None for the template's own")
+        # rendered with a marker as the next user turn, then cut where the marker starts
+        messages = self.messages([*turns, USER_MARK], list(answers), system=system)
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        return encode_special(tokenizer, text[: text.index(USER_MARK)])
 
 
 def chat_template_for(base_meta: dict[str, Any], *, system: str | None = None) -> ChatTemplate:

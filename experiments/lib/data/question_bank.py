@@ -41,7 +41,7 @@ from experiments.lib.data.chat_train import chat_train_questions
 from experiments.lib.data.prompts import Question, read_questions, write_questions
 from experiments.lib.data.sources import is_validation, stdlib_files
 
-__all__ = ["BANK_CATEGORIES", "bank_questions", "category_counts", "excluded_texts", "write_bank"]
+__all__ = ["BANK_CATEGORIES", "bank_questions", "benchmark_check", "category_counts", "excluded_texts", "write_bank"]
 
 BANK_CATEGORIES = (
     "writing", "roleplay", "reasoning", "math", "coding", "extraction",
@@ -350,12 +350,9 @@ def excluded_texts(extra_files: list[str] = ()) -> set[str]:
     return texts
 
 
-def bank_questions(n: int | None = None, *, seed: int = 0, exclude_files: Iterable[str] = ()) -> list[Question]:
-    """The first n questions of the bank (None: all), categories taking turns while each has questions left;
-    ids `bank-<category>-<k>`. A question whose first turn is a benchmark prompt of chat_mix or of `exclude_files`,
-    or quotes SHARED_RUN characters of one, is left out."""
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"n={n!r}: the number of bank questions must be an integer >= 1 (or None for all)")
+def benchmark_check(exclude_files: Iterable[str] = ()) -> Callable[[str], bool]:
+    """A test of whether a text is a benchmark prompt of chat_mix or of `exclude_files` (lowercase, whitespace
+    collapsed) or quotes SHARED_RUN characters of one: what every training question must not be."""
     excluded = excluded_texts(list(exclude_files))
     known, halves, runs = _chat_mix()
     extra = excluded - known  # a prompts file's texts: their windows join chat_mix's
@@ -366,6 +363,16 @@ def bank_questions(n: int | None = None, *, seed: int = 0, exclude_files: Iterab
         key = _normalize(text)
         return key in excluded or _quotes(key, halves, runs)
 
+    return benchmark
+
+
+def bank_questions(n: int | None = None, *, seed: int = 0, exclude_files: Iterable[str] = ()) -> list[Question]:
+    """The first n questions of the bank (None: all), categories taking turns while each has questions left;
+    ids `bank-<category>-<k>`. A question whose first turn is a benchmark prompt of chat_mix or of `exclude_files`,
+    or quotes SHARED_RUN characters of one, is left out."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"n={n!r}: the number of bank questions must be an integer >= 1 (or None for all)")
+    benchmark = benchmark_check(exclude_files)
     kept = {c: [turns for turns in qs if not benchmark(turns[0])] for c, qs in _candidates(seed).items()}
     questions = []
     for i in range(max(len(qs) for qs in kept.values())):

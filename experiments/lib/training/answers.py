@@ -3,15 +3,19 @@
 A drafter learns to guess what its base writes, so its training text is the base's own answers (Medusa-2, EAGLE
 and PARD regenerate their data the same way). Each question is answered in the base's chat template; a question
 with a second turn is asked it after the base's first answer (rendered from the answer's text, as a user's client
-would send it back), so multi-turn text is the base's too. Half of the questions (odd indices) are answered at
-T = 1, each from its own seeded generator, and half greedily: drafting must serve both, and an answer depends only
-on its question, its index and the seed, never on the batch size (verify/loop/continuous.py).
+would send it back), so multi-turn text is the base's too. A second turn FOLLOW_UP (given to the base's own
+questions, experiments/lib/data/self_questions.py) is written by the base itself: after its first answer it is
+given the user turn's opening, and what it writes is answered if it passes the self questions' filter. Half of the
+questions (odd indices) are answered at T = 1, each from its own seeded generator, and half greedily: drafting must
+serve both, and an answer depends only on its question, its index and the seed, never on the batch size
+(verify/loop/continuous.py).
 
 Layout of an answer directory:
     meta.json                the AnswerSpec, shards written, and what each holds
     questions.jsonl          the questions (Spec-Bench's question.jsonl form), their category counts logged
     answers-00000.jsonl      one record per answered turn: question_id, category, turn, temperature, seed,
-    ...                      prompt (token ids the base was given), answer (its tokens, <|im_end|> included)
+    ...                      prompt (token ids the base was given), answer (its tokens, <|im_end|> included),
+                             and asked (the follow-up's text) on the second turn of a FOLLOW_UP question
 A shard covers `shard_questions` consecutive questions and is written to a temporary name then renamed, so a
 shard that exists is whole and an interrupted run resumes at the first missing one.
 """
@@ -35,6 +39,7 @@ from torch import nn
 
 from experiments.lib.data.chat import ChatTemplate
 from experiments.lib.data.prompts import Question
+from experiments.lib.data.self_questions import FOLLOW_UP, FollowUpFilter, read_candidate
 from verify.backends.choose import make_target
 from verify.loop.continuous import Request, serve
 from verify.loop.sampling import SamplingConfig
@@ -42,6 +47,7 @@ from verify.loop.sampling import SamplingConfig
 __all__ = ["AnswerSpec", "answer_records", "generate_answers", "question_sampling", "shards_written"]
 
 FORMAT_VERSION = 1
+ASK = 3  # the turn number of a follow-up question the base is asked to write (a request, never a record)
 LOG_EVERY = 30.0  # seconds between progress lines when the console is not a terminal (a run under nohup)
 log = logging.getLogger(__name__)
 
@@ -142,8 +148,8 @@ def generate_answers(
     missing = [i for i in range(shards) if not _shard_path(directory, i).exists()]
     if not missing:
         return directory
-    turns = lambda i: sum(min(2, len(q.turns)) for q in questions[i * size : (i + 1) * size])  # noqa: E731
     pending = {i: [] for i in missing}  # shard -> its records so far
+    closed = Counter()  # shard -> its questions answered to their last turn (a follow-up may end a question early)
     indices = [j for i in missing for j in range(i * size, min((i + 1) * size, len(questions)))]
     console = console or Console(stderr=True)
     with _progress(console) as progress:
@@ -153,10 +159,11 @@ def generate_answers(
         eos = tokenizer.token_to_id("<|im_end|>")
         for record in _answer_stream(make_target(base), tokenizer, template, questions, spec, indices=indices,
                                      batch=batch, eos_id=eos):  # fmt: skip
-            shard = pending[record["index"] // size]
-            shard.append(record)
-            if len(shard) == turns(record["index"] // size):  # its last answer: the shard is whole
-                _write_lines(_shard_path(directory, record["index"] // size), sorted(shard, key=_order))
+            k = record["index"] // size
+            pending[k].append(record)
+            closed[k] += record["last"]
+            if closed[k] == len(questions[k * size : (k + 1) * size]):  # its last answer: the shard is whole
+                _write_lines(_shard_path(directory, k), sorted(pending[k], key=_order))
             tokens += len(record["answer"])
             now = time.perf_counter()
             rate, answered = tokens / (now - started), answered + int(record["last"])
@@ -178,7 +185,10 @@ def _answer_stream(
     indices: list[int], batch: int, eos_id: int,
 ) -> Iterator[dict]:  # fmt: skip
     """Records of questions[j] for j in `indices`, as they finish. A second turn is queued first in line when its
-    first answer arrives, so a question's turns finish close together and shards are written as the stream runs."""
+    first answer arrives, so a question's turns finish close together and shards are written as the stream runs.
+    A FOLLOW_UP second turn is the base's own: asked (the conversation so far, then the user turn's opening,
+    sampled at T = 1 from the question's seed) and judged by FollowUpFilter before it is answered; the first
+    answer's record waits for that verdict, and is the question's last when the follow-up is rejected."""
     queue: deque[tuple[Request, int, int]] = deque()  # (request, question index, turn)
     for j in indices:
         sampling, seed = question_sampling(spec, j, 1)
@@ -192,20 +202,29 @@ def _answer_stream(
         taken.append(queue.popleft())
         return taken[-1][0]
 
-    # A second turn's prompt holds the first answer (re-encoded from its text: a few tokens either way) and turn 2.
+    # A second turn's prompt holds the first answer (re-encoded from its text: a few tokens either way) and turn 2;
+    # a follow-up the base writes is up to follow.spec.max_tokens long.
     asked = [questions[j].turns[:2] for j in indices]
     longest = max(len(template.encode(tokenizer, list(turns), [""] * (len(turns) - 1))) for turns in asked)
-    capacity = longest + 2 * spec.max_new_tokens + 64
+    follow = FollowUpFilter() if any(turns[1:] == (FOLLOW_UP,) for turns in asked) else None
+    capacity = longest + 2 * spec.max_new_tokens + 64 + (follow.spec.max_tokens if follow else 0)
+    first: dict[int, tuple[str, dict]] = {}  # question -> its first answer's text and record, awaiting a follow-up
+    follow_ups: dict[int, str] = {}  # question -> the follow-up the base asked, being answered
     for answer in serve(target, pull, batch=min(batch, len(indices)), capacity=capacity, eos_id=eos_id):
         request, j, turn = taken[answer.index]
         q = questions[j]
+        if turn == ASK:  # the base's follow-up question: answered next if it is one, else the question ends
+            text, length, finished, special = read_candidate(tokenizer, answer.tokens, eos_id)
+            said, record = first.pop(j)
+            if follow(text, tokens=length, finished=finished, special=special) is None:
+                sampling, seed = question_sampling(spec, j, 2)
+                prompt = template.encode(tokenizer, [q.turns[0], text], [said])
+                queue.appendleft((Request(prompt, spec.max_new_tokens, sampling, seed), j, 2))
+                follow_ups[j] = text
+            yield {**record, "last": j not in follow_ups}
+            continue
         last = turn == len(q.turns) or turn == 2
-        if not last:  # the second turn, after the base's first answer as its text
-            text = tokenizer.decode(answer.tokens, skip_special_tokens=True).strip()
-            sampling, seed = question_sampling(spec, j, 2)
-            prompt = template.encode(tokenizer, list(q.turns[:2]), [text])
-            queue.appendleft((Request(prompt, spec.max_new_tokens, sampling, seed), j, 2))
-        yield {
+        record = {
             "index": j,
             "question_id": q.question_id,
             "category": q.category,
@@ -216,6 +235,21 @@ def _answer_stream(
             "answer": answer.tokens,
             "last": last,
         }
+        if turn == 2 and j in follow_ups:
+            record["asked"] = follow_ups.pop(j)  # what the base asked itself: not in questions.jsonl
+        if not last:  # the second turn, after the base's first answer as its text
+            text = tokenizer.decode(answer.tokens, skip_special_tokens=True).strip()
+            if q.turns[1] == FOLLOW_UP:
+                seed = question_sampling(spec, j, ASK)[1]
+                prompt = template.user_prefix(tokenizer, [q.turns[0]], [text])
+                queue.appendleft((Request(prompt, follow.spec.max_tokens, SamplingConfig(temperature=1.0), seed), j,
+                                  ASK))  # fmt: skip
+                first[j] = (text, record)
+                continue
+            sampling, seed = question_sampling(spec, j, 2)
+            prompt = template.encode(tokenizer, list(q.turns[:2]), [text])
+            queue.appendleft((Request(prompt, spec.max_new_tokens, sampling, seed), j, 2))
+        yield record
 
 
 def answer_records(directory: str | Path, *, shards: int | None = None) -> Iterator[dict]:

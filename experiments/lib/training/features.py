@@ -51,6 +51,7 @@ FORMAT_VERSION = 1
 # and a drafter needs far less context than the base was trained on to learn the next few tokens.
 DEFAULT_WINDOW = 512
 SOURCES = ("corpus", "greedy", "sample", "generated")
+QUESTIONS = ("bank", "self", "mix")  # the question bank's, the base's own (self_questions.py), both alternating
 PREFIX_SOURCES = ("corpus", "generated")  # a larger cache's first windows are a smaller one's (greedy / sample: their
 # sampling seeds follow the caching batches)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -78,12 +79,30 @@ class FeatureSpec:
     batch: int = 16  # windows the base runs at once; for greedy / sample it also decides each batch's seed, so
     # it is part of what the cache holds (generated answers do not depend on it)
     answer_tokens: int = 512  # generated: the most tokens the base writes per answered turn
+    questions: str = "bank"  # generated: what is answered, QUESTIONS (experiments/lib/training/generated.py)
+    self_questions: int | None = None  # generated, questions self / mix: how many of the base's own questions
+    # (None: as many as the windows need, all of them for self, half for mix)
+    self_steering: bool = True  # ... each steered towards a bank category by a line of system text, or not
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "windows", "top_k", "prompt_len", "batch", "answer_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"features.{name}={value!r}: must be an integer >= 1")
+        n = self.self_questions
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"features.self_questions={n!r}: must be an integer >= 1, or null (as many as needed)")
+        if self.questions not in QUESTIONS:
+            raise ValueError(f"features.questions={self.questions!r}: must be one of {', '.join(QUESTIONS)}")
+        if not isinstance(self.self_steering, bool):
+            raise ValueError(f"features.self_steering={self.self_steering!r}: must be true or false")
+        if self.questions != "bank" and self.source != "generated":
+            raise ValueError(
+                f"features.questions={self.questions!r}: questions are answered by features.source=generated only"
+            )
+        if self.questions == "bank":  # the self-question settings do nothing: recorded as their defaults, so an
+            object.__setattr__(self, "self_questions", None)  # explicit cache directory is not refused over them
+            object.__setattr__(self, "self_steering", True)
         if self.seq_len < 2:
             raise ValueError(f"features seq_len={self.seq_len}: must be at least 2")
         if self.source not in SOURCES:
@@ -102,6 +121,8 @@ class FeatureSpec:
             del record["answer_tokens"]
         else:
             record["format"] = 2  # one answered turn per window, with its answer mask
+        if self.source != "generated" or self.questions == "bank":  # the bank's caches keep their names
+            del record["questions"], record["self_questions"], record["self_steering"]
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
 
     def bytes_per_window(self, dim: int) -> int:
@@ -418,6 +439,9 @@ def check_features_config(features: dict) -> None:
         seed=features["seed"],
         batch=features["batch"],
         answer_tokens=features["answer_tokens"],
+        questions=features["questions"],
+        self_questions=features["self_questions"],
+        self_steering=features["self_steering"],
     )
 
 
@@ -438,6 +462,9 @@ def feature_spec(features: dict, *, base_meta: dict, data, seq_len: int, layers:
         seed=features["seed"],
         batch=features["batch"],
         answer_tokens=features["answer_tokens"],
+        questions=features["questions"],
+        self_questions=features["self_questions"],
+        self_steering=features["self_steering"],
     )
 
 

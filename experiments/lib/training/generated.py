@@ -12,6 +12,12 @@ tokens are text the base did not write, so they neither train it nor count in it
 
 The bank's last VALIDATION_QUESTIONS questions are answered too but never trained on: validation and
 best-checkpoint selection run on those held-out answers.
+
+`features.questions` chooses what is answered for training: the bank's other questions (`bank`), the base's own
+questions (`self`: experiments/lib/data/self_questions.py, sampled once from its user-turn prefix and cached beside
+the answers; a quarter of them get a second turn the base writes itself after its answer), or the two taking
+turns (`mix`). Validation stays on the bank's held-out questions whatever the choice, and their answers are
+shared: a run on self questions is measured on the same held-out answers as one on the bank.
 """
 
 from __future__ import annotations
@@ -27,11 +33,15 @@ from torch import Tensor, nn
 
 from experiments.lib.data.chat import chat_template_for
 from experiments.lib.data.prompts import Question
-from experiments.lib.data.question_bank import bank_questions
+from experiments.lib.data.question_bank import BANK_CATEGORIES, bank_questions
+from experiments.lib.data.self_questions import SelfQuestionSpec, self_questions
 from experiments.lib.training.answers import AnswerSpec, answer_records, generate_answers, shards_written
 from experiments.lib.training.precision import native_bf16
 
-__all__ = ["VALIDATION_QUESTIONS", "answer_spec", "conversation_windows", "generated_windows", "split_questions"]
+__all__ = [
+    "VALIDATION_QUESTIONS", "answer_spec", "conversation_windows", "generated_windows", "mix_questions",
+    "split_questions",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 VALIDATION_QUESTIONS = 96  # the bank's last questions: answered for validation, never trained on
@@ -50,10 +60,22 @@ def questions_key(questions: list[Question]) -> str:
     return f"{len(questions)}-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def mix_questions(train: list[Question], own: list[Question]) -> list[Question]:
+    """Bank and self questions taking turns (bank first) while both last, then the rest of the longer list: the
+    first k windows of a run hold about k / 2 of each."""
+    mixed = [q for pair in zip(train, own) for q in pair]
+    return mixed + train[len(own) :] + own[len(train) :]
+
+
+def answer_dtype(device: torch.device) -> str:
+    """bf16 where the device computes it natively (batched bf16 decoding of SmolLM2 ran several times faster than
+    fp32 here), else fp32: what the base answers (and asks its own questions) in."""
+    return "bf16" if native_bf16(device)[0] else "fp32"
+
+
 def answer_spec(spec, base_meta: dict, device: torch.device, *, max_new_tokens: int, questions: str) -> AnswerSpec:
-    """The answers `spec`'s windows come from: the base decodes in bf16 where the device computes it natively
-    (batched bf16 decoding of SmolLM2 ran several times faster than fp32 here), else in fp32."""
-    dtype = "bf16" if native_bf16(device)[0] else "fp32"
+    """The answers `spec`'s windows come from, decoded in answer_dtype(device)."""
+    dtype = answer_dtype(device)
     return AnswerSpec(
         base_fingerprint=spec.base_fingerprint, questions=questions, max_new_tokens=max_new_tokens, dtype=dtype,
         seed=spec.seed,
@@ -89,20 +111,34 @@ def generated_windows(
     questions: list[Question] | None = None,
     template=None,
 ) -> tuple[Tensor, Tensor]:
-    """The windows and masks of spec.windows answered turns of training questions whose prompts fit in
-    spec.prompt_len tokens; held_out=n: instead, those of the first n held-out questions (each turn). Answers
-    missing from root/<answer spec key> are generated first, a shard of questions at a time, until there are
-    enough. `questions` and `template` replace the bank and the base's chat template (tests)."""
+    """The windows and masks of spec.windows answered turns of training questions (spec.questions: the bank's,
+    the base's own, or both) whose prompts fit in spec.prompt_len tokens; held_out=n: instead, those of the first
+    n of the bank's held-out questions (each turn). Answers missing from root/<answer spec key> are generated
+    first, a shard of questions at a time, until there are enough (self questions, once, before them).
+    `questions` and `template` replace the bank and the base's chat template (tests)."""
     template = template or chat_template_for(base_meta)
-    train, val = split_questions(questions if questions is not None else bank_questions())
+    bank = questions if questions is not None else bank_questions()
+    train, val = split_questions(bank)
     if held_out and not 1 <= held_out <= len(val):
         raise ValueError(f"{held_out} held-out questions asked: there are {len(val)} (eval_blocks at most that)")
+    dtype, decoder = answer_dtype(next(base.parameters()).device), None
+    if not held_out and spec.questions != "bank":
+        decoder = _base_in(base, dtype)
+        categories = BANK_CATEGORIES if spec.self_steering else ()
+        n = spec.self_questions or (spec.windows if spec.questions == "self" else -(-spec.windows // 2))
+        sspec = SelfQuestionSpec(base_fingerprint=spec.base_fingerprint, n=n, dtype=dtype, seed=spec.seed,
+                                 categories=categories)  # fmt: skip
+        own = self_questions(decoder, tokenizer, template, sspec, root=root, batch=batch, follow_ups=True)
+        train = own if spec.questions == "self" else mix_questions(train, own)
+    # the answer directory is named by every question listed, held-out ones included: validation answers are the
+    # bank's whatever spec.questions is, so every source shares them
+    listed = bank if held_out else train + val
     pool = val[:held_out] if held_out else train
     aspec = answer_spec(spec, base_meta, next(base.parameters()).device, max_new_tokens=max_new_tokens,
-                        questions=questions_key(train + val))  # fmt: skip
+                        questions=questions_key(listed))  # fmt: skip
     directory = Path(root) / (aspec.key() + (f"-val{held_out}" if held_out else ""))
     wanted = len(pool) if held_out else spec.windows
-    count, decoder = min(len(pool), wanted), None
+    count = min(len(pool), wanted)
     while True:
         shards = -(-count // aspec.shard_questions)
         if not (directory / "meta.json").exists() or shards_written(directory) < shards:
@@ -122,6 +158,7 @@ def generated_windows(
             f"features.windows={spec.windows}: {asked} of the {len(pool)} training questions gave only "
             f"{len(records)} answered turns whose prompts fit in features.prompt_len={spec.prompt_len} tokens, too "
             "few at that rate; ask for fewer windows or allow longer prompts"
+            + (f" or set features.self_questions (now {spec.self_questions})" if spec.questions != "bank" else "")
         )
     log.info("%d answered turns from %s", len(records), directory)
     pad = tokenizer.token_to_id("<|im_end|>") if tokenizer.token_to_id("<|im_end|>") is not None else 0
