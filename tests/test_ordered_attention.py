@@ -102,8 +102,7 @@ def attention_case(prefix: int, dtype: torch.dtype, seed: int, static: bool = Fa
         m, begin = queries.shape[1], torch.tensor([start])
         bias = group_bias(visibility(begin, m, allow, span), heads, kv_heads)
         plan = order_plan(begin, m, allow, span, heads=heads, kv_heads=kv_heads, bias=bias, static=static)
-        keys = pad(keys).transpose(2, 3).contiguous()  # stored transposed, as the lean Llama engine's cache
-        return attend_in_order(queries, keys, pad(values), plan, d**-0.5)[0]
+        return attend_in_order(queries, pad(keys), pad(values), plan, d**-0.5)[0]
 
     allow, _ = tree_attention(torch.tensor([PARENTS]))
     tree = attend(torch.cat((k_old, k_new), 2), torch.cat((v_old, v_new), 2), q, prefix, allow)

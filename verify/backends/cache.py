@@ -65,42 +65,17 @@ def rows(buf: Tensor) -> Tensor:
     return buf.as_strided(((sb * (b - 1) + sh * (h - 1)) // d + span, d), (d, 1))
 
 
-def key_index(slots: Tensor, buf: Tensor) -> Tensor:
-    """slots (b, n) -> the elements (b h d n,) that `write_keys` fills in a buffer of keys stored transposed,
-    (b, h, dh, S) or a view of its first slots, counted from its first element. Built once per forward."""
-    (b, h, d), (sb, sh, sd, ss) = buf.shape[:3], buf.stride()
-    assert ss == 1, f"transposed keys hold each channel's slots contiguously, got strides {buf.stride()}"
-    ar = lambda n: torch.arange(n, device=slots.device)  # noqa: E731
-    first = sb * ar(b)[:, None, None] + sh * ar(h)[None, :, None] + sd * ar(d)[None, None, :]  # (b, h, d)
-    return (first[..., None] + slots[:, None, None, :]).reshape(-1)
-
-
-def write_keys(buf: Tensor, k: Tensor, index: Tensor) -> Tensor:
-    """Store keys k (b, h, n, dh) into a buffer of keys stored transposed (b, h, dh, S) at `key_index`'s elements,
-    in place. Why transposed: a decoding step's scores q @ k^T then read each key channel's slots contiguously, a
-    plain (rows x dh) @ (dh x S) product; over keys stored (S, dh) the same product took 2.3x as long here (192
-    heads x 1,088 slots, float32, identical bits)."""
-    (b, h, d, span), (sb, sh, sd, _) = buf.shape, buf.stride()
-    flat = buf.as_strided((sb * (b - 1) + sh * (h - 1) + sd * (d - 1) + span,), (1,))
-    flat.index_copy_(0, index, rearrange(k, "b h n d -> b h d n").reshape(-1).to(buf.dtype))
-    return buf
-
-
-def write_values(buf: Tensor, x: Tensor, index: Tensor) -> Tensor:
-    """Store x (b, h, n, dh) into one layer's buffer (b, h, S, dh) at `kv_index`'s rows, in place. Rows are copied
-    with index_copy_: a scatter_ along the slot axis rewrote the whole buffer on a CPU (22 us for 448 slots against
-    1.6). A float32 buffer of a bf16 model's keys stores them exactly."""
-    rows(buf).index_copy_(0, index, x.reshape(-1, x.shape[-1]).to(buf.dtype))
-    return buf
-
-
 def write_kv(
     k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, slots: Tensor, index: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Store new keys/values (b, h, n, dh) at slots (b, n) of one layer's buffers (b, h, S, dh), in place;
-    `index` is kv_index(slots, k_buf) when the caller has it already."""
+    `index` is kv_index(slots, k_buf) when the caller has it already. Rows are copied with index_copy_: a
+    scatter_ along the slot axis rewrote the whole buffer on a CPU (22 us for 448 slots against 1.6)."""
     index = kv_index(slots, k_buf) if index is None else index
-    return write_values(k_buf, k, index), write_values(v_buf, v, index)
+    d = k.shape[-1]
+    rows(k_buf).index_copy_(0, index, k.reshape(-1, d).to(k_buf.dtype))  # float32 keys of a bf16 model: exact
+    rows(v_buf).index_copy_(0, index, v.reshape(-1, d).to(v_buf.dtype))
+    return k_buf, v_buf
 
 
 # Buffers of dropped caches, by (layers, shape, device, dtype, inference or not), for the next cache of
@@ -114,8 +89,7 @@ POOL_SETS, POOL_BYTES = 2, 1 << 27
 
 def _key(k: list[Tensor], v: list[Tensor]) -> tuple:
     # inference tensors (made under torch.inference_mode) cannot be updated outside it: a pool of their own
-    # the values' shape: keys may be stored transposed, in as many elements
-    return len(k), tuple(v[0].shape), k[0].device, k[0].dtype, v[0].dtype, k[0].is_inference()
+    return len(k), tuple(k[0].shape), k[0].device, k[0].dtype, v[0].dtype, k[0].is_inference()
 
 
 def _take(layers: int, shape: tuple[int, ...], device: torch.device, dtypes: tuple[torch.dtype, torch.dtype]):
@@ -140,8 +114,7 @@ def _give_back(k: list[Tensor], v: list[Tensor]) -> None:
 
 
 class StaticCache:
-    """Per-layer key/value buffers (b, heads, capacity, dim_head), preallocated, and each row's length (b,);
-    keys optionally stored transposed, (b, heads, dim_head, capacity) (`write_keys`).
+    """Per-layer key/value buffers (b, heads, capacity, dim_head), preallocated, and each row's length (b,).
 
     One tensor per layer, not one for all layers: a compiled step then updates each buffer in place,
     where a slice of one big tensor would make it copy the whole cache every layer.
@@ -164,18 +137,11 @@ class StaticCache:
         device: torch.device,
         dtype: torch.dtype,
         key_dtype: torch.dtype | None = None,
-        keys_transposed: bool = False,
     ):
         # key_dtype: float32 keys for a bf16 model whose attention scores are float32 products (the lean Llama
-        # engine's): stored once, exactly, instead of converted over the whole span by every layer of every step.
-        # keys_transposed: keys stored (b, heads, dim_head, capacity), written by `write_keys` (its docstring says
-        # why); values always (b, heads, capacity, dim_head).
+        # engine's): stored once, exactly, instead of converted over the whole span by every layer of every step
         dtypes = (key_dtype or dtype, dtype)
-        self.keys_transposed = keys_transposed
         self.k, self.v = _take(layers, (batch, heads, capacity, dim_head), torch.device(device), dtypes)
-        # a pooled buffer may come from a cache of the other key layout: zeroed, only its view's shape changes
-        key_shape = (batch, heads, dim_head, capacity) if keys_transposed else (batch, heads, capacity, dim_head)
-        self.k = [t.view(key_shape) for t in self.k]
         self._release = weakref.finalize(self, _give_back, self.k, self.v)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # (b,) valid entries per row
         # A host-side upper bound of lengths.max(), to grow the buffers before they overflow. A commit that
@@ -186,20 +152,15 @@ class StaticCache:
 
     @property
     def capacity(self) -> int:
-        return self.v[0].shape[2]
-
-    @property
-    def key_slots(self) -> int:
-        """The axis of a key buffer that holds the slots: 3 for keys stored transposed, else 2 (as values)."""
-        return 3 if self.keys_transposed else 2
+        return self.k[0].shape[2]
 
     def reserve(self, n: int) -> Tensor:
         """Make room for n new entries per row; returns each row's first new slot (b,)."""
         if self.bound + n > self.capacity and self.exact_bound() + n > self.capacity:
             # rare: grow by doubling (shapes change once, not every step)
             extra = max(self.bound + n, 2 * self.capacity) - self.capacity
-            pad = lambda t, dim: torch.cat((t, t.new_zeros(*t.shape[:dim], extra, *t.shape[dim + 1 :])), dim=dim)  # noqa: E731
-            self.k, self.v = [pad(t, self.key_slots) for t in self.k], [pad(t, 2) for t in self.v]
+            pad = lambda t: torch.cat((t, t.new_zeros(*t.shape[:2], extra, t.shape[3])), dim=2)  # noqa: E731
+            self.k, self.v = [pad(t) for t in self.k], [pad(t) for t in self.v]
             self._release.detach()  # the old buffers go; the grown ones return to the pool in their turn
             self._release = weakref.finalize(self, _give_back, self.k, self.v)
         return self.lengths
@@ -217,7 +178,7 @@ class StaticCache:
         if self.stale and span > self.span:
             span = -(-(self.exact_bound() + n) // 64) * 64
         self.span = span = min(self.capacity, span)
-        return [t.narrow(self.key_slots, 0, span) for t in self.k], [t[:, :, :span] for t in self.v]
+        return [t[:, :, :span] for t in self.k], [t[:, :, :span] for t in self.v]
 
     def advance(self, n: int) -> None:
         """The n entries just written are now part of every row."""
@@ -236,7 +197,6 @@ class StaticCache:
         so the prompt gets the bits a batch of one gives it. The view never grows: its caller sized the cache."""
         view = object.__new__(StaticCache)
         view.k, view.v = [t[b : b + 1] for t in self.k], [t[b : b + 1] for t in self.v]
-        view.keys_transposed = self.keys_transposed
         view._release = weakref.finalize(view, lambda: None)  # the storage is this cache's, not the view's
         view.lengths = torch.zeros(1, dtype=torch.long, device=self.lengths.device)
         view.bound, view.stale, view.span = 0, False, 0
@@ -276,13 +236,9 @@ class StaticCache:
         # back whether any row needs it: the gather and scatter over k slots cost less than the device wait.
         steps = torch.arange(k, device=keep.device)
         order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # kept first, in order
-        _, heads, _, dim_head = self.v[0].shape
+        _, heads, _, dim_head = self.k[0].shape
         grab = lambda s: repeat(start[:, None] + s, "b k -> b h k d", h=heads, d=dim_head)  # noqa: E731
         src, dst = grab(order), grab(steps)
-        for buf in self.v:
+        for buf in self.k + self.v:
             buf.scatter_(2, dst, buf.gather(2, src))
-        if self.keys_transposed:
-            src, dst = (rearrange(t, "b h k d -> b h d k") for t in (src, dst))
-        for buf in self.k:
-            buf.scatter_(self.key_slots, dst, buf.gather(self.key_slots, src))
         self.lengths, self.stale = start + counts, True  # the bound stays an upper bound

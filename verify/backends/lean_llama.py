@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from verify.backends.cache import StaticCache, key_index, kv_index, visibility, write_keys, write_values
+from verify.backends.cache import StaticCache, kv_index, visibility, write_kv
 from verify.backends.engine import LeanDecoder, LeanLM, UnsupportedModel, block_depth
 from verify.backends.ordered_attention import attend_in_order, order_plan
 from verify.backends.packed import linear
@@ -97,17 +97,11 @@ def attend_grouped(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) 
 
 
 def _attend_fused(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """SDPA of q (b, n, h, dh) over keys stored transposed k (b, g, dh, S) and values v (b, g, S, dh) (g kv heads
-    shared by h / g query heads) under the
+    """SDPA of q (b, n, h, dh) over k, v (b, g, S, dh) (g kv heads shared by h / g query heads) under the
     boolean mask (b, 1, n, S) -> (b, n, h * dh). Its CPU kernel keeps scores and sums in float32."""
     g = k.shape[1]
     out = F.scaled_dot_product_attention(
-        rearrange(q, "b n h d -> b h n d"),
-        k.transpose(2, 3).to(q.dtype),
-        v,
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[2] != g,
+        rearrange(q, "b n h d -> b h n d"), k.to(q.dtype), v, attn_mask=mask, scale=scale, enable_gqa=q.shape[2] != g
     )
     return rearrange(out, "b h n d -> b n (h d)")
 
@@ -152,8 +146,7 @@ class LlamaDecoder(LeanDecoder):
     ) -> StaticCache:
         """Keys and values are cached for the kv heads only; keys in float32, the precision attention scores are
         computed in (each layer of each step converted the whole span's keys: most of a batch-64 step at 1,000
-        tokens). The same values, so the same bits as bf16 keys converted on the fly. Keys stored transposed,
-        (b, g, dh, S): a step's scores are then a plain product over contiguous slots (cache.write_keys)."""
+        tokens). The same values, so the same bits as bf16 keys converted on the fly."""
         device = device if device is not None else self.inv_freq.device
         return StaticCache(
             layers=self.num_layers if layers is None else layers,
@@ -164,7 +157,6 @@ class LlamaDecoder(LeanDecoder):
             device=device,
             dtype=self.dtype,
             key_dtype=torch.float32,
-            keys_transposed=True,
         )
 
     def _table(self, length: int) -> tuple[Tensor, Tensor]:
@@ -187,7 +179,7 @@ class LlamaDecoder(LeanDecoder):
     ) -> Tensor | tuple[Tensor, Tensor]:
         """As `LeanDecoder.forward`: writes keys/values at slots start (b,) + [0, n), returns hidden (b, n, d).
         attention="ordered" sums in position order at any n (a tree of any size stays exact); "fused": SDPA."""
-        n, capacity = x.shape[1], v_buf[0].shape[2]  # keys (b, g, dh, S), values (b, g, S, dh)
+        n, capacity = x.shape[1], k_buf[0].shape[2]
         slots = start[:, None] + torch.arange(n, device=x.device)  # (b, n)
         pos = slots if pos is None else pos
         cos, sin = (rearrange(t[pos], "b n r -> b n 1 r") for t in self._table(capacity))
@@ -208,7 +200,7 @@ class LlamaDecoder(LeanDecoder):
             bias=group_bias(mask, self.heads, self.kv_heads),
             static=True,  # shared chunks up to the span (masked past c0): no host read of c0
         )
-        index, keys_at = kv_index(slots, v_buf[0]), key_index(slots, k_buf[0])  # where they go, in every layer
+        index = kv_index(slots, k_buf[0])  # where keys/values go, in every layer
         rotated = self.heads + self.kv_heads  # queries and keys: rotated together, as (b, n, heads, dh)
         layer, saved = 0, {}
         ends = {2 * i - 1: i for i in layers}
@@ -218,8 +210,7 @@ class LlamaDecoder(LeanDecoder):
                 qkv = rearrange(linear(h, w[1], w[2]), "b n (h d) -> b n h d", d=self.dim_head)
                 qk = rotate_halves(qkv[:, :, :rotated], cos, sin)
                 k, v = (rearrange(t, "b n h d -> b h n d") for t in (qk[:, :, self.heads :], qkv[:, :, rotated:]))
-                k_all = write_keys(k_buf[layer], k, keys_at)
-                v_all = write_values(v_buf[layer], v, index)
+                k_all, v_all = write_kv(k_buf[layer], v_buf[layer], k, v, slots, index)
                 if ordered:
                     attended = attend_in_order(qk[:, :, : self.heads], k_all, v_all, plan, self.scale)
                 else:
