@@ -5,12 +5,17 @@
     python -m experiments.benchmark -m decode.gamma=1,2,4,8 medusa.module.num_heads=2,3,4,5
 
 Protocol: the same prompts, decoding settings and process for plain decoding and every
-method; each method (plain included) is warmed up first; then `repeats` rounds, each timing plain
-decoding and every method back to back (interleaved, so a slow patch of the shared machine hits all
-of them); speedup = method tokens/s over plain tokens/s within a round, median over rounds. At
+method; each method (plain included) is warmed up first; then `repeats` rounds, in which every batch of
+prompts is decoded by plain decoding and every method, at every temperature, back to back, in an order
+that rotates from batch to batch (experiments/lib/methods/rounds.py), so a slow patch of the shared
+machine hits all of them; speedup = method tokens/s over plain tokens/s within a round, median over
+rounds, with a paired bootstrap interval over the (round, batch) cells (experiments/lib/report/spread.py).
+A ratio that cannot be marks the run as disturbed (experiments/lib/report/disturbed.py), and the verdict
+then names no winner; otherwise it names one only where the interval lies above 1.0. At
 temperature 0, a method whose rule is lossless must reproduce plain decoding token for token, or the
-run fails loudly. Writes results.json, results.md and PNG plots into its run directory, logs to wandb
-and prints one JSON object as the last line of standard output.
+run fails loudly. A progress bar (a log line every 30 s off a terminal) follows the timed work. Writes
+results.json, results.md and PNG plots into its run directory, logs to wandb and prints one JSON object
+as the last line of standard output.
 
 This file holds the protocol itself (timing rounds, table rows, budget=auto's choices). The methods and
 their drafters come from experiments/lib/methods/registry.py; every setting is checked first by
@@ -57,8 +62,12 @@ from experiments.lib.methods.registry import (
     recorded_config,
     verify_widths,
 )
+from experiments.lib.methods.rounds import RoundsProgress, interleaved_rounds
 from experiments.lib.report.by_category import category_batches, category_figures, per_category
+from experiments.lib.report.disturbed import PLAIN_SPREAD, TOLERANCE, disturbed_reasons
 from experiments.lib.report.results import mode, repeated_ngram_share, write_report
+from experiments.lib.report.spread import LEVEL, RESAMPLES, cell_times, speedup_interval
+from experiments.lib.report.spread import SEED as SPREAD_SEED
 from experiments.lib.store.checkpoint import load_lm
 from experiments.lib.store.lm import count_parameters
 from experiments.lib.training.precision import decode_in
@@ -66,7 +75,7 @@ from experiments.lib.training.settings import resolve_device
 from verify.backends.choose import make_target
 from verify.backends.target import Target
 from verify.common.numerics import EosId
-from verify.loop.plain import plain_generate
+from verify.loop.plain import Generation, plain_generate
 from verify.loop.sampling import SamplingConfig
 from verify.loop.speculative import SpecConfig, speculative_generate
 from verify.loop.stats import DecodeStats
@@ -77,27 +86,19 @@ log = logging.getLogger(__name__)
 def run_once(
     target: Target,
     factory: Callable[[], Any] | None,
-    batches: list[list[list[int]]],
+    batch: list[list[int]],
     *,
     sampling: SamplingConfig,
     spec: SpecConfig,
     cfg: DictConfig,
-    seed: int,
+    generator: torch.Generator,
     eos_id: EosId,
-) -> tuple[list[list[int]], list[DecodeStats]]:
-    """Decode every batch with plain decoding (factory None) or a fresh drafter per batch: (the new tokens of
-    every row, in prompt order; one DecodeStats per batch)."""
-    tokens, stats = [], []
-    generator = torch.Generator(device=target.device).manual_seed(seed)
+) -> Generation:
+    """Decode one batch with plain decoding (factory None) or a fresh drafter, drawing from `generator`."""
     kwargs = dict(max_new_tokens=cfg.decode.max_new_tokens, sampling=sampling, eos_id=eos_id, generator=generator)
-    for batch in batches:
-        if factory is None:
-            out = plain_generate(target, batch, **kwargs)
-        else:
-            out = speculative_generate(target, factory(), batch, spec=spec, **kwargs)
-        tokens += out.tokens
-        stats.append(out.stats)
-    return tokens, stats
+    if factory is None:
+        return plain_generate(target, batch, **kwargs)
+    return speculative_generate(target, factory(), batch, spec=spec, **kwargs)
 
 
 def summarize_stats(stats: list[DecodeStats]) -> dict[str, Any]:
@@ -113,62 +114,96 @@ def summarize_stats(stats: list[DecodeStats]) -> dict[str, Any]:
     }
 
 
-def bench_temperature(
+def bench_temperatures(
     cfg: DictConfig,
     setups: list[dict],
     batches: list[list[list[int]]],
-    temperature: float,
+    temperatures: list[float],
     eos_id: EosId,
     labels: list[str],
+    progress: RoundsProgress | None = None,
 ) -> tuple[list[dict], list[dict]]:
-    """Plain and every method in every setting at one temperature: warm-up, interleaved rounds, medians.
+    """Plain and every method in every setting at every temperature: warm-up, interleaved rounds, medians.
+    Returns (plain rows, method rows), temperature by temperature.
 
-    Speedup is against the FASTEST plain decoding of the same round (over all settings), so a method
-    only counts as faster if it beats the best plain decoder a user could pick instead. `labels` is each
-    batch's prompt category: with several, every row also carries its figures per category."""
-    sampling, rule = sampling_for(cfg.decode, temperature)
-    for s in setups:
-        s["chosen"] = choose_budgets(cfg, s, sampling, eos_id) if cfg.budget == "auto" else {}
-    entries = [
-        dict(setup=s, name=name, **s["chosen"].get(name, dict(factory=factory, spec=s["spec"])))
-        for s in setups
-        for name, factory in {"plain": None, **s["methods"]}.items()
-    ]
-    for e in entries:  # warm-up (allocator, lazy inits, compilation): timed on its own, never in tokens/s
+    Every batch is decoded by every entry, at every temperature, back to back (experiments/lib/methods/rounds.py),
+    so a change of machine load lands on plain decoding and the methods alike, and plain decoding at T=0 and
+    at T=1 are timed side by side. Speedup is against the FASTEST plain decoding of the same temperature and
+    round (over all settings), so a method only counts as faster if it beats the best plain decoder a user
+    could pick instead; its interval is spread.py's paired bootstrap over the cells. `labels` is each batch's
+    prompt category: with several, every row also carries its figures per category."""
+    entries = bench_entries(cfg, setups, temperatures, eos_id)
+    time_entries(cfg, entries, batches, eos_id, labels, progress)
+    plains, rows = [], []
+    for t in temperatures:
+        plain, method_rows = temperature_rows(cfg, [e for e in entries if e["temperature"] == t], batches, labels)
+        plains += plain
+        rows += method_rows
+    return plains, rows
+
+
+def bench_entries(cfg: DictConfig, setups: list[dict], temperatures: list[float], eos_id: EosId) -> list[dict]:
+    """Every (temperature, setting, plain or method) the benchmark times; budget=auto first picks each
+    method's budget per setting and temperature (choose_budgets)."""
+    entries = []
+    for t in temperatures:
+        sampling, rule = sampling_for(cfg.decode, t)
+        for s in setups:
+            chosen = choose_budgets(cfg, s, sampling, eos_id) if cfg.budget == "auto" else {}
+            for name, factory in {"plain": None, **s["methods"]}.items():
+                own = chosen.get(name, dict(factory=factory, spec=s["spec"]))
+                entries.append(dict(temperature=t, sampling=sampling, rule=rule, setup=s, name=name, **own))
+    return entries
+
+
+def time_entries(
+    cfg: DictConfig,
+    entries: list[dict],
+    batches: list[list[list[int]]],
+    eos_id: EosId,
+    labels: list[str],
+    progress: RoundsProgress | None,
+) -> None:
+    """Decode every batch with every entry in interleaved rounds; each entry gets its `cells` (Generations per
+    round and batch), `warmup_s`, `rounds` (the tokens and summarize_stats figures of each round) and
+    `category_rounds` (the same per category)."""
+
+    def decode(i: int, batch: list[list[int]], generator: torch.Generator) -> Generation:
+        e = entries[i]
         torch.set_num_threads(e["setup"]["threads"])
-        start = time.perf_counter()
-        run_once(
-            e["setup"]["target"],
-            e["factory"],
-            batches[:1],
-            sampling=sampling,
-            spec=e["spec"],
-            cfg=cfg,
-            seed=cfg.seed,
-            eos_id=eos_id,
-        )
-        e["warmup_s"] = time.perf_counter() - start
-        e["rounds"], e["category_rounds"] = [], []
-    for r in range(cfg.repeats):
-        for e in entries:
-            torch.set_num_threads(e["setup"]["threads"])
-            tokens, stats = run_once(
-                e["setup"]["target"],
-                e["factory"],
-                batches,
-                sampling=sampling,
-                spec=e["spec"],
-                cfg=cfg,
-                seed=cfg.seed + r,
-                eos_id=eos_id,
-            )
-            e["rounds"].append((tokens, summarize_stats(stats)))
-            e["category_rounds"].append(per_category(stats, labels, summarize_stats))
+        kwargs = dict(sampling=e["sampling"], spec=e["spec"], cfg=cfg, generator=generator, eos_id=eos_id)
+        return run_once(e["setup"]["target"], e["factory"], batch, **kwargs)
+
+    cells, warmup_s = interleaved_rounds(
+        decode,
+        len(entries),
+        batches,
+        repeats=cfg.repeats,
+        seed=cfg.seed,
+        device=entries[0]["setup"]["target"].device,
+        progress=progress,
+        names=[f"{e['name']} ({mode(e['setup'])}, T={e['temperature']:g})" for e in entries],
+    )
+    for e, entry_cells, seconds in zip(entries, cells, warmup_s):
+        e["warmup_s"], e["cells"] = seconds, entry_cells
+        stats = [[g.stats for g in gens] for gens in entry_cells]
+        e["rounds"] = [
+            ([row for g in gens for row in g.tokens], summarize_stats(st)) for gens, st in zip(entry_cells, stats)
+        ]
+        e["category_rounds"] = [per_category(st, labels, summarize_stats) for st in stats]
+
+
+def temperature_rows(
+    cfg: DictConfig, entries: list[dict], batches: list[list[list[int]]], labels: list[str]
+) -> tuple[list[dict], list[dict]]:
+    """The table rows of one temperature's timed entries: (plain rows, method rows)."""
+    temperature, rule = entries[0]["temperature"], entries[0]["rule"]
     fastest = [
         max(e["rounds"][r][1]["tokens_per_s"] for e in entries if e["factory"] is None) for r in range(cfg.repeats)
     ]
     plain_of = {id(e["setup"]): e for e in entries if e["factory"] is None}
     plain_entries = list(plain_of.values())
+    plain_times = [cell_times(p["cells"]) for p in plain_entries]
     # How much of plain decoding's own output at this temperature repeats an earlier 4-gram of its row: a
     # base looping at T=0 makes drafting trivially easy, so every row carries this figure beside its tau.
     # One figure per temperature (the first setting's plain decoding, its rounds pooled: at T=0 they are
@@ -183,6 +218,7 @@ def bench_temperature(
         per_round = [m for _, m in e["rounds"]]
         speedups = [m["tokens_per_s"] / f for m, f in zip(per_round, fastest)]
         median = per_round[sorted(range(len(speedups)), key=speedups.__getitem__)[len(speedups) // 2]]
+        lo, hi, n = speedup_interval(cell_times(e["cells"]), plain_times)
         common = {
             "temperature": temperature,
             "threads": e["setup"]["threads"],
@@ -190,15 +226,29 @@ def bench_temperature(
             "repeat4": repeat4,
             "tokens_per_s": statistics.median(m["tokens_per_s"] for m in per_round),
             "speedup": statistics.median(speedups),
+            "speedup_lo": lo,
+            "speedup_hi": hi,
+            "cells": n,
             "speedups": speedups,
             "warmup_s": e["warmup_s"],
-            "categories": category_figures(e, plain_entries),
+            "categories": category_spreads(e, plain_entries, plain_times, labels),
         }
         if e["factory"] is None:
             plains.append({**common, "tokens_per_s_rounds": [m["tokens_per_s"] for m in per_round]})
             continue
         rows.append(method_row(e, common, median, rule, plain_of[id(e["setup"])], cfg))
     return plains, rows
+
+
+def category_spreads(e: dict, plain_entries: list[dict], plain_times: list, labels: list[str]) -> dict[str, dict]:
+    """by_category's figures of one entry, each with the bootstrap interval over that category's cells
+    (speedup_lo, speedup_hi: None for a single cell) and its cell count."""
+    figures = category_figures(e, plain_entries)
+    for category, figure in figures.items():
+        batches = [b for b, label in enumerate(labels) if label == category]
+        lo, hi, n = speedup_interval(cell_times(e["cells"]), plain_times, batches=batches)
+        figure.update(speedup_lo=lo, speedup_hi=hi, cells=n)
+    return figures
 
 
 def method_row(e: dict, common: dict, best: dict, rule: str, plain: dict, cfg: DictConfig) -> dict:
@@ -218,6 +268,7 @@ def method_row(e: dict, common: dict, best: dict, rule: str, plain: dict, cfg: D
         "lossless": lossless,
         "exact": exact,
         "gamma": e["spec"].gamma,
+        "verify_width": verify_width(cfg, e["name"], e["spec"], e.get("budget")),
         "budget": e.get("budget"),
         "tau": best["tau"],
         "alpha": best["alpha"],
@@ -229,6 +280,17 @@ def method_row(e: dict, common: dict, best: dict, rule: str, plain: dict, cfg: D
         "target_seconds_per_step": best["target_seconds_per_step"],
         "row_tau": best["row_tau"],
     }
+
+
+def verify_width(cfg: DictConfig, name: str, spec: SpecConfig, budget: dict | None) -> int:
+    """Tokens a method's target forward verifies: a tree's nodes plus the pending token, a chain's gamma + 1
+    (with adaptive gamma the narrowest, 2: the bound it sets, tau / v(width), is then the loosest)."""
+    family, method_mode = FAMILY_METHODS.get(name, (None, "chain"))
+    if method_mode == "tree":
+        given = cfg[family].decode.get("tree")  # an explicit tree of rank paths: one node per path
+        nodes = (budget or {}).get("tree_nodes") or (len(given) if given else cfg[family].decode.tree_nodes)
+        return int(nodes) + 1
+    return 2 if spec.adaptive_gamma else spec.gamma + 1
 
 
 def benchmark(cfg: DictConfig) -> dict[str, Any]:
@@ -287,11 +349,12 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
             log.info("target cost by new tokens (%s):\n%s", mode(setup), table)
             setup["pilot_prompts"] = pilot_prompts(cfg, tokenizer, base_meta, prompts)
         setups.append(setup)
-    plains, rows = [], []
-    for temperature in temperatures:
-        plain, method_rows = bench_temperature(cfg, setups, batches, temperature, eos_id, labels)
-        plains += plain
-        rows += method_rows
+    entries = len(setups) * (1 + len(methods))  # plain decoding and every method, in every setting
+    with RoundsProgress(len(temperatures) * entries * (1 + cfg.repeats * len(batches))) as progress:
+        plains, rows = bench_temperatures(cfg, setups, batches, temperatures, eos_id, labels, progress)
+    disturbed = disturbed_reasons(plains, rows, costs_of(setups, precision))
+    for reason in disturbed:
+        log.warning("disturbed: %s", reason)
     results = {
         "cost_tables": {mode(s): s["verify_cost"] for s in setups if "verify_cost" in s},
         "tree_cost_tables": {mode(s): s["tree_cost"] for s in setups if "tree_cost" in s},
@@ -324,6 +387,16 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         },
         "plain": plains,
         "methods": rows,
+        # figures that cannot be (disturbed.py): the machine's load changed while they were timed; no winner then
+        "disturbed": disturbed,
+        "spread": {
+            "method": "paired bootstrap over (round, batch) cells",
+            "resamples": RESAMPLES,
+            "level": LEVEL,
+            "seed": SPREAD_SEED,
+            "tolerance": TOLERANCE,
+            "plain_spread": PLAIN_SPREAD,
+        },
         "checkpoints": loaded,
         "config": recorded_config(cfg, loaded),
     }
@@ -351,6 +424,22 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         "lossless",
     )
     return {"plain_tokens_per_s": fastest["tokens_per_s"], "methods": [{k: row[k] for k in keys} for row in rows]}
+
+
+def costs_of(setups: list[dict], precision: dict) -> Callable[[dict], dict[int, float] | None]:
+    """row -> the measured verify cost table of its setting: budget=auto's (a tree row: the tree table), else
+    dtype=auto's eager probe {1, 8} for an eager setting (a tree of k nodes costs at least a chain of k, so a
+    chain table bounds a tree loosely), else None (no table: only efficiency <= 1 is checked)."""
+    by_mode = {mode(s): s for s in setups}
+
+    def costs(row: dict) -> dict[int, float] | None:
+        setup = by_mode[mode(row)]
+        tree = FAMILY_METHODS.get(row["name"], (None, "chain"))[1] == "tree"
+        if "verify_cost" in setup:
+            return setup.get("tree_cost", setup["verify_cost"]) if tree else setup["verify_cost"]
+        return None if setup["compiled"] else precision.get("verify_cost")
+
+    return costs
 
 
 def compile_widths(cfg: DictConfig, spec: SpecConfig) -> tuple[int, ...]:

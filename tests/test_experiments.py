@@ -651,6 +651,9 @@ def test_benchmark_files(bench_run: tuple[dict, Path], tiny_base: Path) -> None:
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert len(cells) == len(header) and 0 <= float(cells[header.index("rep4")]) <= 1, line
     assert [p["speedup"] for p in results["plain"]] == [1.0, 1.0]  # the only plain setting is the fastest
+    # every ratio has its bootstrap interval over the 2 cells (1 round x 2 prompts), and the run its disturbed list
+    assert all(r["cells"] == 2 and r["speedup_lo"] <= r["speedup_hi"] for r in results["methods"])
+    assert isinstance(results["disturbed"], list) and results["spread"]["resamples"] == 2000
 
 
 def test_benchmark_rep4_is_plain_greedy_decodings_share(tiny_base: Path, drafters: dict, tmp_path: Path) -> None:

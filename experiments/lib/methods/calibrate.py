@@ -196,26 +196,33 @@ def measure_decode_dtypes(
     """{"fp32", "bf16"}: seconds of a 1-token step plus an 8-token verification of `base` (loaded in fp32) on
     its eager lean engine in each dtype, measured on a bf16 copy (the fp32 weights stay as they are) and
     cached like verify costs. What dtype=auto decides by on a CPU (precision.resolve_decode_dtype)."""
+    return {name: sum(costs.values()) for name, costs in _dtype_costs(base, key_parts, cache_dir).items()}
+
+
+def _dtype_costs(base: torch.nn.Module, key_parts: dict, cache_dir: str | Path) -> dict[str, dict[int, float]]:
+    """{"fp32", "bf16"}: each dtype's verify cost table {1: step seconds, 8: 8-token verify seconds}."""
     from verify.backends.choose import make_target  # the lean engine of either kind of base
 
-    scores = {}
+    tables = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         model = base if dtype == torch.float32 else copy.deepcopy(base).to(dtype)
-        costs = cached_verify_cost(
+        tables[name] = cached_verify_cost(
             make_target(model), key_parts={**key_parts, "dtype": name}, cache_dir=cache_dir, ks=DTYPE_KS
         )
-        scores[name] = sum(costs.values())
-    return scores
+    return tables
 
 
 def decode_precision(
     requested: Any, base: torch.nn.Module, device: torch.device, *, key_parts: dict, cache_dir: str | Path
 ) -> dict[str, Any]:
-    """precision.resolve_decode_dtype, with the measurement auto needs on a CPU that computes bf16 natively."""
-    measured = None
-    if requested == "auto" and device.type == "cpu" and native_bf16(device)[0]:
-        measured = measure_decode_dtypes(base, key_parts=key_parts, cache_dir=cache_dir)
-    return resolve_decode_dtype(requested, device, measured)
+    """precision.resolve_decode_dtype, with the measurement auto needs on a CPU that computes bf16 natively;
+    where it measured, "verify_cost" is the chosen dtype's eager table {1: step, 8: 8-token verify} (seconds),
+    which the benchmark's check for impossible ratios reads (experiments/lib/report/disturbed.py)."""
+    if not (requested == "auto" and device.type == "cpu" and native_bf16(device)[0]):
+        return resolve_decode_dtype(requested, device, None)
+    tables = _dtype_costs(base, key_parts, cache_dir)
+    chosen = resolve_decode_dtype(requested, device, {name: sum(t.values()) for name, t in tables.items()})
+    return {**chosen, "verify_cost": tables[chosen["used"]]}
 
 
 # ------------------------------------------------------------------------------------------- pilots

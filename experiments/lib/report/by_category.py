@@ -5,7 +5,9 @@ Acceptance depends on the task (a summary copies its source, free prose does not
 mix hides where a drafter pays. A category's speedup is computed like the whole set's: per timing round, the
 method's tokens/s on that category's prompts over the fastest plain decoding's tokens/s on the same prompts
 in the same round, then the median over rounds. Batches never mix categories (`category_batches`), so each
-batch's statistics belong to one category.
+batch's statistics belong to one category. The benchmark adds to each figure the bootstrap interval over the
+category's own (round, batch) cells (experiments/lib/report/spread.py); a category of one prompt timed in one
+round is a single cell, shown as n=1: one prompt says nothing about its category's spread.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from typing import Any
+
+from experiments.lib.report.spread import format_ratio
 
 __all__ = ["category_batches", "category_figures", "category_table", "per_category"]
 
@@ -57,6 +61,11 @@ def category_figures(entry: dict, plains: list[dict]) -> dict[str, dict[str, flo
     return out
 
 
+def _ratio(figure: dict) -> str:
+    """'1.50x [1.20, 1.80]', '1.50x n=1' (one cell), or '1.50x' (a figure written before intervals)."""
+    return format_ratio(figure["speedup"], figure.get("speedup_lo"), figure.get("speedup_hi"), figure.get("cells"))
+
+
 def category_table(results: dict[str, Any], mode: Callable[[dict], str]) -> str:
     """Markdown: one row per method, setting and temperature; per category 'speedup (tau)'; then the mean
     over categories and the whole set's figure. Empty when the run had a single category."""
@@ -65,18 +74,19 @@ def category_table(results: dict[str, Any], mode: Callable[[dict], str]) -> str:
         return ""
     names = list(dict.fromkeys(c for r in rows for c in r["categories"]))  # rows of several runs may differ
     header = "| method | mode | T | " + " | ".join(names) + " | mean | overall |"
+    spread = " [bootstrap interval] or n=1 (a single cell)" if any("cells" in r for r in rows) else ""
     lines = [
-        "\nSpeedup (tau) per category, as Spec-Bench reports; mean = the mean over categories, overall = the "
-        "whole set:\n",
+        f"\nSpeedup{spread} (tau) per category, as Spec-Bench reports; mean = the mean over categories, overall = "
+        "the whole set:\n",
         header,
         "|" + "|".join(["---"] * (header.count("|") - 1)) + "|",
     ]
     for row in rows:
         figures = row["categories"]
-        cells = [f"{figures[c]['speedup']:.2f}x ({figures[c]['tau']:.2f})" if c in figures else "-" for c in names]
+        cells = [f"{_ratio(figures[c])} ({figures[c]['tau']:.2f})" if c in figures else "-" for c in names]
         mean = statistics.mean(f["speedup"] for f in figures.values())
         lines.append(
             f"| {row['name']} | {mode(row)} | {row['temperature']:g} | {' | '.join(cells)} | {mean:.2f}x "
-            f"| {row['speedup']:.2f}x ({row['tau']:.2f}) |"
+            f"| {_ratio(row)} ({row['tau']:.2f}) |"
         )
     return "\n".join(lines) + "\n"
