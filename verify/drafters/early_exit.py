@@ -1,6 +1,7 @@
 """Self-speculative drafting by early exit (Draft & Verify, LayerSkip; lucidrains' early-exit idea):
 the frozen target's own first `layer` blocks plus a small trained exit head draft a chain; there is no
-second model.
+second model. It runs wherever the lean engine runs the base: an x-transformers base (engine.py's LeanLM) or
+a Hugging Face Llama (lean_llama.py's LeanLlama, which has the same `first_blocks`).
 
 What is shared with verification (`share_cache=True`, the default). The drafter runs the target's
 first blocks with the target's own weights on the target's own KV cache. After every verification
@@ -34,7 +35,7 @@ from torch import Tensor, nn
 
 from verify.backends.engine import check_layers
 from verify.backends.graphs import static_step
-from verify.backends.hf import HFBase
+from verify.backends.hf import HFBase, HFTarget
 from verify.backends.lean import COMPILE_OPTIONS, lean
 from verify.backends.target import Target, TargetOutput, pad_prompts
 from verify.common.vocab import check_vocab
@@ -42,13 +43,17 @@ from verify.drafters.draft_model import roll_uncached
 from verify.loop.drafter import Draft, Verdict
 from verify.loop.sampling import SamplingConfig, draft_from_logits
 
+LLAMA = "LlamaForCausalLM"  # the one Hugging Face class the lean engine runs (verify/backends/lean_llama.py)
+
 
 def check_lean_base(base: nn.Module) -> None:
-    """Early exit runs the base's own first blocks on the lean engine, which serves x-transformers bases only."""
-    if isinstance(base, HFBase):
+    """Early exit runs the base's own first blocks on the lean engine: an x-transformers base or a Hugging Face
+    Llama. Any other Hugging Face model runs on transformers' own forward (HFTarget), which has no first-blocks
+    step and no cache to share."""
+    if isinstance(base, HFBase) and type(base.hf).__name__ != LLAMA:
         raise ValueError(
-            f"early exit needs an x-transformers base (it drafts with the base's first blocks on the lean "
-            f"engine); got a Hugging Face {type(base.hf).__name__}"
+            f"early exit needs a base the lean engine runs (x-transformers, or a Hugging Face {LLAMA}): it drafts "
+            f"with the base's first blocks on the target's own cache; got a Hugging Face {type(base.hf).__name__}"
         )
 
 
@@ -63,8 +68,8 @@ class EarlyExitDrafter:
         share_cache: bool = True,
         compile: bool | str = False,
     ):
-        """base: the frozen target's TransformerWrapper; head: states after block `layer` (b, n, d) -> logits
-        (b, n, N) over `vocab` (all V when None)."""
+        """base: the frozen target's model (an x-transformers TransformerWrapper or an HFBase around a Llama);
+        head: states after block `layer` (b, n, d) -> logits (b, n, N) over `vocab` (all V when None)."""
         if not isinstance(share_cache, bool):
             raise ValueError(f"share_cache={share_cache!r}: must be true or false")
         check_lean_base(base)
@@ -79,9 +84,11 @@ class EarlyExitDrafter:
         # A compiled or graphed draft step runs on the cache's whole buffers: one program per width (1; 2 with an
         # own cache). Kept on the engine, which lives as long as the base: a drafter is built per generation,
         # and a step made per drafter would compile or capture again every time.
-        if compile and compile not in self.engine.block_steps:
-            self.engine.block_steps[compile] = static_step(self.engine.forward_blocks, compile, options=COMPILE_OPTIONS)
-        self.step = self.engine.block_steps[compile] if compile else None
+        # (LeanLlama's __init__ does not make the dictionary LeanLM's does: made here on first use.)
+        steps = vars(self.engine).setdefault("block_steps", {})
+        if compile and compile not in steps:
+            steps[compile] = static_step(self.engine.forward_blocks, compile, options=COMPILE_OPTIONS)
+        self.step = steps[compile] if compile else None
         self.target: Target | None = None
 
     def attach(self, target: Target) -> None:
@@ -90,6 +97,11 @@ class EarlyExitDrafter:
             raise ValueError(
                 "the early-exit drafter was built on another model than the target: it drafts with the target's own "
                 "first blocks"
+            )
+        if self.share_cache and isinstance(target, HFTarget):
+            raise ValueError(
+                "share_cache=True drafts on the lean engine's cache, and this target runs on transformers' own forward "
+                "(HFTarget): decode on the lean engine (engine=lean or auto), or set share_cache=false"
             )
         self.target = target
 

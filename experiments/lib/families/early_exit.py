@@ -2,8 +2,9 @@
 
 The drafter (verify/drafters/early_exit.py) runs the base's own first `layer` blocks and reads the next token
 from the residual state after block `layer` through this head. The head is what is trained: the
-base's final LayerNorm (its gain copied), `num_layers` residual blocks x + SiLU(Linear(x)) started at
-zero, then a trainable copy of the base's output layer. So a fresh head is the "logit lens" (the
+base's final norm (its gain copied: an x-transformers base's LayerNorm, a Llama's RMSNorm with the config's eps),
+`num_layers` residual blocks x + SiLU(Linear(x)) started at zero, then a trainable copy of the base's output
+layer (a Llama's lm_head, even where it is tied to the embeddings). So a fresh head is the "logit lens" (the
 base's own norm and output layer applied to an intermediate state), and training starts there.
 
 Training reads layer `layer`'s states from the feature cache (the drafter trainer asks for that layer) and
@@ -24,6 +25,7 @@ from medusa.heads import ResBlock, copy_linear
 from prophet.model import base_depth
 from verify.backends.engine import check_layers
 from verify.backends.lean import lean
+from verify.backends.lean_llama import LlamaDecoder
 from verify.common.vocab import subset_linear, trim_linear
 from verify.drafters.early_exit import check_lean_base
 from verify.training.distill import (
@@ -41,18 +43,37 @@ from verify.training.features import FeatureBatch
 __all__ = ["build", "loss", "evaluate"]
 
 
+NORMS = ("layer", "rms")  # x-transformers' bias-free LayerNorm; a Llama's RMSNorm
+
+
 class ExitHead(nn.Module):
     """Layer `layer`'s residual states (..., d) -> next-token logits (..., V), or (..., N) over sorted ids `vocab`."""
 
-    def __init__(self, *, layer: int, norm_gain: Tensor, projection: nn.Linear, num_layers: int = 1):
+    def __init__(
+        self,
+        *,
+        layer: int,
+        norm_gain: Tensor,
+        projection: nn.Linear,
+        num_layers: int = 1,
+        norm: str = "layer",
+        eps: float = 1e-5,
+    ):
+        """norm_gain (d,): the base's final norm gain; `norm`, one of NORMS, and `eps` its kind and epsilon."""
         super().__init__()
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
             raise ValueError(
                 f"num_layers={num_layers!r}: must be an integer >= 0 (0: the norm and the output layer only)"
             )
+        if norm not in NORMS:
+            raise ValueError(f"norm={norm!r}: must be one of {', '.join(NORMS)}")
         self.layer, self.vocab_size = layer, projection.out_features
         dim, w = projection.in_features, projection.weight
-        self.norm = nn.LayerNorm(dim, bias=False, device=w.device, dtype=w.dtype)  # eps 1e-5, as x-transformers'
+        # both keep their gain as `norm.weight`: a checkpoint's keys are the same for either base
+        if norm == "layer":
+            self.norm = nn.LayerNorm(dim, eps=eps, bias=False, device=w.device, dtype=w.dtype)
+        else:
+            self.norm = nn.RMSNorm(dim, eps=eps, device=w.device, dtype=w.dtype)
         with torch.no_grad():
             self.norm.weight.copy_(norm_gain)
         self.blocks = nn.Sequential(*[ResBlock(dim, device=w.device, dtype=w.dtype) for _ in range(num_layers)])
@@ -71,12 +92,23 @@ class ExitHead(nn.Module):
 
 def build(base: nn.Module, *, layer: int, num_layers: int = 1) -> ExitHead:
     """A fresh exit head on block `layer` of `base` (1 .. depth - 1: the last block's state is the base's
-    own output)."""
+    own output): an x-transformers TransformerWrapper or an HFBase around a Llama."""
     check_lean_base(base)
     layer = check_layers([layer], base_depth(base), name="drafter.module.layer")[0]
-    final = lean(base).decoder.final_gain  # x-transformers' LayerNorm gain (gamma + unit offset), or None
-    gain = torch.ones(base.to_logits.in_features, device=base.to_logits.weight.device) if final is None else final
-    return ExitHead(layer=layer, norm_gain=gain, projection=base.to_logits, num_layers=num_layers)
+    decoder = lean(base).decoder  # the gain as the engine applies it, whichever model the base is
+    projection = base.to_logits  # x-transformers' output layer; HFBase's property gives the Llama's lm_head
+    if isinstance(decoder, LlamaDecoder):  # RMSNorm, eps from the config (llama_shape)
+        return ExitHead(
+            layer=layer,
+            norm_gain=decoder.final_gain,
+            projection=projection,
+            num_layers=num_layers,
+            norm="rms",
+            eps=decoder.eps,
+        )
+    final = decoder.final_gain  # x-transformers' LayerNorm gain (gamma + unit offset), or None
+    gain = torch.ones(projection.in_features, device=projection.weight.device) if final is None else final
+    return ExitHead(layer=layer, norm_gain=gain, projection=projection, num_layers=num_layers)
 
 
 def _state(module: ExitHead, batch: FeatureBatch) -> Tensor:
