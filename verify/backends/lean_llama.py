@@ -250,3 +250,4 @@ class LeanLlama(LeanLM):
         )
         self.vocab_size, self.max_seq_len = base.num_tokens, base.max_seq_len
         self.step, self.compiled = self.forward, False
+        self.block_steps: dict = {}  # decode mode -> `forward_blocks` in it (an early-exit drafter's step)

@@ -84,8 +84,7 @@ class EarlyExitDrafter:
         # A compiled or graphed draft step runs on the cache's whole buffers: one program per width (1; 2 with an
         # own cache). Kept on the engine, which lives as long as the base: a drafter is built per generation,
         # and a step made per drafter would compile or capture again every time.
-        # (LeanLlama's __init__ does not make the dictionary LeanLM's does: made here on first use.)
-        steps = vars(self.engine).setdefault("block_steps", {})
+        steps = self.engine.block_steps
         if compile and compile not in steps:
             steps[compile] = static_step(self.engine.forward_blocks, compile, options=COMPILE_OPTIONS)
         self.step = steps[compile] if compile else None
