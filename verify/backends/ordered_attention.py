@@ -16,11 +16,10 @@ in chunks of CHUNK positions:
 - the tail: positions [c0, c0 + T) gathered per query, its older keys then its visible window keys in slot
   order (a node's ancestors, then itself), masked past its own keys.
 Each chunk is reduced on its own (the exp-sums over CHUNK contiguous values; p @ v as a (rows x CHUNK) @
-(CHUNK x d) product), and the chunk results are summed pairwise by their chunk index (the index of their
-positions, fixed whatever the forward), so exact zeros (chunks a query does not see) change nothing. Plain
-decoding (one query), a chain and a tree thus add the same terms in the same order; what remains is that a
-matmul row does not depend on how many rows share it, which verify/backends/rows.py makes true by padding every
-product's rows. The scores are float32 products
+(CHUNK x d) product), and the chunk results are added in position order, one float32 add after another, so
+exact zeros (chunks a query does not see) change nothing. Plain decoding (one query), a chain and a tree thus
+add the same terms in the same order; what remains is that a matmul row does not depend on how many rows share
+it, which verify/backends/rows.py makes true by padding every product's rows. The scores are float32 products
 (SDPA's precision; bf16 scores moved SmolLM2's logits further from float32's). A step or a chain needs no tail:
 its keys sit at slot = position, so each chunk of slots already holds every query's keys where a tree's
 gathered tail puts them, and all its chunks are computed like the shared ones. Cost: the p @ v product becomes
@@ -53,7 +52,6 @@ class OrderPlan:
     tail_rows: Tensor | None  # (b g n T,) the same slots as rows of the (b g S, dh) values: an index_select
     tail_bias: Tensor | None  # (b g, r n, T) additive: 0 on the query's own tail keys, -inf past them
     chunks: int  # nch: shared chunks computed (those below the largest c0 of the batch)
-    first: Tensor | None = None  # (b g,) c0 / CHUNK: the chunk index of each row's first tail chunk
     causal: bool = False  # a step or a chain: every query's keys are slots [0, its own], no tail (below)
 
 
@@ -101,7 +99,6 @@ def order_plan(
         tail_rows=flat.reshape(-1),
         tail_bias=repeat(tail_bias, "b n t -> (b g) (r n) t", g=g, r=rows),
         chunks=chunks,
-        first=repeat(torch.div(c0, CHUNK, rounding_mode="floor"), "b -> (b g)", g=g),
     )
 
 
@@ -132,36 +129,20 @@ def attend_in_order(q: Tensor, k: Tensor, v: Tensor, plan: OrderPlan, scale: flo
     e = scores.gather(2, plan.tail).add_(plan.tail_bias).sub_(top).exp_()  # (B, R, T)
     gathered = values.reshape(-1, d).index_select(0, plan.tail_rows)  # (B n T, d)
     tail = _chunk_products(e, gathered.view(b * g * n, -1, d), per_query=n)
-    # each tail chunk at its position's chunk index (the shared chunks there are exact zeros, past c0), so that the
-    # chunk results are summed as a step sums the same positions' chunks; then normalised once
-    total = _sum_in_order(_place_tail(shared, tail, plan.first))
+    # chunk results added in position order (zero chunks change nothing), then normalised once
+    total = _sum_in_order(torch.cat((shared, tail), dim=2))
     out = (total[..., :d] / total[..., d:]).to(q.dtype)  # (B, R, d)
     return rearrange(out, "(b g) (r n) d -> b n (g r d)", b=b, n=n)
 
 
 def _sum_in_order(chunks: Tensor) -> Tensor:
-    """(B, R, c, ...) -> (B, R, ...): the chunk results summed pairwise by chunk index, (0 + 1) + (2 + 3), ...,
-    then the pairs' sums the same way, in float32. The grouping depends on each chunk's index alone: chunks past
-    the last one a query sees are exact zeros (x + 0 = x), so a step over 3 chunks, a step over 16 and a tree whose
-    tail chunks sit at their positions' indices add the same terms in the same order. log2(c) adds per forward
-    and layer instead of c - 1 (at 2,048 tokens: 5 instead of 31). Not cumsum or sum: a CPU accumulates cumsum in
-    float64 and rounds once, and a vectorised sum groups its terms by the length it reduces."""
-    pad = (1 << max(chunks.shape[2] - 1, 0).bit_length()) - chunks.shape[2]
-    if pad:
-        chunks = F.pad(chunks, (0, 0) * (chunks.ndim - 3) + (0, pad))
-    while chunks.shape[2] > 1:
-        chunks = chunks[:, :, 0::2] + chunks[:, :, 1::2]
-    return chunks[:, :, 0]
-
-
-def _place_tail(shared: Tensor, tail: Tensor, first: Tensor) -> Tensor:
-    """shared (B, R, nch, e) with exact zeros from each row's chunk `first` (B,) on, tail (B, R, tc, e) -> (B, R,
-    nch + tc, e): the tail's chunks written at chunk indices first + [0, tc), where they lie in position order."""
-    bg, rows, nch, width = shared.shape
-    tc = tail.shape[2]
-    out = F.pad(shared, (0, 0, 0, tc))
-    index = first[:, None] + torch.arange(tc, device=first.device)  # (B, tc)
-    return out.scatter_(2, repeat(index, "B t -> B r t e", r=rows, e=width), tail)
+    """(B, R, c, ...) -> (B, R, ...): the c chunk results added one after another in float32. Not cumsum: on a
+    CPU it accumulates float32 in float64 and rounds once, so its sum of three chunks is not two float32 adds,
+    and a step (all its chunks in one sum) would leave a tree (shared chunks, then tail chunks) in the last bit."""
+    total = chunks[:, :, 0].clone()
+    for c in range(1, chunks.shape[2]):
+        total.add_(chunks[:, :, c])  # in place: the same float32 add, without a new tensor per chunk
+    return total
 
 
 def _chunk_products(e: Tensor, values: Tensor, *, per_query: int) -> Tensor:
