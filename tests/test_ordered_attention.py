@@ -120,8 +120,8 @@ def attention_case(prefix: int, dtype: torch.dtype, seed: int, static: bool = Fa
 def test_a_tree_node_attends_as_its_path_stepped_alone_bit_for_bit(prefix, dtype, static):
     # float32 shows what bf16's rounding of the output can hide: a step sums all its chunks, a tree its shared
     # chunks then its gathered tail; the sums must be the same float32 adds (a cumsum, accumulated in float64 on
-    # a CPU, made every node of these trees leave its path in the last bit); summed pairwise, the tail's chunks must
-    # sit at their positions' chunk indices, not after the shared chunks (static: the engine's plan)
+    # a CPU, made every node of these trees leave its path in the last bit); static: the engine's plan, whose shared
+    # chunks run to the span (zeros past c0) before the tail's
     for seed in range(3):
         tree, paths = attention_case(prefix, dtype, seed, static)
         assert [node for node in range(len(PARENTS)) if not torch.equal(tree[node], paths[node])] == []
