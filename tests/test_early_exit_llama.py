@@ -57,12 +57,6 @@ def noisy_head(base: HFBase, layer: int, scale: float = 0.05, seed: int = 0) -> 
     return head
 
 
-def keys_by_slot(cache, layer: int) -> torch.Tensor:
-    """A layer's cached keys as (b, g, S, dh), whichever way the cache stores them."""
-    k = cache.k[layer]
-    return k.transpose(2, 3) if getattr(cache, "keys_transposed", False) else k
-
-
 @pytest.mark.parametrize("blocks", [1, 2, 3])
 def test_first_blocks_are_the_llamas_layer_states_and_write_only_their_layers(blocks):
     base = llama()
@@ -76,7 +70,7 @@ def test_first_blocks_are_the_llamas_layer_states_and_write_only_their_layers(bl
     engine(tokens, full)
     for layer in range(DEPTH):  # the first `blocks` attention layers hold the full forward's entries; the rest none
         if layer < blocks:
-            torch.testing.assert_close(keys_by_slot(cache, layer)[:, :, :6], keys_by_slot(full, layer)[:, :, :6])
+            torch.testing.assert_close(cache.k[layer][:, :, :6], full.k[layer][:, :, :6])
             torch.testing.assert_close(cache.v[layer][:, :, :6], full.v[layer][:, :, :6])
         else:
             assert not cache.k[layer].any() and not cache.v[layer].any()
@@ -147,13 +141,13 @@ def test_propose_leaves_the_llama_targets_cache_as_it_found_it():
     pending = prefill.logits[:, -1].argmax(-1)
     drafter.begin(PROMPTS, prefill, pending)
     lengths = target.cache.lengths.clone()
-    before = [(keys_by_slot(target.cache, i).clone(), target.cache.v[i].clone()) for i in range(DEPTH)]
+    before = [(target.cache.k[i].clone(), target.cache.v[i].clone()) for i in range(DEPTH)]
     draft = drafter.propose(4, SamplingConfig(), None)
     assert draft.tokens.shape == (3, 4)
     assert torch.equal(target.cache.lengths, lengths) and target.cache.exact_bound() == int(lengths.max())
     for i, (k, v) in enumerate(before):  # every committed entry is untouched
         for row, n in enumerate(lengths.tolist()):
-            assert torch.equal(k[row, :, :n], keys_by_slot(target.cache, i)[row, :, :n])
+            assert torch.equal(k[row, :, :n], target.cache.k[i][row, :, :n])
             assert torch.equal(v[row, :, :n], target.cache.v[i][row, :, :n])
     # verification after drafting sees the cache plain decoding would: the same logits as a target that never drafted
     chain = torch.cat((pending[:, None], draft.tokens), dim=1)

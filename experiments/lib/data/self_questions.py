@@ -37,10 +37,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from tokenizers import Tokenizer
 from torch import nn
 
+from experiments.lib.common.progress import generation_bar
 from experiments.lib.data.prompts import Question
 from experiments.lib.data.question_bank import benchmark_check, excluded_texts
 from verify.backends.choose import make_target
@@ -77,6 +77,7 @@ MAX_CANDIDATES = 8  # candidates sampled per question asked at most: a filter th
 PRINTABLE_SHARE = 0.9  # a question is text: at most a tenth of its characters may be control or broken bytes
 TEMPLATE_TEXT = re.compile(r"(?m)<\|[\w-]+\|>|^(?:user|assistant|system)[ \t]*$")  # a turn marker written as text
 LOG_EVERY = 30.0  # seconds between progress lines when the console is not a terminal
+BAR = "kept · {task.fields[candidates]:,} candidates · {task.fields[rate]:.0f} tok/s"  # the progress bar's live fields
 log = logging.getLogger(__name__)
 
 
@@ -205,19 +206,6 @@ def read_candidate(tokenizer: Tokenizer, ids: list[int], eos_id: int) -> tuple[s
     return text, len(body), finished, text != tokenizer.decode(body, skip_special_tokens=False).strip()
 
 
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[bold]self questions"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("kept · {task.fields[candidates]:,} candidates · {task.fields[rate]:.0f} tok/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not console.is_terminal,
-    )
-
-
 def _summary(counts: Counter, spec: SelfQuestionSpec) -> str:
     judged = sum(counts.values())
     rejected = ", ".join(f"{reason} {k}" for reason, k in counts.most_common() if reason != "kept") or "none"
@@ -265,7 +253,7 @@ def generate_self_questions(
     console = console or Console(stderr=True)
     capacity = max(len(p) for p in prefixes.values()) + spec.max_tokens
     started = logged = time.perf_counter()
-    with _progress(console) as progress:
+    with generation_bar(console, "self questions", BAR) as progress:
         task = progress.add_task("self", total=spec.n, candidates=0, rate=0)
         for answer in serve(make_target(base), pull, batch=min(batch, spec.n), capacity=capacity, eos_id=eos):
             text, length, ended, special = read_candidate(tokenizer, answer.tokens, eos)

@@ -33,10 +33,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from tokenizers import Tokenizer
 from torch import nn
 
+from experiments.lib.common.progress import generation_bar
 from experiments.lib.data.chat import ChatTemplate
 from experiments.lib.data.prompts import Question
 from experiments.lib.data.self_questions import FOLLOW_UP, FollowUpFilter, read_candidate
@@ -49,6 +49,7 @@ __all__ = ["AnswerSpec", "answer_records", "generate_answers", "question_samplin
 FORMAT_VERSION = 1
 ASK = 3  # the turn number of a follow-up question the base is asked to write (a request, never a record)
 LOG_EVERY = 30.0  # seconds between progress lines when the console is not a terminal (a run under nohup)
+BAR = "questions · {task.fields[tokens]:,} tokens · {task.fields[rate]:.0f} tok/s"  # the progress bar's live fields
 log = logging.getLogger(__name__)
 
 
@@ -109,19 +110,6 @@ def _check_meta(directory: Path, spec: AnswerSpec) -> None:
         raise ValueError(f"answer directory {directory} was written for another setting ({diff}): choose another one")
 
 
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[bold]answers"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("questions · {task.fields[tokens]:,} tokens · {task.fields[rate]:.0f} tok/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not console.is_terminal,
-    )
-
-
 def generate_answers(
     directory: str | Path,
     base: nn.Module,
@@ -152,7 +140,7 @@ def generate_answers(
     closed = Counter()  # shard -> its questions answered to their last turn (a follow-up may end a question early)
     indices = [j for i in missing for j in range(i * size, min((i + 1) * size, len(questions)))]
     console = console or Console(stderr=True)
-    with _progress(console) as progress:
+    with generation_bar(console, "answers", BAR) as progress:
         task = progress.add_task("answers", total=len(questions), completed=len(questions) - len(indices), tokens=0,
                                  rate=0)  # fmt: skip
         started, tokens, logged, answered = time.perf_counter(), 0, time.perf_counter(), 0
