@@ -3,14 +3,22 @@
 Classic speculative decoding (Leviathan et al., Chen et al.) drafts with a smaller LM of the same
 tokenizer. Trained on the corpus it learns the data; what acceptance rewards is agreeing with the base,
 so here it is trained on the base's own next-token distribution (verify/training/distill.py), read from the
-feature cache like every other drafter. It shares no weights with the base (only the vocabulary) and
-reads only the tokens and the teacher's top-k of a FeatureBatch, never the hidden states.
+feature cache like every other drafter. It reads only the tokens and the teacher's top-k of a FeatureBatch,
+never the hidden states.
+
+Two starting points (`init`): `random`, a fresh LM of the sizes given; `base`, the usual way to make a draft
+model when the base has no smaller sibling: a copy of a Llama base's embeddings, its first `depth` blocks, its
+final norm and its output layer (untied, so the draft's own output layer learns while the embeddings stay the
+base's), then distilled like the other. The cut model already agrees with the base as well as an exit at layer
+`depth` does (the early-exit family), and every block starts from weights that read the base's embeddings.
 
 The training side of a family (registered in experiments/lib/families/registry.py): build, loss, evaluate; the inference
 side is verify.drafters.draft_model.make_drafter.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import Tensor, nn
@@ -31,12 +39,16 @@ from verify.training.distill import (
 )
 from verify.training.features import FeatureBatch
 
-__all__ = ["build", "loss", "evaluate"]
+__all__ = ["INITS", "build", "cut_from_base", "evaluate", "loss"]
+
+
+INITS = ("random", "base")
 
 
 def build(
     base: nn.Module,
     *,
+    init: str = "random",
     dim: int = 128,
     depth: int = 2,
     heads: int = 4,
@@ -47,7 +59,13 @@ def build(
 ) -> nn.Module:
     """A fresh LM with the base's vocabulary and context (its own embedding and output layer). arch="llama": a
     transformers LlamaForCausalLM (RMSNorm, SwiGLU, grouped-query attention over `kv_heads`), the form vLLM's
-    draft_model serves (python -m experiments.export)."""
+    draft_model serves (python -m experiments.export). init="base": the base's first `depth` blocks, embeddings,
+    final norm and output layer (module docstring); the sizes are then the base's and dim, heads, ff_mult,
+    attn_dim_head, arch and kv_heads are not read."""
+    if init not in INITS:
+        raise ValueError(f"init={init!r}: must be one of {', '.join(INITS)}")
+    if init == "base":
+        return cut_from_base(base, depth=depth)
     lm = build_lm(
         arch=arch,
         num_tokens=base.num_tokens,
@@ -60,6 +78,30 @@ def build(
         **({"kv_heads": kv_heads} if arch == "llama" else {}),
     )
     return lm.to(base.to_logits.weight.device)
+
+
+def cut_from_base(base: nn.Module, *, depth: int) -> HFBase:
+    """A Llama draft model made of a copy of a Llama base's embeddings (frozen), first `depth` blocks, final norm
+    and output layer (trainable, untied from the embeddings), in float32 on the base's device."""
+    if not (isinstance(base, HFBase) and type(base.hf).__name__ == "LlamaForCausalLM"):
+        raise ValueError(
+            f"init='base' cuts the draft model from a Llama base (transformers' LlamaForCausalLM, as base=smollm2), "
+            f"this base is {type(getattr(base, 'hf', base)).__name__}: use init=random"
+        )
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth < base.depth:
+        raise ValueError(f"depth={depth!r}: init='base' takes 1 to {base.depth - 1} of the base's {base.depth} blocks")
+    from transformers import LlamaForCausalLM
+
+    config = copy.deepcopy(base.hf.config)
+    config.num_hidden_layers, config.tie_word_embeddings = depth, False
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = config.layer_types[:depth]
+    draft = LlamaForCausalLM(config)
+    weights = base.hf.state_dict()  # a tied base lists its embeddings under lm_head.weight too
+    own = draft.state_dict()
+    draft.load_state_dict({name: weights[name].detach().clone().float() for name in own}, strict=True)
+    draft.get_input_embeddings().weight.requires_grad_(False)  # the blocks read the base's embeddings
+    return HFBase(draft.float()).to(base.to_logits.weight.device)
 
 
 def _logits(module: TransformerWrapper, tokens: Tensor, vocab: Tensor | None) -> Tensor:
