@@ -7,9 +7,11 @@ results.json (experiments/benchmark.py) or failed.json (experiments/lib/common/e
 the summary is one method at one temperature in one job, labelled with that job's swept overrides; a job without
 results is listed under "Failed jobs" with its error, or as "no result (killed or still running)" when it
 left neither file. Writes summary.md, summary.json (in job order, the rows and one entry per job without
-results, each with a "status": ok, failed or no result) and speedup_vs_gamma.png into the multirun dir, each
-atomically (a reader never sees half a file). Runs on prompts with categories (prompts=chat_mix, a Spec-Bench
-file) also get a table of speedup and tau per category.
+results, each with a "status": ok, failed or no result) and speedup_vs_<setting>.png into the multirun dir, each
+atomically (a reader never sees half a file). The plot is drawn against the one numeric setting the jobs sweep
+(decode.gamma -> speedup_vs_gamma.png, medusa.module.num_heads -> speedup_vs_num_heads.png, ...; the rows' gamma
+when the sweep is over something else): speedup with its 95% interval where the run measured one, and tau. Runs on
+prompts with categories (prompts=chat_mix, a Spec-Bench file) also get a table of speedup and tau per category.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import yaml
 from experiments.lib.common.errors import FAILED_FILE, one_line, user_message, write_atomic
 from experiments.lib.report.by_category import category_table
 from experiments.lib.report.results import mode, plt
+from experiments.lib.report.spread import format_ratio
 
 COLUMNS = (
     "overrides",
@@ -123,6 +126,35 @@ def swept(rows: list[dict]) -> list[dict]:
     return [{**row, "overrides": " ".join(sorted(o - shared)) or row["overrides"]} for row, o in zip(rows, split)]
 
 
+def sweep_axis(rows: list[dict]) -> str:
+    """The one override the jobs sweep when its values are numbers ('medusa.module.num_heads'), else 'gamma' (the
+    rows' own gamma: a sweep over a non-numeric setting, or over two settings at once)."""
+    values = defaultdict(set)
+    for row in rows:
+        for override in row["overrides"].split():
+            key, _, value = override.partition("=")
+            values[key].add(value)
+    keys = [key for key, seen in values.items() if len(seen) > 1]
+    if len(keys) == 1 and all(_number(v) is not None for v in values[keys[0]]):
+        return keys[0]
+    return "gamma"
+
+
+def _number(text: object) -> float | None:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def axis_value(row: dict, axis: str) -> float | None:
+    """The row's x on the plot: its value of the swept override, or its gamma."""
+    if axis == "gamma":
+        return _number(row.get("gamma"))
+    found = [o.partition("=")[2] for o in row["overrides"].split() if o.partition("=")[0] == axis]
+    return _number(found[0]) if found else None
+
+
 def cell(value: object) -> str:
     text = f"{value:.2f}" if isinstance(value, float) else str(value)
     return text.replace("|", "\\|")  # a message with a pipe must not split the markdown row
@@ -132,8 +164,15 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         if row["status"] == "ok":
-            lines.append("| " + " | ".join(cell(row.get(c, "-")) for c in COLUMNS) + " |")
+            lines.append("| " + " | ".join(_column(row, c) for c in COLUMNS) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _column(row: dict, column: str) -> str:
+    """A table cell; the speedup with its 95% interval where the run measured one ('1.14x [1.02, 1.27]')."""
+    if column == "speedup" and isinstance(row.get("speedup"), (int, float)):
+        return format_ratio(row["speedup"], row.get("speedup_lo"), row.get("speedup_hi"), row.get("cells"))
+    return cell(row.get(column, "-"))
 
 
 def categories(rows: list[dict]) -> str:
@@ -153,25 +192,49 @@ def failed_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_speedup_vs_gamma(rows: list[dict]) -> bytes:
+def plot_sweep(rows: list[dict], axis: str) -> bytes:
+    """Speedup (with its 95% interval where measured) and tau against the swept setting, a line per method,
+    setting and temperature."""
     series = defaultdict(list)
     for row in rows:
-        if any(key not in row for key in ("name", "temperature", "gamma", "speedup")):
+        x = axis_value(row, axis)
+        if x is None or any(key not in row for key in ("name", "temperature", "speedup")):
             continue  # a results.json of another schema: in the table, not on the plot
-        series[(row["name"], row["mode"], row["temperature"])].append((row["gamma"], row["speedup"]))
-    fig, ax = plt.subplots(figsize=(6, 4))
+        series[(row["name"], row["mode"], row["temperature"])].append((x, row))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for (name, setting, temperature), points in sorted(series.items()):
-        points = sorted(points)
-        ax.plot([g for g, _ in points], [s for _, s in points], marker="o", label=f"{name} {setting} T={temperature:g}")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("gamma (chain length / tree depth)")
-    ax.set_ylabel("speedup over plain decoding")
-    ax.legend(fontsize=7)
+        points.sort(key=lambda point: point[0])
+        xs, found = [x for x, _ in points], [row for _, row in points]
+        speedups = [row["speedup"] for row in found]
+        low = [s - _bound(row, "speedup_lo", s) for s, row in zip(speedups, found)]  # no interval: no bar
+        high = [_bound(row, "speedup_hi", s) - s for s, row in zip(speedups, found)]
+        label = f"{name} {setting} T={temperature:g}"
+        line = left.errorbar(xs, speedups, yerr=[low, high], marker="o", capsize=3, label=label)
+        taus = [(x, row["tau"]) for x, row in points if isinstance(row.get("tau"), (int, float))]
+        if taus:
+            right.plot([x for x, _ in taus], [t for _, t in taus], marker="o", color=line[0].get_color(), label=label)
+    left.axhline(1.0, color="k", lw=0.8)
+    name = "gamma (chain length / tree depth)" if axis == "gamma" else axis
+    left.set_xlabel(name)
+    right.set_xlabel(name)
+    left.set_ylabel("speedup over plain decoding (95% interval)")
+    right.set_ylabel("tau (tokens per target forward)")
+    left.legend(fontsize=7)
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
     return png.getvalue()
+
+
+def _bound(row: dict, key: str, speedup: float) -> float:
+    value = row.get(key)
+    return value if isinstance(value, (int, float)) else speedup
+
+
+def plot_name(axis: str) -> str:
+    """speedup_vs_gamma.png, speedup_vs_num_heads.png, ...: the setting's last component."""
+    return f"speedup_vs_{axis.rsplit('.', 1)[-1]}.png"
 
 
 def summarize(sweep_dir: str | Path) -> list[dict]:
@@ -189,7 +252,8 @@ def summarize(sweep_dir: str | Path) -> list[dict]:
     write_atomic(sweep_dir / "summary.json", json.dumps(rows, indent=2, default=str) + "\n")
     ok = [row for row in rows if row["status"] == "ok"]
     if ok:  # a sweep where every job failed has nothing to plot
-        write_atomic(sweep_dir / "speedup_vs_gamma.png", plot_speedup_vs_gamma(ok))
+        axis = sweep_axis(ok)
+        write_atomic(sweep_dir / plot_name(axis), plot_sweep(ok, axis))
     return rows
 
 

@@ -960,15 +960,16 @@ def test_benchmark_main_prints_json_last(tiny_base: Path, drafters: dict, tmp_pa
 # ---------------------------------------------------------------------------------- 7. summarize
 
 
-def fake_multirun(root: Path, results_file: Path, gammas: list[int]) -> Path:
-    """Jobs 0..n-1 of a benchmark multirun over decode.gamma, from one real results.json."""
+def fake_multirun(root: Path, results_file: Path, gammas: list[int], key: str = "decode.gamma") -> Path:
+    """Jobs 0..n-1 of a benchmark multirun over `key` (its rows' gamma follows the value only for decode.gamma),
+    from one real results.json."""
     results = json.loads(results_file.read_text())
     for job, gamma in enumerate(gammas):
         job_dir = root / str(job)
         (job_dir / ".hydra").mkdir(parents=True)
-        rows = [{**row, "gamma": gamma} for row in results["methods"]]
+        rows = [{**row, "gamma": gamma if key == "decode.gamma" else 3} for row in results["methods"]]
         (job_dir / "results.json").write_text(json.dumps({**results, "methods": rows}))
-        (job_dir / ".hydra" / "overrides.yaml").write_text(f"- decode.gamma={gamma}\n- repeats=1\n")
+        (job_dir / ".hydra" / "overrides.yaml").write_text(f"- {key}={gamma}\n- repeats=1\n")
     return root
 
 
@@ -989,6 +990,29 @@ def test_summarize_multirun(bench_run: tuple[dict, Path], tmp_path: Path) -> Non
         for row in summary["methods"]:
             line = f"| decode.gamma={gamma} | {row['name']} | eager 1t | {row['temperature']:.2f} | {gamma} |"
             assert sum(line_.startswith(line) for line_ in table) == 1, line
+
+
+def test_summarize_plots_against_the_swept_setting(bench_run: tuple[dict, Path], tmp_path: Path) -> None:
+    """A sweep over head counts is drawn against the head count, not against the (fixed) gamma; the table gives
+    each speedup with its interval where the run measured one."""
+    _, out_dir = bench_run
+    sweep = fake_multirun(tmp_path / "heads", out_dir / "results.json", [1, 2, 5], key="medusa.module.num_heads")
+    rows = [row for row in summ_mod.summarize(sweep) if row["status"] == "ok"]
+    assert summ_mod.sweep_axis(rows) == "medusa.module.num_heads"
+    assert sorted({summ_mod.axis_value(row, "medusa.module.num_heads") for row in rows}) == [1.0, 2.0, 5.0]
+    assert (sweep / "speedup_vs_num_heads.png").stat().st_size > 0 and not (sweep / "speedup_vs_gamma.png").exists()
+    text = (sweep / "summary.md").read_text()
+    for row in rows:  # each speedup as the run reported it: "1.14x [1.02, 1.27]", or "1.14x n=1" for one cell
+        assert summ_mod._column(row, "speedup") in text
+        assert summ_mod._column(row, "speedup").startswith(f"{row['speedup']:.2f}x")
+    assert (
+        summ_mod._column({"speedup": 1.14, "speedup_lo": 1.02, "speedup_hi": 1.27}, "speedup") == "1.14x [1.02, 1.27]"
+    )
+    # two settings swept at once, or a setting that is not a number: the rows' own gamma
+    both = [{**rows[0], "overrides": "a=1 b=2"}, {**rows[0], "overrides": "a=2 b=3"}]
+    assert summ_mod.sweep_axis(both) == "gamma"
+    words = [{**rows[0], "overrides": "prompts=chat_mix"}, {**rows[0], "overrides": "prompts=heldout"}]
+    assert summ_mod.sweep_axis(words) == "gamma"
 
 
 def test_summarize_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
