@@ -1,17 +1,15 @@
 """Export a trained drafter to a directory vLLM serves: speculators' EAGLE-3, vLLM's EAGLE and Medusa, a Hugging
-Face Llama draft model (experiments/lib/store/formats.py says what each holds and what it refuses).
+Face Llama draft model (experiments/lib/formats/, a module per format, says what each holds and what it refuses).
 
     python -m experiments.export checkpoint=outputs/<run>/checkpoint out=exports/prophet_eagle3
 
 The drafter is rebuilt on its own base (the checkpoint's base_checkpoint), converted, written atomically, and
-read back by this project's importer (experiments/lib/families/imported.py), whose first draft tokens on a
-probe sequence must equal the original's: an export that would draft otherwise is never left behind.
-conf/export.yaml lists the settings.
+read back by its format's reader, whose first draft tokens on a probe sequence must equal the original's: an
+export that would draft otherwise is never left behind. conf/export.yaml lists the settings.
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import hydra
@@ -20,24 +18,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.lib.cli.preflight import hydra_preflight
 from experiments.lib.common.errors import exit_on_user_error
-from experiments.lib.families.imported import import_prophet
 from experiments.lib.families.registry import load_drafter
+from experiments.lib.formats.common import FORMATS, llama_config
+from experiments.lib.formats.registry import write
 from experiments.lib.store.checkpoint import load_lm, read_meta
-from experiments.lib.store.formats import (
-    FORMATS,
-    FormatError,
-    eagle3_config,
-    eagle3_tensors,
-    eagle_tensors,
-    layer_config,
-    llama_config,
-    medusa_tensors,
-    outside_zeroed,
-)
-from experiments.lib.store.served_dir import MARK, check_out, write_directory
-from prophet.model import base_features
-
-log = logging.getLogger(__name__)
+from experiments.lib.store.served_dir import MARK, FormatError, check_out
 
 
 def choose_format(package: str, module_config: dict, asked: str) -> str:
@@ -108,63 +93,18 @@ def export(cfg: DictConfig) -> Path:
             "base_fingerprint": base_meta["fingerprint"],
         }
     }
-    if fmt == "eagle3":
-        tensors = eagle3_tensors(module, vocab)
-        draft_vocab = tensors["lm_head.weight"].shape[0]
-        config = eagle3_config(module, base, verifier=verifier, draft_vocab=draft_vocab, tokens=cfg.speculative_tokens)
-    elif fmt == "eagle":
-        tensors, config = eagle_tensors(module), layer_config(base, module.decoder)
-    elif fmt == "medusa":
-        tensors, config = medusa_tensors(module, base, vocab)
-    else:
-        return write_draft_model(module, out, vocab=vocab, overwrite=cfg.overwrite, provenance=provenance, keep=keep)
-
-    def check(tmp: Path) -> None:  # the prophet formats read back as this project reads them, before renaming
-        if fmt in ("eagle3", "eagle"):
-            check_round_trip(module, import_prophet(tmp, base), base, vocab, out)
-
-    out = write_directory(out, config | provenance, tensors, overwrite=cfg.overwrite, keep=keep, check=check)
-    log.info("wrote %s (%s, %d tensors) for verifier %s", out, fmt, len(tensors), verifier)
-    print(f"exported {fmt}: {out}")
-    return out
-
-
-def write_draft_model(
-    module: torch.nn.Module,
-    out: str,
-    *,
-    vocab: torch.Tensor | None = None,
-    overwrite: bool = False,
-    provenance: dict | None = None,
-    keep: tuple = (),
-) -> Path:
-    """A draft model built as a Hugging Face Llama (drafter.module.arch=llama) -> save_pretrained's layout; the
-    output rows outside `vocab` (the ids it was trained to draft from) zeroed (formats.outside_zeroed)."""
-    hf = getattr(module, "hf", None)
-    if hf is None or type(hf).__name__ != "LlamaForCausalLM":
-        raise FormatError(
-            "the draft model is an x-transformers network (LayerNorm, GELU), not a Llama: train it with "
-            "drafter.module.arch=llama to export it"
-        )
-    config = hf.config.to_dict() | {"architectures": ["LlamaForCausalLM"], "torch_dtype": "float32"}
-    tensors = dict(hf.state_dict())
-    tensors["lm_head.weight"] = outside_zeroed(tensors["lm_head.weight"], vocab)
-    return write_directory(out, config | (provenance or {}), tensors, overwrite=overwrite, keep=keep)
-
-
-@torch.no_grad()
-def check_round_trip(original, imported, base, vocab: torch.Tensor | None, out: Path) -> None:
-    """The imported prophet's logits equal the original's, bit for bit, on a probe sequence (the first draft at
-    every position); else the export is refused (write_directory runs this on the directory before it is renamed
-    to `out`, so nothing is left and an earlier export stays)."""
-    tokens = torch.arange(24, device=base.to_logits.weight.device)[None] % base.num_tokens
-    logits = []
-    for prophet in (original, imported):  # each with its layers in its own order (an export sorts them)
-        hidden, _, layers = base_features(base, tokens, prophet.fuse_layers)
-        _, weight, bias = prophet.output_layer(vocab)
-        logits.append(torch.nn.functional.linear(prophet.readout(prophet(hidden, tokens, layers)), weight, bias))
-    if not torch.equal(*logits):
-        raise FormatError(f"{out} read back with other logits than the drafter's: not written")
+    return write(
+        fmt,
+        module,
+        base,
+        out,
+        vocab=vocab,
+        verifier=verifier,
+        tokens=cfg.speculative_tokens,
+        provenance=provenance,
+        overwrite=cfg.overwrite,
+        keep=keep,
+    )
 
 
 @hydra_preflight

@@ -2,8 +2,8 @@
 
 x-transformers cannot express either layer (EAGLE's first layer has no input norm; EAGLE-3's attention reads
 a 2d-wide input made of two separately normed halves, with the residual taken from one of them), so this is
-plain torch, laid out tensor for tensor as vLLM's and speculators' checkpoints are (experiments/lib/store/
-formats.py maps the names). Both are a Llama layer: RMSNorm, SwiGLU feed-forward, grouped-query attention
+plain torch, laid out tensor for tensor as vLLM's and speculators' checkpoints are (experiments/lib/formats/
+common.py maps the names). Both are a Llama layer: RMSNorm, SwiGLU feed-forward, grouped-query attention
 with rotary on the two halves of each head (transformers' rotate_half); no biases anywhere.
 
 - arch "eagle" (EAGLE-1): the input is fc(cat(embedding, feature)) (the fc lives in the prophet); the layer

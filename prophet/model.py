@@ -12,7 +12,7 @@ the regression target stays f_{t+1}. `base_features` computes f, the logits and 
 
 `arch` (prophet/eagle.py): "xtransformers" is the network above; "eagle" and "eagle3" replace fuse, decoder
 and out by EAGLE-1's or EAGLE-3's one Llama draft layer at the base's width, which vLLM and speculators load
-(experiments/lib/store/formats.py). EAGLE-3 reads fc(the base's layer states) instead of f_t, feeds its own
+(experiments/lib/formats/). EAGLE-3 reads fc(the base's layer states) instead of f_t, feeds its own
 pre-norm output back, and its logits read the layer's final norm of it (`readout`).
 
 The base's embedding and output layer are reused frozen. They are kept in `FrozenHead`, a plain

@@ -120,7 +120,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     save_lm(out["run_dir"] / "checkpoint")
     (tmp / "not_a_checkpoint").mkdir()
     out["not_a_checkpoint"] = tmp / "not_a_checkpoint"
-    out["served_eagle3"] = tmp / "served_eagle3"  # a serving-format directory (experiments/lib/store/formats.py)
+    out["served_eagle3"] = tmp / "served_eagle3"  # a serving-format directory (experiments/lib/formats/)
     out["served_eagle3"].mkdir()
     (out["served_eagle3"] / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
     layer = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 64}

@@ -2,7 +2,7 @@
 
 experiments.export writes a drafter in a serving format (experiments/lib/store/served_dir.py says where it may
 write); benchmark and generate read such a directory back with `checkpoints.<family>=<dir>`
-(experiments/lib/families/imported.py). A tiny Hugging Face Llama base (a checkpoint of this project, arch=llama)
+(experiments/lib/formats/registry.py). A tiny Hugging Face Llama base (a checkpoint of this project, arch=llama)
 and an EAGLE-3 prophet on it are real; every bad input must end in one FormatError line before the base loads,
 with every file where it was.
 """
@@ -21,8 +21,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from experiments import export as export_mod
-from experiments.lib.families.imported import check_served, import_drafter, import_medusa
 from experiments.lib.families.registry import family
+from experiments.lib.formats import medusa
+from experiments.lib.formats.registry import check_served, read
 from experiments.lib.store.checkpoint import load_lm, save_checkpoint
 from experiments.lib.store.lm import build_lm
 from experiments.lib.store.served_dir import MARK, FormatError, write_directory
@@ -247,9 +248,9 @@ def test_a_broken_served_directory_is_one_line_before_the_base_loads(
 def test_an_export_is_refused_on_another_base_of_the_same_shape(work: Path) -> None:
     other, _, other_meta = load_lm(work / "other_base")
     base, _, base_meta = load_lm(work / "base")
-    import_drafter(work / "e3", base, base_meta)  # its own base: read
+    read(work / "e3", base, base_meta)  # its own base: read
     with pytest.raises(FormatError, match="was exported from a drafter of base .* not of this base"):
-        import_drafter(work / "e3", other, other_meta)
+        read(work / "e3", other, other_meta)
 
 
 def test_a_medusa_directory_without_its_sizes_or_tensors_is_one_line(work: Path) -> None:
@@ -262,10 +263,10 @@ def test_a_medusa_directory_without_its_sizes_or_tensors_is_one_line(work: Path)
     with pytest.raises(FormatError, match=r"lacks the tensors \['lm_heads.1.weight'\] of a medusa"):
         check_served(path, "medusa")
     with pytest.raises(FormatError, match="lacks the tensor 'lm_heads.1.weight'"):
-        import_medusa(path, base)
+        medusa.read(path, base)
     for key in ("num_heads", "num_hidden_layers"):
         (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != key}))
         with pytest.raises(FormatError, match=f"has no '{key}'"):
             check_served(path, "medusa")
         with pytest.raises(FormatError, match=f"has no '{key}'"):
-            import_medusa(path, base)
+            medusa.read(path, base)

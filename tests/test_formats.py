@@ -1,4 +1,4 @@
-"""The serving formats (experiments/lib/store/formats.py, experiments/lib/families/imported.py), without vLLM.
+"""The serving formats (experiments/lib/formats/: a module per format, each written and read), without vLLM.
 
 Every exported directory is read twice: by this project's importer and by tests/format_reference.py, an
 independent reader written from vLLM 0.32's loaders (speculators' package pulls torchvision, torchaudio and
@@ -18,8 +18,8 @@ import pytest
 import torch
 import transformers
 
-from experiments.lib.families.imported import import_medusa, import_prophet
-from experiments.lib.store.formats import eagle3_config, eagle3_tensors, eagle_tensors, layer_config, medusa_tensors
+from experiments.lib.formats import eagle, eagle3, medusa
+from experiments.lib.formats.common import layer_config
 from experiments.lib.store.served_dir import MARK, FormatError, write_directory
 from medusa.heads import MedusaHeads
 from prophet.model import Prophet, base_features
@@ -101,8 +101,10 @@ def project_chain(prophet: Prophet, base, tokens: torch.Tensor, steps: int, voca
 
 
 def export_eagle3(prophet, base, vocab, path):
-    tensors = eagle3_tensors(prophet, vocab)
-    config = eagle3_config(prophet, base, verifier="base", draft_vocab=tensors["lm_head.weight"].shape[0], tokens=3)
+    tensors = eagle3.export_tensors(prophet, vocab)
+    config = eagle3.export_config(
+        prophet, base, verifier="base", draft_vocab=tensors["lm_head.weight"].shape[0], tokens=3
+    )
     return write_directory(path, config, tensors)
 
 
@@ -150,7 +152,7 @@ def test_oracle_eagle3_drafts_the_token_after_next_in_the_project_and_the_refere
     emb = base.hf.model.embed_tokens.weight
     aux = aux_states(base, tokens[:, :-1], config["eagle_aux_hidden_state_layer_ids"])
     assert torch.equal(ref.eagle3_draft(path, aux, tokens[:, 1:], embedding=emb), closed_form)
-    assert torch.equal(project_first_drafts(import_prophet(path, base), base, tokens), closed_form)
+    assert torch.equal(project_first_drafts(eagle3.read(path, base), base, tokens), closed_form)
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
@@ -180,7 +182,7 @@ def test_absolute_ids_in_d2t_draft_other_tokens_and_are_refused(oracle, tmp_path
     drafts = ref.eagle3_draft(path, aux, tokens[:, 1:], embedding=base.hf.model.embed_tokens.weight)
     assert not torch.equal(drafts, perm[perm[tokens[:, :-1]]])
     with pytest.raises(FormatError, match="OFFSETS"):
-        import_prophet(path, base)
+        eagle3.read(path, base)
 
 
 def test_oracle_eagle_and_medusa_draft_their_closed_forms(oracle, tmp_path):
@@ -193,7 +195,7 @@ def test_oracle_eagle_and_medusa_draft_their_closed_forms(oracle, tmp_path):
         prophet.decoder.down_proj.weight.zero_()
     closed_form = perm[perm[tokens[:, :-1]]]
     assert torch.equal(project_first_drafts(prophet, base, tokens), closed_form)
-    path = write_directory(tmp_path / "e1", layer_config(base, prophet.decoder), eagle_tensors(prophet))
+    path = write_directory(tmp_path / "e1", layer_config(base, prophet.decoder), eagle.export_tensors(prophet))
     hidden, _, _ = base_features(base, tokens[:, :-1])
     emb, head = base.hf.model.embed_tokens.weight, base.to_logits.weight
     assert torch.equal(ref.eagle_draft(path, hidden, tokens[:, 1:], emb, head), closed_form)
@@ -206,7 +208,7 @@ def test_oracle_eagle_and_medusa_draft_their_closed_forms(oracle, tmp_path):
                 ahead = perm[ahead]
             projection.weight.zero_()
             projection.weight[ahead, torch.arange(V)] = 1.0
-    tensors, config = medusa_tensors(heads, base)
+    tensors, config = medusa.export_tensors(heads, base)
     path = write_directory(tmp_path / "m", config, tensors)
     hidden, _, _ = base_features(base, tokens)
     drafts = ref.medusa_draft(path, hidden)  # (1, n, 3): head k at t guesses x_{t+2+k}
@@ -258,7 +260,7 @@ def test_eagle3_first_drafts_and_chains_equal_the_reference_and_round_trip_bit_e
         assert torch.equal(ref.eagle3_draft(path, aux, tokens[:, 1:], embedding=emb), ours)
         chain = ref.eagle3_draft(path, aux, tokens[:, 1:], steps=3, embedding=emb)
         assert torch.equal(chain, project_chain(prophet, base, tokens, 3, vocab))
-        imported = import_prophet(path, base)
+        imported = eagle3.read(path, base)
         assert torch.equal(project_first_drafts(imported, base, tokens), ours)
         again = export_eagle3(imported, base, None, tmp_path / f"again_{nbr}")
         first, second = ref.read_dir(path)[1], ref.read_dir(again)[1]
@@ -283,37 +285,37 @@ def test_a_wrong_layer_convention_or_a_missing_norm_flag_drafts_otherwise(rand, 
 def test_eagle_drafts_equal_the_reference_and_an_fc_bias_is_refused(rand, tmp_path):
     base, tokens, _ = rand
     prophet = randomized(Prophet.from_base(base, arch="eagle"), 6)
-    path = write_directory(tmp_path / "e1", layer_config(base, prophet.decoder), eagle_tensors(prophet))
+    path = write_directory(tmp_path / "e1", layer_config(base, prophet.decoder), eagle.export_tensors(prophet))
     hidden, _, _ = base_features(base, tokens[:, :-1])
     emb, head = base.hf.model.embed_tokens.weight, base.to_logits.weight
     ours = project_first_drafts(prophet, base, tokens)
     assert torch.equal(ref.eagle_draft(path, hidden, tokens[:, 1:], emb, head), ours)
     chain = ref.eagle_draft(path, hidden, tokens[:, 1:], emb, head, steps=3)
     assert torch.equal(chain, project_chain(prophet, base, tokens, 3))
-    assert torch.equal(project_first_drafts(import_prophet(path, base), base, tokens), ours)
+    assert torch.equal(project_first_drafts(eagle.read(path, base), base, tokens), ours)
     _, tensors = ref.read_dir(path)
     rewrite(path, tensors=tensors | {"fc.bias": torch.ones(H)})
     with pytest.raises(FormatError, match="fc.bias"):
-        import_prophet(path, base)
+        eagle.read(path, base)
 
 
 def test_medusa_drafts_equal_the_reference_and_need_the_bias_flag(rand, tmp_path):
     base, tokens, _ = rand
     heads = randomized(MedusaHeads.from_base(base, num_heads=3, num_layers=2), 7)
-    tensors, config = medusa_tensors(heads, base)
+    tensors, config = medusa.export_tensors(heads, base)
     path = write_directory(tmp_path / "m", config, tensors)
     hidden, _, _ = base_features(base, tokens)
     with torch.no_grad():
         ours = heads(hidden).argmax(-1)
     assert torch.equal(ref.medusa_draft(path, hidden), ours)
-    imported = import_medusa(path, base)
+    imported = medusa.read(path, base)
     with torch.no_grad():
         assert torch.equal(imported(hidden), heads(hidden))
     rewrite(path, config={k: v for k, v in config.items() if k != "medusa_fc_bias"})  # vLLM then drops the biases
     dropped = ref.medusa_draft(path, hidden)
     assert not torch.equal(dropped, ours)
     with torch.no_grad():  # and the importer reads the directory as vLLM does
-        assert torch.equal(import_medusa(path, base)(hidden).argmax(-1), dropped)
+        assert torch.equal(medusa.read(path, base)(hidden).argmax(-1), dropped)
 
 
 # ------------------------------------------------------------------------------------------------- refusals
@@ -351,17 +353,17 @@ def test_what_no_format_holds_is_refused_in_one_line(rand, tmp_path, lm):
 
 
 def test_a_llama_draft_model_exports_as_a_plain_hugging_face_llama(rand, tmp_path, lm):
-    from experiments.export import write_draft_model
     from experiments.lib.families import draft
+    from experiments.lib.formats.llama import write
 
     base, tokens, _ = rand
     module = randomized(draft.build(base, dim=32, depth=2, heads=4, arch="llama", kv_heads=2), 8)
-    path = write_draft_model(module, tmp_path / "draft", overwrite=False)
+    path = write(module, tmp_path / "draft", overwrite=False)
     loaded = transformers.LlamaForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, module(tokens))
     with pytest.raises(FormatError, match="arch=llama"):
-        write_draft_model(draft.build(base, dim=32, depth=1, heads=4), tmp_path / "xt", overwrite=False)
+        write(draft.build(base, dim=32, depth=1, heads=4), tmp_path / "xt", overwrite=False)
 
 
 def test_an_sglang_specforge_eagle3_directory_imports_as_the_same_drafter(rand, tmp_path):
@@ -377,13 +379,13 @@ def test_an_sglang_specforge_eagle3_directory_imports_as_the_same_drafter(rand, 
     renamed = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
     sglang = write_directory(tmp_path / "sglang", plain, renamed)
     ours = project_first_drafts(prophet, base, tokens, vocab)
-    assert torch.equal(project_first_drafts(import_prophet(sglang, base), base, tokens), ours)
+    assert torch.equal(project_first_drafts(eagle3.read(sglang, base), base, tokens), ours)
 
 
 def test_medusa_rows_outside_the_training_vocabulary_export_as_zeros(rand, tmp_path):
     base, tokens, vocab = rand
     heads = randomized(MedusaHeads.from_base(base, num_heads=2, num_layers=1), 9)
-    tensors, config = medusa_tensors(heads, base, vocab)
+    tensors, config = medusa.export_tensors(heads, base, vocab)
     outside = torch.ones(base.num_tokens, dtype=torch.bool)
     outside[vocab] = False
     for k, projection in enumerate(heads.projections):

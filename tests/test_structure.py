@@ -36,6 +36,7 @@ LAYERS = (  # lowest first; verify/__init__.py and experiments/lib/__init__.py l
     "experiments.lib.common",  # one-line errors and exit statuses, sweep failures, atomic writes, the machine
     "experiments.lib.data",  # corpus, split, tokenizer, token-id cache, prompts
     "experiments.lib.store",  # build_lm, checkpoints, pretrained bases, the run directory's lock
+    "experiments.lib.formats",  # the serving formats (vLLM's, speculators'), a module each: written and read
     "experiments.lib.families",  # the drafter-family registry
     "experiments.lib.training",  # the training loop, the trainers, feature and artifact caches
     "experiments.lib.methods",  # decoding methods, their prompts and checks, calibration

