@@ -107,11 +107,13 @@ def make_optimizer(
     model: nn.Module, *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
 ) -> torch.optim.AdamW:
     # Decay matrices (linear and embedding weights) only: decaying norm gains and biases pulls them to 0,
-    # which only hurts.
+    # which only hurts. A model that starts from pretrained weights (a draft model cut from its base) carries
+    # `lr_scale`: at the rate that trains fresh weights, a few dozen Adam steps erase what it copied.
     params = [p for p in model.parameters() if p.requires_grad]
+    scale = float(getattr(model, "lr_scale", 1.0))
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay, "lr_scale": scale},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr_scale": scale},
     ]
     # fused: one kernel per step instead of a dozen elementwise passes over every parameter (Medusa's heads
     # train 8M parameters: the foreach AdamW cost 60 of 600 ms per step on one CPU thread, fused 10)
@@ -392,7 +394,7 @@ class TrainLoop:
             time_fraction=elapsed / self.budget_s,
         )
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         torch.manual_seed(s.seed * SEED_STRIDE + self.state.step)  # any randomness in a loss: a function of the step
         batch = self.batch_fn(self.state.step)  # this rank's rows
         rows = batch_rows(batch)
