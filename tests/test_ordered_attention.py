@@ -146,3 +146,49 @@ def test_a_tree_past_128_nodes_stays_exact_and_the_fused_mode_is_a_setting(base)
                 path, j = [tokens[j]] + path, parents[j]
             assert torch.equal(out[node], stepwise_logits(base, prompt, path)), node
     assert make_target(base, ordered=False).ordered is False
+
+
+@pytest.fixture(scope="module")
+def long_base():
+    """A smaller Llama with room for 2,048-token contexts."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return HFBase(transformers.LlamaForCausalLM(config)).eval().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("batch", [1, 16, pytest.param(64, marks=pytest.mark.slow)])  # 64 rows x 1,000 tokens: ~15 s
+def test_a_chain_equals_its_steps_in_batches_of_rows_at_contexts_up_to_2048(long_base, batch):
+    """Rows of contexts 64-2,048 in one batch: a 4-token verification gives every row's every token the bits four
+    one-token steps give it, in bf16 (the products' rows padded, the sums in position order over spans of
+    different lengths)."""
+    g = torch.Generator().manual_seed(batch)
+    lengths = [(64, 256, 1024, 2048)[i % 4] - int(torch.randint(0, 5, (1,), generator=g)) for i in range(batch)]
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+    chain = torch.randint(0, V, (batch, 4), generator=g)
+    with torch.inference_mode():
+        verify = make_target(long_base)
+        verify.prefill(prompts)
+        together = verify.extend(chain).logits  # (b, 4, V)
+        stepped = make_target(long_base)
+        stepped.prefill(prompts)
+        steps = torch.stack([stepped.extend(chain[:, i : i + 1]).logits[:, -1] for i in range(4)], dim=1)
+    rows = [r for r in range(batch) if not torch.equal(together[r], steps[r])]
+    assert rows == [], [lengths[r] for r in rows]
+
+
+@pytest.mark.parametrize("prompt_len", [1024 - 3, 2048 - 7])
+def test_a_tree_node_equals_its_path_after_a_long_context(long_base, prompt_len):
+    with torch.inference_mode():
+        assert tree_mismatches(long_base, prompt_len, seed=prompt_len) == 0
