@@ -18,23 +18,28 @@ V = 211
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]
 
 
-@pytest.fixture(scope="module")
-def base():
-    torch.manual_seed(0)
+def bf16_llama(*, seed: int, hidden: int, layers: int, positions: int) -> HFBase:
+    """A random bf16 Llama with grouped-query attention (4 query, 2 key-value heads)."""
+    torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=V,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=positions,
         initializer_range=0.1,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
     )
     return HFBase(transformers.LlamaForCausalLM(config)).eval().to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return bf16_llama(seed=0, hidden=128, layers=3, positions=512)
 
 
 def path_of(node: int, tokens: list[int]) -> list[int]:
@@ -151,21 +156,7 @@ def test_a_tree_past_128_nodes_stays_exact_and_the_fused_mode_is_a_setting(base)
 @pytest.fixture(scope="module")
 def long_base():
     """A smaller Llama with room for 2,048-token contexts."""
-    torch.manual_seed(1)
-    config = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        initializer_range=0.1,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    return HFBase(transformers.LlamaForCausalLM(config)).eval().to(torch.bfloat16)
+    return bf16_llama(seed=1, hidden=64, layers=2, positions=4096)
 
 
 @pytest.mark.parametrize("batch", [1, 16, pytest.param(64, marks=pytest.mark.slow)])  # 64 rows x 1,000 tokens: ~15 s
