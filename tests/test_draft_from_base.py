@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from experiments.lib.families import draft as draft_family  # noqa: E402
 from experiments.lib.training.features import teacher_batch  # noqa: E402
-from experiments.lib.training.loop import make_optimizer  # noqa: E402
+from experiments.lib.training.loop import make_optimizer, set_lr  # noqa: E402
 from prophet.model import base_features  # noqa: E402
 from tests.conftest import make_lm  # noqa: E402
 from tests.test_early_exit_llama import DEPTH, V, llama  # noqa: E402
@@ -59,9 +59,8 @@ def test_training_moves_the_blocks_never_the_input_and_output_layers_or_the_base
     batch = teacher_batch(base, tokens)
     start = draft_family.evaluate(draft, base, batch)
     opt = make_optimizer(draft, lr=3e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    assert all(group["lr_scale"] == draft_family.LR_SCALE for group in opt.param_groups)  # fine-tuning: a gentler lr
-    for group in opt.param_groups:
-        group["lr"] *= group["lr_scale"]  # as the training loop sets it each step
+    set_lr(opt, 3e-2)  # as the training loop sets it each step: fine-tuning, a gentler lr
+    assert all(group["lr"] == pytest.approx(3e-2 * draft_family.LR_SCALE) for group in opt.param_groups)
     for _ in range(40):
         loss, _ = draft_family.loss(draft, base, batch)
         opt.zero_grad()

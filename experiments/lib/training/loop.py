@@ -121,6 +121,12 @@ def make_optimizer(
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused)
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The step's learning rate on every parameter group, times the group's `lr_scale` (make_optimizer)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+
+
 def batch_for_step(ids: Tensor, *, step: int, seed: int, batch_size: int, seq_len: int, device: torch.device) -> Tensor:
     """(B, T+1) random windows, a pure function of (seed, step): resuming needs no state."""
     generator = torch.Generator().manual_seed(seed * SEED_STRIDE + step)
@@ -393,8 +399,7 @@ class TrainLoop:
             max_steps=s.max_steps,
             time_fraction=elapsed / self.budget_s,
         )
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
+        set_lr(self.optimizer, lr)
         torch.manual_seed(s.seed * SEED_STRIDE + self.state.step)  # any randomness in a loss: a function of the step
         batch = self.batch_fn(self.state.step)  # this rank's rows
         rows = batch_rows(batch)
