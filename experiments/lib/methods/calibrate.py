@@ -12,7 +12,6 @@ not, since they depend on the drafter, the prompts and the sampling settings.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import logging
 import math
@@ -28,8 +27,8 @@ import torch
 
 from experiments.lib.common.errors import write_atomic
 from experiments.lib.common.machine import machine_key
+from experiments.lib.common.sources import source_version
 from experiments.lib.training.precision import native_bf16, resolve_decode_dtype
-from verify import backends
 from verify.backends.target import Target
 from verify.common.numerics import EosId
 from verify.loop.sampling import SamplingConfig
@@ -139,13 +138,9 @@ def _read_costs(path: Path, key: dict) -> dict[int, float] | None:
         return None
 
 
-@functools.cache
 def engine_version() -> str:
     """A hash of the decode engine's sources (verify/backends/*.py): what a verify-cost table was measured on."""
-    digest = sha256()
-    for path in sorted(Path(backends.__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
+    return source_version(("verify/backends",))
 
 
 def cached_verify_cost(

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from experiments.lib.common.errors import one_line, write_atomic
+from experiments.lib.common.sources import training_version
 from experiments.lib.families.registry import FAMILIES
 from experiments.lib.store.checkpoint import checkpoint_exists, read_meta
 from experiments.lib.store.rundir import RunDirectoryInUse, RunLock
@@ -53,7 +54,9 @@ def recipe_key(cfg) -> str:
 
     A drafter's base enters by the fingerprint of its weights, not only its path: a base retrained at
     the same path gets new drafters. eval_every, patience and min_delta stay in: checkpoint/ holds the weights
-    of the best validation, so how often a run validates and when it stops decide which weights it keeps."""
+    of the best validation, so how often a run validates and when it stops decide which weights it keeps. So
+    does the code: the hash of the training sources (experiments.lib.common.sources), so that a changed loss,
+    layer or data pipeline trains anew instead of reusing what older code trained."""
     recipe = OmegaConf.to_container(cfg, resolve=False)
     for key in (
         "out_dir",
@@ -70,6 +73,7 @@ def recipe_key(cfg) -> str:
     if "base_checkpoint" in recipe:
         meta = Path(str(recipe["base_checkpoint"])) / "meta.json"
         recipe["base_fingerprint"] = json.loads(meta.read_text())["fingerprint"] if meta.exists() else None
+    recipe["code"] = training_version()
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
