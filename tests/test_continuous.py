@@ -153,3 +153,36 @@ def test_a_request_past_the_rows_capacity_is_refused(llama):
     with pytest.raises(ValueError, match="prompt 1 has 3 tokens \\+ max_new_tokens=9: more than the rows' capacity=10"):
         requests = iter([Request([1], 4), Request([1, 2, 3], 9)])
         list(serve(make_target(llama), lambda: next(requests, None), batch=1, capacity=10))
+
+
+def test_a_remembered_prompt_is_prefilled_once_with_the_same_answers(llama):
+    """Requests sharing a prompt (the base asked for its own questions from one template prefix): with remember=True
+    each distinct prompt runs the model once, and every answer is still plain decoding's alone, bit for bit; rows
+    refilled from the copy after other prompts have used them (stale slots past the prompt) included."""
+    shared = prompts_of(3, seed=11)
+    order = [i % 3 for i in range(10)]
+    cfgs = [SamplingConfig(temperature=1.0) if i % 4 else SamplingConfig() for i in range(len(order))]
+    budgets = [4 + 9 * (i % 3) for i in range(len(order))]
+    requests = deque(Request(shared[j], budgets[i], cfgs[i], seed=500 + i, remember=True) for i, j in enumerate(order))
+    target = make_target(llama)
+    prefills = []
+    engine = target.engine
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def __call__(self, tokens, *args, **kwargs):
+            if kwargs.get("attention") == "fused" and tokens.shape[0] == 1:  # a one-row prefill (fill_row)
+                prefills.append(tuple(tokens[0].tolist()))
+            return engine(tokens, *args, **kwargs)
+
+    target.engine = Counting()
+    capacity = max(len(p) for p in shared) + max(budgets)
+    got = {
+        a.index: a.tokens
+        for a in serve(target, lambda: requests.popleft() if requests else None, batch=3, capacity=capacity, eos_id=EOS)
+    }
+    assert sorted(prefills) == sorted(tuple(p) for p in shared)  # each distinct prompt once
+    for i, j in enumerate(order):
+        assert got[i] == alone(llama, shared[j], budget=budgets[i], cfg=cfgs[i], seed=500 + i), f"request {i}"

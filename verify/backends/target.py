@@ -83,6 +83,7 @@ def check_prompts(prompts: list[list[int]], *, vocab_size: int, max_seq_len: int
             )
 
 
+REMEMBERED = 64  # distinct prompts a continuous batch keeps the prefill of (`Target.fill_row(remember=True)`)
 ROOM = 256  # new tokens a prefill's cache has room for beyond the longest prompt before it grows
 
 
@@ -130,6 +131,7 @@ class Target:
 
     def reset(self) -> None:
         self.cache: StaticCache | None = None
+        self.remembered = {}
 
     def use_layers(self, layers: tuple[int, ...]) -> None:
         """From the next prefill on, outputs carry `layers` (b, n, S, d): the residual states after these
@@ -171,16 +173,30 @@ class Target:
         """An empty cache of `batch` rows and `capacity` slots each, for a continuous batch (`fill_row`)."""
         self.cache = None  # dropped first, so that the new cache can take its buffers
         self.cache = self.engine.decoder.new_cache(batch, capacity + self.max_draft + 1, device=self.device)
+        self.remembered: dict[tuple[int, ...], tuple[list[Tensor], list[Tensor], Tensor]] = {}
 
     @torch.inference_mode()
-    def fill_row(self, row: int, prompt: list[int]) -> Tensor:
+    def fill_row(self, row: int, prompt: list[int], *, remember: bool = False) -> Tensor:
         """Empty row `row` and prefill `prompt` into it alone (the bits a batch of one gives it); returns the
-        logits (V,) at its last position. The caller sets every row's length afterwards (`cache.set_lengths`)."""
+        logits (V,) at its last position. The caller sets every row's length afterwards (`cache.set_lengths`).
+        remember: a prompt many requests share (the base asked for its own questions from one template prefix):
+        its first prefill's keys, values and logits are kept, and every later fill copies them into the row
+        instead of running the model again; the same bits, since the prefill of a prompt alone is deterministic."""
         if len(prompt) + 1 > self.cache.capacity:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit rows of {self.cache.capacity} slots")
+        key, n = tuple(prompt), len(prompt)
+        if remember and key in self.remembered:
+            keys, values, logits = self.remembered[key]
+            for buf, saved in zip(self.cache.k + self.cache.v, keys + values):
+                buf[row, :, :n].copy_(saved)
+            return logits.clone()
         tokens = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        last = torch.tensor([len(prompt) - 1], device=self.device)
+        last = torch.tensor([n - 1], device=self.device)
         logits, *_ = self.engine(tokens, self.cache.row(row), eager=True, attention="fused", logits_at=last)
+        if remember and len(self.remembered) < REMEMBERED:  # a few distinct prompts (one per steering line)
+            copy = [buf[row, :, :n].clone() for buf in self.cache.k + self.cache.v]
+            half = len(copy) // 2
+            self.remembered[key] = (copy[:half], copy[half:], logits[0, 0].clone())
         return logits[0, 0]
 
     @torch.inference_mode()

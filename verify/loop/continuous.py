@@ -32,6 +32,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingConfig = SamplingConfig()
     seed: int = 0  # the prompt's generator at T > 0
+    remember: bool = False  # a prompt many requests share: prefilled once, copied into later rows (Target.fill_row)
 
 
 @dataclass
@@ -140,7 +141,7 @@ def serve(
             return
         check_request(target, request, index=taken, capacity=capacity)
         index[r], taken = taken, taken + 1
-        logits[r] = target.fill_row(r, request.prompt)
+        logits[r] = target.fill_row(r, request.prompt, remember=request.remember)
         lengths[r] = len(request.prompt)
         greedy = request.sampling.greedy
         generators[r] = None if greedy else torch.Generator(device=target.device).manual_seed(request.seed)

@@ -248,7 +248,9 @@ def generate_self_questions(
         issued += 1
         sampling = SamplingConfig(temperature=1.0)
         prefix = prefixes[spec.category(issued - 1)]
-        return Request(prefix, spec.max_tokens, sampling, question_seed(spec.seed, issued - 1))
+        # remember: every question of a category starts from the same prefix, prefilled once (a third of the
+        # work of generating a question was that one-row prefill)
+        return Request(prefix, spec.max_tokens, sampling, question_seed(spec.seed, issued - 1), remember=True)
 
     console = console or Console(stderr=True)
     capacity = max(len(p) for p in prefixes.values()) + spec.max_tokens
