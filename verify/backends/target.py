@@ -131,7 +131,8 @@ class Target:
 
     def reset(self) -> None:
         self.cache: StaticCache | None = None
-        self.remembered = {}
+        # prompt -> its one-row prefill: every layer's keys then values (heads, n, dh), and its last logits (V,)
+        self.remembered: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
 
     def use_layers(self, layers: tuple[int, ...]) -> None:
         """From the next prefill on, outputs carry `layers` (b, n, S, d): the residual states after these
@@ -173,7 +174,7 @@ class Target:
         """An empty cache of `batch` rows and `capacity` slots each, for a continuous batch (`fill_row`)."""
         self.cache = None  # dropped first, so that the new cache can take its buffers
         self.cache = self.engine.decoder.new_cache(batch, capacity + self.max_draft + 1, device=self.device)
-        self.remembered: dict[tuple[int, ...], tuple[list[Tensor], list[Tensor], Tensor]] = {}
+        self.remembered = {}
 
     @torch.inference_mode()
     def fill_row(self, row: int, prompt: list[int], *, remember: bool = False) -> Tensor:
@@ -186,17 +187,16 @@ class Target:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit rows of {self.cache.capacity} slots")
         key, n = tuple(prompt), len(prompt)
         if remember and key in self.remembered:
-            keys, values, logits = self.remembered[key]
-            for buf, saved in zip(self.cache.k + self.cache.v, keys + values):
-                buf[row, :, :n].copy_(saved)
+            saved, logits = self.remembered[key]
+            for buf, entries in zip(self.cache.k + self.cache.v, saved):
+                buf[row, :, :n].copy_(entries)
             return logits.clone()
         tokens = torch.tensor([prompt], dtype=torch.long, device=self.device)
         last = torch.tensor([n - 1], device=self.device)
         logits, *_ = self.engine(tokens, self.cache.row(row), eager=True, attention="fused", logits_at=last)
         if remember and len(self.remembered) < REMEMBERED:  # a few distinct prompts (one per steering line)
-            copy = [buf[row, :, :n].clone() for buf in self.cache.k + self.cache.v]
-            half = len(copy) // 2
-            self.remembered[key] = (copy[:half], copy[half:], logits[0, 0].clone())
+            saved = [buf[row, :, :n].clone() for buf in self.cache.k + self.cache.v]
+            self.remembered[key] = (saved, logits[0, 0].clone())
         return logits[0, 0]
 
     @torch.inference_mode()
