@@ -185,8 +185,8 @@ class Target:
         instead of running the model again; the same bits, since the prefill of a prompt alone is deterministic."""
         if len(prompt) + 1 > self.cache.capacity:
             raise ValueError(f"a prompt of {len(prompt)} tokens does not fit rows of {self.cache.capacity} slots")
-        key, n = tuple(prompt), len(prompt)
-        if remember and key in self.remembered:
+        key, n = tuple(prompt) if remember else None, len(prompt)  # the key only where it is looked up
+        if key in self.remembered:
             saved, logits = self.remembered[key]
             for buf, entries in zip(self.cache.k + self.cache.v, saved):
                 buf[row, :, :n].copy_(entries)
