@@ -46,7 +46,10 @@ def run(cfg: DictConfig) -> dict:
     data = prepare_data(**base_data_config(base_meta, OmegaConf.to_container(cfg.data, resolve=True)))
     if data.tokenizer.to_str() != tokenizer.to_str():
         raise ValueError(tokenizer_mismatch("the data config", data.tokenizer, tokenizer, "use the base's data config"))
-    spec = feature_spec(features, base_meta=base_meta, data=data, seq_len=seq_len, layers=tuple(cfg.layers or ()))
+    spec = feature_spec(
+        features, base_meta=base_meta, data=data, seq_len=seq_len, layers=tuple(cfg.layers or ()),
+        device=next(base.parameters()).device,
+    )  # fmt: skip
     started = time.perf_counter()
     answered = None
     if spec.source == "generated":

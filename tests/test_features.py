@@ -116,6 +116,7 @@ def test_the_caching_batch_names_the_cache_except_the_old_default():
     old = {**asdict(spec_for()), "format": FORMAT_VERSION}
     del old["batch"], old["answer_tokens"]  # answer_tokens names generated caches only
     del old["questions"], old["self_questions"], old["self_steering"]  # so do questions other than the bank's
+    del old["teacher"]  # and a teacher other than fp32
     assert spec_for().key() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
     assert spec_for(batch=64).key() != spec_for().key()
 
@@ -175,6 +176,7 @@ def test_sampling_is_a_function_of_seed_and_step(tmp_path):
         ({"answer_batch": 0}, "features.answer_batch=0"),
         ({"answer_batch": True}, "features.answer_batch=True"),
         ({"answers_root": ""}, "features.answers_root=''"),
+        ({"teacher": "fp16"}, "features.teacher='fp16'"),
     ],
 )
 def test_bad_feature_settings_are_one_line_errors(change, match):
@@ -195,6 +197,7 @@ def test_bad_feature_settings_are_one_line_errors(change, match):
         "questions": "bank",
         "self_questions": 1024,
         "self_steering": True,
+        "teacher": "auto",
     }
     with pytest.raises(ValueError, match=match) as info:
         check_features_config({**config, **change})

@@ -148,3 +148,89 @@ def test_a_larger_cache_serves_its_first_windows(tmp_path):
         FeatureCache(d, spec_for(windows=7))
     with pytest.raises(ValueError, match="seq_len: cached 16, wanted 8"):
         FeatureCache(d, spec_for(windows=3, seq_len=8))
+
+
+def padded_answers(n: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Answered turns of different lengths, padded with 0 past each answer (as conversation_windows pads them)."""
+    g = torch.Generator().manual_seed(3)
+    windows, mask = torch.randint(1, V, (n, 17), generator=g), torch.zeros(n, 16, dtype=torch.bool)
+    for i in range(n):
+        start = int(torch.randint(2, 6, (1,), generator=g))
+        end = 17 if i == 0 else int(torch.randint(start + 2, 17, (1,), generator=g))  # tokens in the turn
+        mask[i, start - 1 : end - 1] = True
+        windows[i, end:] = 0
+    return windows, mask
+
+
+def test_the_teacher_runs_each_batch_to_its_longest_answer_only(tmp_path, monkeypatch):
+    """Windows go to the teacher by length, each batch cut after its longest answer: every answer position holds
+    what the base computes on the whole window (to float rounding), positions past the answer hold zeros, and the
+    teacher computes fewer positions than the windows hold."""
+    from experiments.lib.training import features
+
+    base, (windows, mask) = make_base(), padded_answers()
+    seen = []
+    teach = features.teacher_batch
+    monkeypatch.setattr(features, "teacher_batch", lambda b, t, **kw: seen.append(t.shape) or teach(b, t, **kw))
+    d = tmp_path / "g"
+    write_features(d, base, None, spec_for(windows=7), answered=(windows, mask), shard_windows=7, batch_size=2)
+    cache = FeatureCache(d, spec_for(windows=7)).data
+    assert torch.equal(cache["tokens"].long(), windows) and torch.equal(cache["mask"], mask)
+    whole = teach(base, windows, top_k=8)
+    last = torch.tensor([int(row.nonzero().max()) for row in mask])  # each window's last answer position
+    used = torch.arange(16)[None, :] <= last[:, None]  # what the loss may read: every position up to it
+    for name in ("hidden", "top_logp"):
+        got, want = cache[name], getattr(whole, name)
+        assert torch.allclose(got[used], want[used], atol=1e-5, rtol=1e-5), name
+    computed = cache["hidden"].abs().sum(-1) > 0
+    assert bool(computed[used].all()) and not bool(computed.all())  # some positions past an answer never computed
+    assert torch.equal(cache["top_ids"][mask], whole.top_ids[mask].int())
+    assert len(seen) == 4 and sum(s[0] * s[1] for s in seen) < 7 * 17  # cut batches
+    lengths = [s[1] for s in seen]
+    assert lengths == sorted(lengths) and lengths[-1] == 17  # by length; the full window last
+
+
+def test_a_bf16_teacher_names_its_cache_and_computes_in_bf16(tmp_path):
+    """teacher=bf16: the features are what the base computes in bf16 (what it decodes in), in another cache."""
+    from experiments.lib.training.features import teacher_batch
+    from experiments.lib.training.precision import cast_copy
+
+    base, answered = make_base(), answered_windows(4)
+    spec = spec_for(windows=4, teacher="bf16")
+    assert spec.key() != spec_for(windows=4).key()
+    cache = open_features(base, None, spec, answered=answered, directory=tmp_path / "b").data
+    want = teacher_batch(cast_copy(base, "bf16"), answered[0], top_k=8)
+    assert torch.equal(cache["hidden"], want.hidden) and torch.equal(cache["top_logp"], want.top_logp)
+    fp32 = teacher_batch(base, answered[0], top_k=8)
+    assert not torch.equal(cache["hidden"], fp32.hidden)
+    assert next(base.parameters()).dtype == torch.float32  # the base itself stays fp32
+    with pytest.raises(ValueError, match="teacher"):
+        FeatureCache(tmp_path / "b", spec_for(windows=4))  # an fp32 run does not read bf16 features
+
+
+def test_validation_uses_the_teacher_of_the_training_features():
+    """Held-out answers are computed by the same teacher as the cache (its dtype): chain_tau on bf16 features is
+    measured on bf16 states."""
+    from types import SimpleNamespace
+
+    from experiments.lib.training.drafter_trainer import validation_batches
+    from experiments.lib.training.features import teacher_batch
+    from experiments.lib.training.precision import cast_copy
+
+    base, (windows, mask) = make_base(), answered_windows(3)
+    cfg = SimpleNamespace(eval_blocks=3, features=SimpleNamespace(top_k=8))
+    for teacher in ("bf16", "fp32"):
+        batches = SimpleNamespace(spec=spec_for(teacher=teacher), layers=(), answered=lambda held_out: (windows, mask))
+        (got,) = validation_batches(cfg, base, None, batches, seq_len=16, device=torch.device("cpu"))
+        want = teacher_batch(cast_copy(base, teacher), windows, top_k=8)
+        assert torch.equal(got.hidden, want.hidden) and torch.equal(got.mask, mask)
+
+
+def test_teacher_auto_follows_the_answers_dtype():
+    from experiments.lib.training.features import teacher_dtype
+    from experiments.lib.training.generated import answer_dtype
+
+    cpu = torch.device("cpu")
+    assert teacher_dtype("auto", "generated", cpu) == answer_dtype(cpu)
+    assert teacher_dtype("auto", "corpus", cpu) == "fp32" and teacher_dtype("auto", "greedy", cpu) == "fp32"
+    assert teacher_dtype("bf16", "corpus", cpu) == "bf16" and teacher_dtype("fp32", "generated", cpu) == "fp32"

@@ -243,7 +243,7 @@ def test_bad_self_question_settings_are_one_line_errors(change, match):
 
 FEATURES = dict(use=True, dir=None, root="x", windows=None, source="generated", prompt_len=4, top_k=8,
                 dtype="float16", seed=0, answer_tokens=512, answers_root=".cache/answers", answer_batch=64, batch=16,
-                questions="bank", self_questions=1024, self_steering=True)  # fmt: skip
+                questions="bank", self_questions=1024, self_steering=True, teacher="auto")  # fmt: skip
 
 
 @pytest.mark.parametrize(

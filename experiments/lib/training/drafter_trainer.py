@@ -63,7 +63,7 @@ from experiments.lib.training.loop import (
     resume_point,
     validation_blocks,
 )
-from experiments.lib.training.precision import check_precision, resolve_precision
+from experiments.lib.training.precision import cast_copy, check_precision, resolve_precision
 from experiments.lib.training.settings import check_loop_config, check_positive_int, check_recipe, data_recipe, require
 from verify.common.vocab import frequent_tokens
 from verify.training.features import FeatureBatch
@@ -184,16 +184,16 @@ def validate(
 def validation_batches(cfg, base: nn.Module, data, batches, *, seq_len: int, device: torch.device) -> list:
     """The fixed validation batches: with generated answers, the base's answers to cfg.eval_blocks held-out
     questions (the text a drafter drafts, masked to the answers); else cfg.eval_blocks windows of the corpus's
-    validation split."""
+    validation split. Computed by the teacher the training features came from (its dtype)."""
     if batches.spec is not None and batches.spec.source == "generated":
         windows, mask = batches.answered(held_out=cfg.eval_blocks)
         chunks = zip(windows.split(16), mask.split(16))
     else:
         blocks = validation_blocks(data.val_ids, seq_len=seq_len, eval_blocks=cfg.eval_blocks)
         chunks = ((chunk, None) for chunk in blocks.split(16))
-    out = []
+    out, teacher = [], base if batches.spec is None else cast_copy(base, batches.spec.teacher)
     for chunk, m in chunks:
-        batch = teacher_batch(base, chunk.to(device), layers=batches.layers, top_k=cfg.features.top_k)
+        batch = teacher_batch(teacher, chunk.to(device), layers=batches.layers, top_k=cfg.features.top_k)
         batch.mask = None if m is None else m.to(device)
         out.append(batch)
     return out
@@ -297,8 +297,9 @@ class Batches:
         self.cache, self.spec = None, None
         if f.use:
             self.spec = feature_spec(
-                OmegaConf.to_container(f), base_meta=base_meta, data=data, seq_len=seq_len, layers=self.layers
-            )
+                OmegaConf.to_container(f), base_meta=base_meta, data=data, seq_len=seq_len, layers=self.layers,
+                device=device,
+            )  # fmt: skip
             started = time.perf_counter()
             with main_first(ctx):  # rank 0 writes the cache; the others open it after
                 answered = self.answered() if self.spec.source == "generated" else None

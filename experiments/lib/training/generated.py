@@ -22,7 +22,6 @@ shared: a run on self questions is measured on the same held-out answers as one 
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 from pathlib import Path
@@ -36,7 +35,7 @@ from experiments.lib.data.prompts import Question
 from experiments.lib.data.question_bank import BANK_CATEGORIES, bank_questions
 from experiments.lib.data.self_questions import SelfQuestionSpec, self_questions
 from experiments.lib.training.answers import AnswerSpec, answer_records, generate_answers, shards_written
-from experiments.lib.training.precision import native_bf16
+from experiments.lib.training.precision import cast_copy, native_bf16
 
 __all__ = [
     "VALIDATION_QUESTIONS", "answer_spec", "conversation_windows", "generated_windows", "mix_questions",
@@ -94,10 +93,6 @@ def conversation_windows(records: list[dict], *, seq_len: int, pad_id: int) -> t
     return windows, mask
 
 
-def _base_in(base: nn.Module, dtype: str) -> nn.Module:
-    return base if dtype == "fp32" else copy.deepcopy(base).to(torch.bfloat16)
-
-
 def generated_windows(
     spec,
     base: nn.Module,
@@ -123,7 +118,7 @@ def generated_windows(
         raise ValueError(f"{held_out} held-out questions asked: there are {len(val)} (eval_blocks at most that)")
     dtype, decoder = answer_dtype(next(base.parameters()).device), None
     if not held_out and spec.questions != "bank":
-        decoder = _base_in(base, dtype)
+        decoder = cast_copy(base, dtype)
         categories = BANK_CATEGORIES if spec.self_steering else ()
         n = spec.self_questions or (spec.windows if spec.questions == "self" else -(-spec.windows // 2))
         sspec = SelfQuestionSpec(base_fingerprint=spec.base_fingerprint, n=n, dtype=dtype, seed=spec.seed,
@@ -142,7 +137,7 @@ def generated_windows(
     while True:
         shards = -(-count // aspec.shard_questions)
         if not (directory / "meta.json").exists() or shards_written(directory) < shards:
-            decoder = decoder or _base_in(base, aspec.dtype)
+            decoder = decoder or cast_copy(base, aspec.dtype)
             generate_answers(directory, decoder, tokenizer, template, pool[: shards * aspec.shard_questions], aspec,
                              batch=batch)  # fmt: skip
         records = [r for r in answer_records(directory, shards=shards) if len(r["prompt"]) <= spec.prompt_len]

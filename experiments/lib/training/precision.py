@@ -12,6 +12,7 @@ fp32; with either it is faster (~1.4-1.7x on the tiny base, AVX512_BF16, measure
 from __future__ import annotations
 
 import contextlib
+import copy
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,12 @@ def resolve_decode_dtype(
             ms = {k: f"{1e3 * v:.1f} ms" for k, v in measured.items()}
             reason = f"{device.type}: {why}; step + 8-token verify {ms['bf16']} in bf16, {ms['fp32']} in fp32"
     return {"requested": requested, "used": used, "reason": reason, "dtype": DTYPES[used]}
+
+
+def cast_copy(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """`model` itself for "fp32", else a copy in that dtype ("bf16"): the fp32 original stays for what reads it in
+    fp32 (a drafter's loss backpropagates through the base's output layer)."""
+    return model if dtype == "fp32" else copy.deepcopy(model).to(DTYPES[dtype])
 
 
 def decode_in(model: torch.nn.Module, precision: dict[str, Any]) -> torch.nn.Module:
