@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import matplotlib
+from omegaconf import OmegaConf
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -88,7 +89,7 @@ def scaling_point(run: Path) -> dict:
         raise ValueError(f"{run}: no chain_tau validations or no train_tokens (a run from before the data engine)")
     config = meta["model_config"]
     arch = (config.get("module") or {}).get("arch")
-    family = config["package"] + (f"-{arch}" if arch and arch != "xtransformers" else "")
+    family = config["package"] + (f"-{arch}" if arch and arch != "xtransformers" else "") + _recipe_label(run, meta)
     return {
         "run": run.name,
         "family": family,
@@ -97,6 +98,21 @@ def scaling_point(run: Path) -> dict:
         "minutes": [r["elapsed_s"] / 60 for r in rows],
         "tau": [r["chain_tau"] for r in rows],
     }
+
+
+def _recipe_label(run: Path, meta: dict) -> str:
+    """What else sets a point's series apart: its time budget (max_minutes in the run's Hydra config: a 6-minute run
+    and a 30-minute one are two curves, not one) and a teacher other than fp32 (the feature cache's meta)."""
+    label = ""
+    config = run / ".hydra" / "config.yaml"
+    if config.is_file():
+        minutes = OmegaConf.load(config).get("max_minutes")
+        label += f", {minutes:g} min" if minutes is not None else ""
+    cache = Path(meta["features"]) / "meta.json" if meta.get("features") else None
+    if cache is not None and cache.is_file():
+        teacher = json.loads(cache.read_text())["spec"].get("teacher", "fp32")
+        label += f", {teacher} teacher" if teacher != "fp32" else ""
+    return label
 
 
 def fit_log(points: list[dict]) -> tuple[float, float] | None:

@@ -279,3 +279,31 @@ def test_scaling_plots_best_chain_tau_against_answer_tokens_and_fits_a_log_line(
     assert (tmp_path / "scaling.png").stat().st_size > 0
     (runs[0] / "checkpoint" / "meta.json").write_text(json.dumps({"model_config": {"package": "medusa"}}))
     assert main(["scaling=true", f"out={tmp_path / 'x.png'}", str(runs[0])]) == 1  # no train_tokens: one line
+
+
+def test_scaling_keeps_time_budgets_and_teachers_apart(tmp_path):
+    """Runs of one family under other budgets or teachers are other curves: each fits its own line."""
+    from experiments.curves import plot_scaling
+
+    cache = tmp_path / "features-bf16"
+    cache.mkdir()
+    (cache / "meta.json").write_text(json.dumps({"spec": {"teacher": "bf16"}}))
+    runs = []
+    for minutes, tokens, tau, features in [(6, 10_000, 1.2, None), (6, 100_000, 1.3, None),
+                                           (20, 10_000, 1.3, None), (20, 100_000, 1.6, str(cache))]:  # fmt: skip
+        run = tmp_path / f"medusa-{minutes}-{tokens}"
+        (run / "checkpoint").mkdir(parents=True)
+        (run / ".hydra").mkdir()
+        (run / ".hydra" / "config.yaml").write_text(f"max_minutes: {minutes}\n")
+        meta = {"model_config": {"package": "medusa"}, "train_tokens": tokens, "features": features}
+        (run / "checkpoint" / "meta.json").write_text(json.dumps(meta))
+        (run / "metrics.jsonl").write_text(
+            json.dumps({"kind": "val", "elapsed_s": 60.0, "chain_tau": tau, "agree": 0.5})
+        )
+        runs.append(run)
+    fits = plot_scaling(runs, tmp_path / "s.png").split("\n\n")[1]
+    assert "| medusa, 6 min | 0.800 + 0.100 log10 |" in fits  # 1.2 at 10k, 1.3 at 100k
+    assert "| medusa-20-100000 | medusa, 20 min, bf16 teacher | 100,000 | 1.600 |" in plot_scaling(
+        runs, tmp_path / "s.png"
+    )
+    assert "20 min |" not in fits  # 20 min with an fp32 teacher and 20 min with a bf16 one: one size each, no line
