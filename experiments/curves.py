@@ -89,10 +89,11 @@ def scaling_point(run: Path) -> dict:
         raise ValueError(f"{run}: no chain_tau validations or no train_tokens (a run from before the data engine)")
     config = meta["model_config"]
     arch = (config.get("module") or {}).get("arch")
-    family = config["package"] + (f"-{arch}" if arch and arch != "xtransformers" else "") + _recipe_label(run, meta)
+    family = config["package"] + (f"-{arch}" if arch and arch != "xtransformers" else "") + _budget(run)
     return {
         "run": run.name,
         "family": family,
+        "teacher": _teacher(meta),
         "tokens": meta["train_tokens"],
         "best": max(r["chain_tau"] for r in rows),
         "minutes": [r["elapsed_s"] / 60 for r in rows],
@@ -100,19 +101,20 @@ def scaling_point(run: Path) -> dict:
     }
 
 
-def _recipe_label(run: Path, meta: dict) -> str:
-    """What else sets a point's series apart: its time budget (max_minutes in the run's Hydra config: a 6-minute run
-    and a 30-minute one are two curves, not one) and a teacher other than fp32 (the feature cache's meta)."""
-    label = ""
+def _budget(run: Path) -> str:
+    """A run's time budget (max_minutes in its Hydra config) as a series label: a 6-minute run and a 30-minute one are
+    two curves, not one."""
     config = run / ".hydra" / "config.yaml"
-    if config.is_file():
-        minutes = OmegaConf.load(config).get("max_minutes")
-        label += f", {minutes:g} min" if minutes is not None else ""
+    minutes = OmegaConf.load(config).get("max_minutes") if config.is_file() else None
+    return f", {minutes:g} min" if minutes is not None else ""
+
+
+def _teacher(meta: dict) -> str:
+    """What the base computed the run's features in (its feature cache's meta; fp32 when it does not say)."""
     cache = Path(meta["features"]) / "meta.json" if meta.get("features") else None
-    if cache is not None and cache.is_file():
-        teacher = json.loads(cache.read_text())["spec"].get("teacher", "fp32")
-        label += f", {teacher} teacher" if teacher != "fp32" else ""
-    return label
+    if cache is None or not cache.is_file():
+        return "fp32"
+    return json.loads(cache.read_text())["spec"].get("teacher", "fp32")
 
 
 def fit_log(points: list[dict]) -> tuple[float, float] | None:
@@ -130,7 +132,7 @@ def plot_scaling(runs: list[Path], out: Path) -> str:
     4M tokens) and chain_tau against training minutes; returns the markdown tables."""
     points = [scaling_point(run) for run in runs]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    lines = ["| run | family | answer tokens | best chain_tau |", "|---|---|---|---|"]
+    lines = ["| run | family | teacher | answer tokens | best chain_tau |", "|---|---|---|---|---|"]
     fits = ["| family | tau = a + b log10(tokens) | at 1M tokens | at 4M tokens |", "|---|---|---|---|"]
     for color, family in enumerate(sorted({p["family"] for p in points})):
         mine = sorted((p for p in points if p["family"] == family), key=lambda p: p["tokens"])
@@ -139,7 +141,7 @@ def plot_scaling(runs: list[Path], out: Path) -> str:
             shade = 0.4 + 0.6 * p["tokens"] / mine[-1]["tokens"]  # more data, a darker line
             label = f"{family} {p['tokens'] / 1e3:.0f}k"
             right.plot(p["minutes"], p["tau"], ".-", color=f"C{color}", alpha=shade, label=label)
-            lines.append(f"| {p['run']} | {family} | {p['tokens']:,} | {p['best']:.3f} |")
+            lines.append(f"| {p['run']} | {family} | {p['teacher']} | {p['tokens']:,} | {p['best']:.3f} |")
         fit = fit_log(mine)
         if fit:
             a, b = fit

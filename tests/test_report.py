@@ -272,7 +272,7 @@ def test_scaling_plots_best_chain_tau_against_answer_tokens_and_fits_a_log_line(
         (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
         runs.append(run)
     table = plot_scaling(runs, tmp_path / "scaling.png")
-    assert "| medusa-100000 | medusa-eagle3 | 100,000 | 1.600 |" in table  # the family names its arch
+    assert "| medusa-100000 | medusa-eagle3 | fp32 | 100,000 | 1.600 |" in table  # the family names its arch
     # medusa: 1.4 at 10k, 1.6 at 100k -> tau = 0.6 + 0.2 log10(tokens): 1.80 at 1M
     assert "| medusa-eagle3 | 0.600 + 0.200 log10 | 1.80 |" in table
     assert "| prophet-eagle3 |" not in table.split("\n\n")[1]  # one size: no line to fit
@@ -281,8 +281,9 @@ def test_scaling_plots_best_chain_tau_against_answer_tokens_and_fits_a_log_line(
     assert main(["scaling=true", f"out={tmp_path / 'x.png'}", str(runs[0])]) == 1  # no train_tokens: one line
 
 
-def test_scaling_keeps_time_budgets_and_teachers_apart(tmp_path):
-    """Runs of one family under other budgets or teachers are other curves: each fits its own line."""
+def test_scaling_keeps_time_budgets_apart_and_names_each_teacher(tmp_path):
+    """Runs of one family under other time budgets are other curves, each with its own line; the teacher each run's
+    features came from is in its row."""
     from experiments.curves import plot_scaling
 
     cache = tmp_path / "features-bf16"
@@ -303,7 +304,7 @@ def test_scaling_keeps_time_budgets_and_teachers_apart(tmp_path):
         runs.append(run)
     fits = plot_scaling(runs, tmp_path / "s.png").split("\n\n")[1]
     assert "| medusa, 6 min | 0.800 + 0.100 log10 |" in fits  # 1.2 at 10k, 1.3 at 100k
-    assert "| medusa-20-100000 | medusa, 20 min, bf16 teacher | 100,000 | 1.600 |" in plot_scaling(
-        runs, tmp_path / "s.png"
-    )
-    assert "20 min |" not in fits  # 20 min with an fp32 teacher and 20 min with a bf16 one: one size each, no line
+    assert "| medusa, 20 min | 0.100 + 0.300 log10 |" in fits  # 1.3 at 10k, 1.6 at 100k: one curve, two teachers
+    table = plot_scaling(runs, tmp_path / "s.png")
+    assert "| medusa-20-100000 | medusa, 20 min | bf16 | 100,000 | 1.600 |" in table
+    assert "| medusa-20-10000 | medusa, 20 min | fp32 | 10,000 | 1.300 |" in table
