@@ -110,10 +110,13 @@ def _budget(run: Path) -> str:
 
 
 def _teacher(meta: dict) -> str:
-    """What the base computed the run's features in (its feature cache's meta; fp32 when it does not say)."""
+    """What the base computed the run's features in: the checkpoint's record, else its feature cache's meta (a run
+    from before the record), else "?" (the cache is gone: a committed copy of an old run)."""
+    if "feature_teacher" in meta:
+        return meta["feature_teacher"]
     cache = Path(meta["features"]) / "meta.json" if meta.get("features") else None
     if cache is None or not cache.is_file():
-        return "fp32"
+        return "?"
     return json.loads(cache.read_text())["spec"].get("teacher", "fp32")
 
 

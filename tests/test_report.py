@@ -272,7 +272,7 @@ def test_scaling_plots_best_chain_tau_against_answer_tokens_and_fits_a_log_line(
         (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
         runs.append(run)
     table = plot_scaling(runs, tmp_path / "scaling.png")
-    assert "| medusa-100000 | medusa-eagle3 | fp32 | 100,000 | 1.600 |" in table  # the family names its arch
+    assert "| medusa-100000 | medusa-eagle3 | ? | 100,000 | 1.600 |" in table  # the family names its arch
     # medusa: 1.4 at 10k, 1.6 at 100k -> tau = 0.6 + 0.2 log10(tokens): 1.80 at 1M
     assert "| medusa-eagle3 | 0.600 + 0.200 log10 | 1.80 |" in table
     assert "| prophet-eagle3 |" not in table.split("\n\n")[1]  # one size: no line to fit
@@ -290,13 +290,15 @@ def test_scaling_keeps_time_budgets_apart_and_names_each_teacher(tmp_path):
     cache.mkdir()
     (cache / "meta.json").write_text(json.dumps({"spec": {"teacher": "bf16"}}))
     runs = []
-    for minutes, tokens, tau, features in [(6, 10_000, 1.2, None), (6, 100_000, 1.3, None),
-                                           (20, 10_000, 1.3, None), (20, 100_000, 1.6, str(cache))]:  # fmt: skip
+    for minutes, tokens, tau, features, record in [(6, 10_000, 1.2, None, None), (6, 100_000, 1.3, None, None),
+                                                   (20, 10_000, 1.3, None, "fp32"),
+                                                   (20, 100_000, 1.6, str(cache), None)]:  # fmt: skip
         run = tmp_path / f"medusa-{minutes}-{tokens}"
         (run / "checkpoint").mkdir(parents=True)
         (run / ".hydra").mkdir()
         (run / ".hydra" / "config.yaml").write_text(f"max_minutes: {minutes}\n")
         meta = {"model_config": {"package": "medusa"}, "train_tokens": tokens, "features": features}
+        meta |= {"feature_teacher": record} if record else {}  # the checkpoint's record, or the cache's meta
         (run / "checkpoint" / "meta.json").write_text(json.dumps(meta))
         (run / "metrics.jsonl").write_text(
             json.dumps({"kind": "val", "elapsed_s": 60.0, "chain_tau": tau, "agree": 0.5})
@@ -308,3 +310,4 @@ def test_scaling_keeps_time_budgets_apart_and_names_each_teacher(tmp_path):
     table = plot_scaling(runs, tmp_path / "s.png")
     assert "| medusa-20-100000 | medusa, 20 min | bf16 | 100,000 | 1.600 |" in table
     assert "| medusa-20-10000 | medusa, 20 min | fp32 | 10,000 | 1.300 |" in table
+    assert "| medusa-6-10000 | medusa, 6 min | ? | 10,000 | 1.200 |" in table  # neither: not known

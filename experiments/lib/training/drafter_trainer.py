@@ -340,6 +340,7 @@ class Batches:
             "feature_key": self.spec.key(),
             "feature_windows": self.spec.windows,
             "feature_source": self.spec.source,
+            "feature_teacher": self.spec.teacher,  # what the base computed the features in
             "feature_seconds": round(self.cache_seconds, 1),
             # the answer tokens the drafter learns from (every cached position without a mask)
             "train_tokens": int(self.cache.data["mask"].sum())
