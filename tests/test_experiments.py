@@ -335,6 +335,7 @@ def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path
         "feature_key",
         "feature_windows",
         "feature_source",
+        "feature_teacher",
         "feature_seconds",
         "train_tokens",
         "start_step",
@@ -345,6 +346,7 @@ def test_train_drafter_fast_dev_run(family: str, drafters: dict, tiny_base: Path
     }
     assert about_the_run <= set(result), result
     assert result["train_tokens"] == result["feature_windows"] * 32  # a corpus cache: every position (seq_len=32)
+    assert result["feature_teacher"] == "fp32"  # teacher=auto on a corpus: fp32
     metric_keys = set(result) - about_the_run
     assert metric_keys and all(isinstance(result[k], float) for k in metric_keys), result
     agreement = {
