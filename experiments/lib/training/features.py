@@ -337,14 +337,15 @@ def _write_shard(
                 base, chunk, prompt_len=spec.prompt_len, seed=seed, temperature=0.0 if spec.source == "greedy" else 1.0
             )
         batch = teacher_batch(base, chunk, layers=spec.layers, top_k=spec.top_k)
-        out["tokens"][index, :length] = batch.tokens.int().cpu()
+        if mask is None:  # greedy / sample wrote their own continuations; answered turns are stored as given
+            out["tokens"][index, :length] = batch.tokens.int().cpu()
         out["hidden"][index, : length - 1] = batch.hidden.to(store).cpu()
         out["top_ids"][index, : length - 1] = batch.top_ids.int().cpu()
         out["top_logp"][index, : length - 1] = batch.top_logp.float().cpu()
         if batch.layers is not None:
             out["layers"][index, : length - 1] = batch.layers.to(store).cpu()
     if mask is not None:
-        out["tokens"] = rows.int()  # the padding past each answer too, as the window holds it
+        out["tokens"] = rows.int()  # whole, the padding past each answer too
         out["mask"] = mask.to(torch.uint8).contiguous()
     tmp = directory / f".shard-{i:05d}.{os.getpid()}.tmp"
     save_file(out, str(tmp))
