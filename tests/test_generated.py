@@ -150,6 +150,45 @@ def test_a_larger_cache_serves_its_first_windows(tmp_path):
         FeatureCache(d, spec_for(windows=3, seq_len=8))
 
 
+def test_a_cache_grows_keeping_its_whole_shards(tmp_path, monkeypatch):
+    """An answer set that grows grows its cache: the smaller cache's whole shards are kept, its short last shard and
+    the new windows computed, and the result is the larger cache written from scratch; an interrupted grow resumes."""
+    from experiments.lib.training import features
+
+    base, answered = make_base(), answered_windows(9)
+    first = lambda n: (answered[0][:n], answered[1][:n])  # noqa: E731
+    d, fresh = tmp_path / "g", tmp_path / "fresh"
+    write_features(d, base, None, spec_for(windows=5), answered=first(5), shard_windows=2, batch_size=2)
+    kept = {i: (d / f"shard-{i:05d}.safetensors").stat().st_mtime_ns for i in (0, 1)}
+    seen = []
+    teach = features.teacher_batch
+    monkeypatch.setattr(features, "teacher_batch", lambda b, t, **kw: seen.append(t.shape[0]) or teach(b, t, **kw))
+    calls = 0
+
+    def cut_short(*args, **kwargs):  # the grow is interrupted after its first new shard
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise KeyboardInterrupt
+        return write_shard(*args, **kwargs)
+
+    write_shard = features._write_shard
+    monkeypatch.setattr(features, "_write_shard", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        write_features(d, base, None, spec_for(windows=9), answered=answered, shard_windows=2, batch_size=2)
+    monkeypatch.setattr(features, "_write_shard", write_shard)
+    with pytest.raises(ValueError, match="windows: cached 9, wanted 5"):
+        FeatureCache(d, spec_for(windows=5))  # half grown: the larger cache, incomplete, not the smaller one
+    write_features(d, base, None, spec_for(windows=9), answered=answered, shard_windows=2, batch_size=2)
+    assert sum(seen) == 9 - 4  # windows 0-3 (two whole shards) never recomputed
+    assert {i: (d / f"shard-{i:05d}.safetensors").stat().st_mtime_ns for i in (0, 1)} == kept
+    write_features(fresh, base, None, spec_for(windows=9), answered=answered, shard_windows=2, batch_size=2)
+    grown, want = FeatureCache(d, spec_for(windows=9)).data, FeatureCache(fresh, spec_for(windows=9)).data
+    assert grown.keys() == want.keys() and all(torch.equal(grown[k], want[k]) for k in want)
+    with pytest.raises(ValueError, match="seq_len: cached 16, wanted 8"):  # another setting is not grown
+        write_features(d, base, None, spec_for(windows=11, seq_len=8), answered=answered, shard_windows=2)
+
+
 def padded_answers(n: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
     """Answered turns of different lengths, padded with 0 past each answer (as conversation_windows pads them)."""
     g = torch.Generator().manual_seed(3)

@@ -11,9 +11,11 @@ Layout of a cache directory:
     shard-00000.safetensors     tokens (n, T+1) int32, hidden (n, T, d), [layers (n, T, S, d)],
     ...                         top_ids (n, T, k) int32, top_logp (n, T, k) float32
 Shards are written to a temporary name and renamed, so a shard that exists is complete; an interrupted
-run resumes at the first missing shard. meta.json records the spec, and a cache for another base, data
-config or setting is refused in one line (the default directory's name is the spec's hash, so a
-retrained base simply gets a new cache).
+run resumes at the first missing shard, and a complete `corpus` or `generated` cache asked for more windows
+grows in place (its first windows are the larger cache's: only its short last shard and the new ones are
+computed; an explicit features.dir, since the default name hashes the windows). meta.json records the spec, and a
+cache for another base, data config or setting is refused in one line (the default directory's name is the
+spec's hash, so a retrained base simply gets a new cache).
 
 Sources: `corpus` caches windows of the training split; `greedy` and `sample` cache the base's own
 continuations (T = 0 and T = 1) of the first `prompt_len` tokens of those windows: the text the drafter
@@ -200,12 +202,13 @@ def _shard_path(directory: Path, i: int) -> Path:
     return directory / f"shard-{i:05d}.safetensors"
 
 
-def _check_meta(directory: Path, spec: FeatureSpec) -> dict | None:
+def _check_meta(directory: Path, spec: FeatureSpec, *, grow: bool = False) -> dict | None:
     """The directory's meta.json, refused in one line when it records another spec; None when absent.
 
     A cache that holds more layers than asked serves the request (a fused prophet's cache serves Medusa); a complete
     `corpus` or `generated` cache of more windows serves fewer, its first ones (the windows a smaller cache of the
-    same setting would hold: both sources take windows in a fixed order), so a data-scaling study caches once."""
+    same setting would hold: both sources take windows in a fixed order), so a data-scaling study caches once.
+    grow=True (writing): a complete cache of those sources with fewer windows is accepted too, to be grown."""
     path = directory / "meta.json"
     if not path.exists():
         return None
@@ -218,7 +221,7 @@ def _check_meta(directory: Path, spec: FeatureSpec) -> dict | None:
             "directory"
         ) from None
     wanted = asdict(spec) | {"layers": found.layers if set(spec.layers) <= set(found.layers) else spec.layers}
-    if meta.get("complete") and found.source in PREFIX_SOURCES and found.windows >= spec.windows:
+    if meta.get("complete") and found.source in PREFIX_SOURCES and (grow or found.windows >= spec.windows):
         wanted["windows"] = found.windows
     diff = ", ".join(f"{k}: cached {v!r}, wanted {wanted[k]!r}" for k, v in asdict(found).items() if v != wanted[k])
     if diff:
@@ -238,10 +241,12 @@ def write_features(
     shard_windows: int = 256,
     batch_size: int | None = None,
 ) -> Path:
-    """Compute and store the cache for `spec` (resumes an interrupted one); returns the directory.
+    """Compute and store the cache for `spec` (resumes an interrupted one, grows a smaller one); returns the directory.
     answered: source `generated`'s windows (N, T + 1) and answer masks (N, T) (generated.generated_windows)."""
     directory = Path(directory)
-    meta = _check_meta(directory, spec)
+    meta = _check_meta(directory, spec, grow=True)
+    if meta is not None and meta.get("complete") and meta["spec"]["windows"] < spec.windows:
+        meta = _grown(directory, meta, spec.windows)
     if meta is not None and meta.get("complete"):
         return directory
     if meta is not None:  # resume the interrupted cache exactly as it was begun (its layers, its shard size)
@@ -285,7 +290,7 @@ def write_features(
         task = progress.add_task("features", total=spec.windows)
         for i in range(shards):
             rows = windows[i * shard_windows : (i + 1) * shard_windows]
-            if not _shard_path(directory, i).exists():
+            if _shard_rows(directory, i) != len(rows):  # missing, or a smaller cache's last shard (grown)
                 _write_shard(
                     directory,
                     i,
@@ -299,6 +304,27 @@ def write_features(
             progress.update(task, advance=len(rows))
     _write_meta(directory, {**meta, "complete": True})
     return directory
+
+
+def _grown(directory: Path, meta: dict, windows: int) -> dict:
+    """A complete cache's meta, reopened for `windows` windows: its first windows are the larger cache's (the
+    source takes them in a fixed order), so its whole shards are kept and only the rest is computed (an answer set
+    grown from 517k to 1M answer tokens recomputes 2,000 windows fewer, 13 minutes of teacher on 2 cores)."""
+    old = meta["spec"]["windows"]
+    log.info("feature cache %s grows from %d to %d windows: its %d whole shards are kept", directory, old, windows,
+             old // meta["shard_windows"])  # fmt: skip
+    meta = {**meta, "spec": {**meta["spec"], "windows": windows}, "complete": False}
+    _write_meta(directory, meta)  # at once: a grow cut short resumes as the larger cache; the old last shard, short
+    return meta  # of rows, is written again (write_features checks each shard's rows)
+
+
+def _shard_rows(directory: Path, i: int) -> int:
+    """Windows shard i holds; 0 when it is not written."""
+    path = _shard_path(directory, i)
+    if not path.exists():
+        return 0
+    with safe_open(str(path), framework="pt") as shard:
+        return shard.get_slice("tokens").get_shape()[0]
 
 
 def _write_meta(directory: Path, meta: dict) -> None:
