@@ -411,22 +411,25 @@ class FeatureCache:
             )
         cached_layers = list(meta["spec"]["layers"])
         keep = [cached_layers.index(layer) for layer in spec.layers]  # the asked layers, in the asked order
-        parts: dict[str, list[Tensor]] = {}
+        self.data: dict[str, Tensor] = {}  # filled shard by shard: a 1M-token cache of 3 layers is 9 GB, and
+        filled = 0  # concatenating shards would hold it twice
         for i in range(meta["shards"]):
-            with safe_open(str(_shard_path(directory, i)), framework="pt") as shard:
-                for name in ("tokens", "hidden", "top_ids", "top_logp"):
-                    parts.setdefault(name, []).append(shard.get_tensor(name))
-                if keep:
-                    parts.setdefault("layers", []).append(shard.get_tensor("layers")[:, :, keep])
-                if "mask" in shard.keys():
-                    parts.setdefault("mask", []).append(shard.get_tensor("mask").bool())
-            if sum(len(t) for t in parts["tokens"]) >= spec.windows:
+            if filled >= spec.windows:
                 break  # the first spec.windows windows of a larger cache (_check_meta)
-        self.data = {name: torch.cat(chunks)[: spec.windows] for name, chunks in parts.items()}
+            with safe_open(str(_shard_path(directory, i)), framework="pt") as shard:
+                n = min(shard.get_slice("tokens").get_shape()[0], spec.windows - filled)
+                names = ["tokens", "hidden", "top_ids", "top_logp"] + ["layers"] * bool(keep)
+                for name in names + ["mask"] * ("mask" in shard.keys()):
+                    part = shard.get_slice(name)[:n]
+                    part = part[:, :, keep] if name == "layers" else part.bool() if name == "mask" else part
+                    if name not in self.data:
+                        self.data[name] = torch.empty(spec.windows, *part.shape[1:], dtype=part.dtype)
+                    self.data[name][filled : filled + n] = part
+            filled += n
         self.directory, self.spec, self.dim = directory, spec, meta["dim"]
-        if self.data["tokens"].shape != (spec.windows, spec.seq_len + 1):
+        if filled != spec.windows or self.data["tokens"].shape != (spec.windows, spec.seq_len + 1):
             raise StaleFeatures(
-                f"feature cache {directory} holds tokens {tuple(self.data['tokens'].shape)}, "
+                f"feature cache {directory} holds tokens {(filled, *self.data['tokens'].shape[1:])}, "
                 f"not ({spec.windows}, {spec.seq_len + 1}): delete it and write it again"
             )
 
