@@ -57,8 +57,8 @@ def run(cfg: DictConfig) -> dict:
             spec, base, tokenizer, base_meta, root=features["answers_root"], max_new_tokens=spec.answer_tokens,
             batch=features["answer_batch"],
         )  # fmt: skip
-    cache = open_features(
-        base, data.train_ids, spec, answered=answered, directory=features["dir"], root=features["root"]
+    cache = open_features(  # mapped: written, not read here
+        base, data.train_ids, spec, answered=answered, directory=features["dir"], root=features["root"], mapped=True
     )
     seconds = time.perf_counter() - started
     positions = spec.windows * spec.seq_len

@@ -154,6 +154,29 @@ def drafters(tmp_path_factory: pytest.TempPathFactory, tiny_base: Path, cache_di
     return trained
 
 
+def test_a_mapped_cache_trains_the_same_drafter(drafters: dict, tiny_base: Path, cache_dir: str, tmp_path) -> None:
+    """features.mapped reads the same cache from its files (memory maps): the prophet trains to
+    the same losses and agreement, and the run is the same recipe."""
+    from experiments.lib.training import features
+
+    opened = []
+
+    class Recorded(features.FeatureCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            opened.append(type(self.data["hidden"]).__name__)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(features, "FeatureCache", Recorded)
+        result = drafter_trainer.train(drafter_cfg("prophet", tiny_base, cache_dir, tmp_path, "features.mapped=true"))
+    assert opened == ["MappedRows"]
+    loaded = drafters["prophet"]["result"]
+    metrics = {k for k, v in loaded.items() if isinstance(v, float) and k not in ("elapsed_s", "positions_per_s")}
+    metrics -= {k for k in metrics if k.endswith("_s") or "seconds" in k}
+    assert metrics and {k: result[k] for k in metrics} == {k: loaded[k] for k in metrics}
+    assert result["feature_key"] == loaded["feature_key"]
+
+
 def bench_overrides(tiny_base: Path, drafters: dict) -> list[str]:
     """A benchmark fast dev run: the tiny base is also its own draft model (so alpha = 1 at T = 0)."""
     return [

@@ -22,6 +22,7 @@ from experiments.lib.training.features import (
     teacher_batch,
     write_features,
 )
+from experiments.lib.training.mapped import MappedRows
 from prophet.model import base_features
 from verify.backends.target import Target
 from verify.loop.plain import plain_generate
@@ -104,6 +105,30 @@ def test_a_cache_with_more_layers_serves_fewer(tmp_path):
         FeatureCache(tmp_path / "f", spec_for(layers=(1, 3)))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_mapped_cache_reads_what_a_loaded_one_holds(tmp_path, dtype):
+    """Mapped (how training reads a cache): every window's states as loaded, the asked layers in the asked order,
+    across shards (the last one short), the first windows of a larger cache."""
+    base, d = make_base(depth=4), tmp_path / "m"
+    write_features(d, base, stream(), spec_for(layers=(1, 2, 3), dtype=dtype), shard_windows=6)  # shards 6,6,6,2
+    for spec in (spec_for(layers=(3, 1), dtype=dtype), spec_for(windows=13, dtype=dtype)):
+        loaded, mapped = FeatureCache(d, spec), FeatureCache(d, spec, mapped=True)
+        assert isinstance(mapped.data["hidden"], MappedRows) and isinstance(mapped.data["tokens"], torch.Tensor)
+        assert mapped.data["hidden"].shape == loaded.data["hidden"].shape
+        if spec.layers:
+            assert mapped.data["layers"].shape == loaded.data["layers"].shape == (20, 16, 2, 32)
+        rows = torch.tensor([0, 5, 6, spec.windows - 1, 11, 0, -1])
+        for a, b in ((loaded.batch(rows), mapped.batch(rows)), (loaded.sample(**SAMPLE), mapped.sample(**SAMPLE))):
+            for name in ("tokens", "hidden", "top_ids", "top_logp", "layers"):
+                x, y = getattr(a, name), getattr(b, name)
+                assert (x is None and y is None) or (x.dtype == y.dtype and torch.equal(x, y)), name
+    with pytest.raises(IndexError, match="window 13 asked of a cache of 13"):
+        FeatureCache(d, spec_for(windows=13, dtype=dtype), mapped=True).data["hidden"][torch.tensor([13])]
+
+
+SAMPLE = dict(step=3, seed=1, batch_size=5)
+
+
 def test_default_directory_is_keyed_by_the_spec(tmp_path):
     base, ids = make_base(), stream()
     a = open_features(base, ids, spec_for(), root=tmp_path)
@@ -177,6 +202,7 @@ def test_sampling_is_a_function_of_seed_and_step(tmp_path):
         ({"answer_batch": True}, "features.answer_batch=True"),
         ({"answers_root": ""}, "features.answers_root=''"),
         ({"teacher": "fp16"}, "features.teacher='fp16'"),
+        ({"mapped": "yes"}, "features.mapped must be true or false, got 'yes'"),
     ],
 )
 def test_bad_feature_settings_are_one_line_errors(change, match):
@@ -198,6 +224,7 @@ def test_bad_feature_settings_are_one_line_errors(change, match):
         "self_questions": 1024,
         "self_steering": True,
         "teacher": "auto",
+        "mapped": False,
     }
     with pytest.raises(ValueError, match=match) as info:
         check_features_config({**config, **change})

@@ -237,11 +237,11 @@ def test_a_bf16_teacher_names_its_cache_and_computes_in_bf16(tmp_path):
     base, answered = make_base(), answered_windows(4)
     spec = spec_for(windows=4, teacher="bf16")
     assert spec.key() != spec_for(windows=4).key()
-    cache = open_features(base, None, spec, answered=answered, directory=tmp_path / "b").data
+    cache = open_features(base, None, spec, answered=answered, directory=tmp_path / "b").batch(torch.arange(4))
     want = teacher_batch(cast_copy(base, "bf16"), answered[0], top_k=8)
-    assert torch.equal(cache["hidden"], want.hidden) and torch.equal(cache["top_logp"], want.top_logp)
+    assert torch.equal(cache.hidden, want.hidden.float()) and torch.equal(cache.top_logp, want.top_logp)
     fp32 = teacher_batch(base, answered[0], top_k=8)
-    assert not torch.equal(cache["hidden"], fp32.hidden)
+    assert not torch.equal(cache.hidden, fp32.hidden)
     assert next(base.parameters()).dtype == torch.float32  # the base itself stays fp32
     with pytest.raises(ValueError, match="teacher"):
         FeatureCache(tmp_path / "b", spec_for(windows=4))  # an fp32 run does not read bf16 features

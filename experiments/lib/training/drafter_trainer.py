@@ -96,7 +96,7 @@ def recipe(cfg: DictConfig, *, base_meta: dict, seq_len: int, batch_size: int) -
     optimizer, feature cache settings; not the budgets, not where caches live, not the number of processes."""
     container = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
     features = container(cfg.features)
-    for key in ("dir", "root"):
+    for key in ("dir", "root", "mapped"):  # where the cache lives and how it is read change no weight
         features.pop(key, None)
     if features.get("batch") == 16:  # the caching batch before it was a setting: older runs still resume
         del features["batch"]
@@ -304,7 +304,7 @@ class Batches:
             with main_first(ctx):  # rank 0 writes the cache; the others open it after
                 answered = self.answered() if self.spec.source == "generated" else None
                 self.cache = open_features(
-                    base, data.train_ids, self.spec, answered=answered, directory=f.dir, root=f.root
+                    base, data.train_ids, self.spec, answered=answered, directory=f.dir, root=f.root, mapped=f.mapped
                 )
             self.cache_seconds = time.perf_counter() - started
 

@@ -41,6 +41,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from experiments.lib.training.generated import answer_dtype
+from experiments.lib.training.mapped import MappedRows, mapped_tensors
 from experiments.lib.training.precision import cast_copy
 from prophet.model import base_features
 from verify.backends.choose import make_target
@@ -400,9 +401,10 @@ def _chunks(rows: Tensor, mask: Tensor | None, batch_size: int) -> list[tuple[Te
 
 
 class FeatureCache:
-    """A complete cache, loaded into memory (only the fields and layers `spec` asks for), checked against it."""
+    """A complete cache, loaded into memory (only the fields and layers `spec` asks for), checked against it.
+    mapped=True: the hidden and layer states stay in the shards' files, read a batch's rows at a time (mapped.py)."""
 
-    def __init__(self, directory: str | Path, spec: FeatureSpec) -> None:
+    def __init__(self, directory: str | Path, spec: FeatureSpec, *, mapped: bool = False) -> None:
         directory = Path(directory)
         meta = _check_meta(directory, spec)
         if meta is None or not meta.get("complete"):
@@ -411,15 +413,21 @@ class FeatureCache:
             )
         cached_layers = list(meta["spec"]["layers"])
         keep = [cached_layers.index(layer) for layer in spec.layers]  # the asked layers, in the asked order
-        self.data: dict[str, Tensor] = {}  # filled shard by shard: a 1M-token cache of 3 layers is 9 GB, and
-        filled = 0  # concatenating shards would hold it twice
+        self.data: dict[str, Tensor | MappedRows] = {}  # filled shard by shard: a 1M-token cache of 3 layers is
+        filled = 0  # 9 GB, and concatenating shards would hold it twice
+        big = {"hidden", "layers"} if mapped else set()
         for i in range(meta["shards"]):
             if filled >= spec.windows:
                 break  # the first spec.windows windows of a larger cache (_check_meta)
+            maps = mapped_tensors(_shard_path(directory, i), big) if big else {}
             with safe_open(str(_shard_path(directory, i)), framework="pt") as shard:
                 n = min(shard.get_slice("tokens").get_shape()[0], spec.windows - filled)
                 names = ["tokens", "hidden", "top_ids", "top_logp"] + ["layers"] * bool(keep)
                 for name in names + ["mask"] * ("mask" in shard.keys()):
+                    if name in maps:
+                        rows = self.data.setdefault(name, MappedRows(keep if name == "layers" else None))
+                        rows.append(maps[name][:n])
+                        continue
                     part = shard.get_slice(name)[:n]
                     part = part[:, :, keep] if name == "layers" else part.bool() if name == "mask" else part
                     if name not in self.data:
@@ -464,19 +472,22 @@ def open_features(
     answered: tuple[Tensor, Tensor] | None = None,
     directory: str | Path | None = None,
     root: str | Path = ".cache/features",
+    mapped: bool = False,
 ) -> FeatureCache:
-    """The cache for `spec`, written first when missing or incomplete (in `directory`, or root/<spec key>).
+    """The cache for `spec`, written first when missing or incomplete (in `directory`, or root/<spec key>); mapped:
+    its hidden and layer states read from the files a batch at a time, not loaded.
 
     An explicit `directory` may hold more layers than `spec` asks for: one cache serves every drafter."""
     directory = Path(directory) if directory is not None else Path(root) / spec.key()
     write_features(directory, base, train_ids, spec, answered=answered)
-    return FeatureCache(directory, spec)
+    return FeatureCache(directory, spec, mapped=mapped)
 
 
 def check_features_config(features: dict) -> None:
     """One-line errors for conf/features values, before any base runs (a placeholder spec validates them)."""
-    if not isinstance(features["use"], bool):
-        raise ValueError(f"features.use must be true or false, got {features['use']!r}")
+    for name in ("use", "mapped"):
+        if not isinstance(features.get(name, False), bool):
+            raise ValueError(f"features.{name} must be true or false, got {features[name]!r}")
     windows = features["windows"]
     if windows is not None and (isinstance(windows, bool) or not isinstance(windows, int) or windows < 1):
         raise ValueError(f"features.windows={windows!r}: must be a positive integer or null (every window)")
