@@ -309,8 +309,8 @@ def write_features(
 
 def _grown(directory: Path, meta: dict, windows: int) -> dict:
     """A complete cache's meta, reopened for `windows` windows: its first windows are the larger cache's (the
-    source takes them in a fixed order), so its whole shards are kept and only the rest is computed (an answer set
-    grown from 517k to 1M answer tokens recomputes 2,000 windows fewer, 13 minutes of teacher on 2 cores)."""
+    source takes them in a fixed order), so its whole shards are kept and only the rest is computed (SmolLM2's
+    answer windows grown from 2,016 to 3,616: 1,792 windows fewer to compute, 12 minutes of teacher on 2 cores)."""
     old = meta["spec"]["windows"]
     log.info("feature cache %s grows from %d to %d windows: its %d whole shards are kept", directory, old, windows,
              old // meta["shard_windows"])  # fmt: skip
