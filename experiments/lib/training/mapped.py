@@ -71,9 +71,6 @@ class MappedRows:
             rest[1] = len(self.keep)
         return (self.rows, *rest)
 
-    def __len__(self) -> int:
-        return self.rows
-
     def __getitem__(self, index: Tensor) -> Tensor:
         """index: (B,) window indices -> (B, ...) in memory."""
         picked = []
