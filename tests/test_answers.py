@@ -10,7 +10,9 @@ import torch
 
 from experiments.lib.data.prompts import Question
 from experiments.lib.store.lm import build_lm
-from experiments.lib.training.answers import AnswerSpec, answer_records, generate_answers, question_sampling
+from experiments.lib.training.answers import (
+    AnswerSpec, answer_records, generate_answers, question_sampling, shards_written,
+)  # fmt: skip
 from experiments.lib.training.generated import VALIDATION_QUESTIONS, conversation_windows, generated_windows
 from verify.backends.target import Target
 from verify.loop.plain import plain_generate
@@ -145,6 +147,24 @@ def test_generated_windows_take_training_questions_and_hold_out_the_last(base, t
     }
     assert held == {q.question_id for q in questions[-VALIDATION_QUESTIONS:]} and not asked & held
     assert json.loads((train_dir / "meta.json").read_text())["spec"]["max_new_tokens"] == 6
+
+
+def test_windows_come_from_the_fewest_shards_that_hold_them(base, tmp_path):
+    class Longer(Spec):  # second turns fit too: 64 questions give more than 64 windows
+        seq_len, prompt_len = 48, 30
+
+    questions = questions_of(VALIDATION_QUESTIONS + 100)
+    kwargs = dict(root=tmp_path, max_new_tokens=6, batch=16, questions=questions, template=Template())
+    generated_windows(Longer(40), base, Tokens(), {}, **kwargs)  # two shards of 32 questions
+    (directory,) = tmp_path.iterdir()
+    fitting = [r for r in answer_records(directory) if len(r["prompt"]) <= Longer.prompt_len]
+    assert shards_written(directory) == 2 and len(fitting) > 64  # the case: more windows than questions
+    windows, mask = generated_windows(Longer(len(fitting)), base, Tokens(), {}, **kwargs)
+    assert shards_written(directory) == 2  # no third shard answered for windows the two already hold
+    expected = conversation_windows(fitting, seq_len=Longer.seq_len, pad_id=END)
+    assert torch.equal(windows, expected[0]) and torch.equal(mask, expected[1])
+    windows, _ = generated_windows(Longer(len(fitting) + 1), base, Tokens(), {}, **kwargs)
+    assert shards_written(directory) == 3 and torch.equal(windows[:-1], expected[0])  # one more: a shard more
 
 
 def test_too_many_windows_are_refused_in_one_line(base, tmp_path):

@@ -39,7 +39,7 @@ from experiments.lib.training.precision import cast_copy, native_bf16
 
 __all__ = [
     "VALIDATION_QUESTIONS", "answer_spec", "conversation_windows", "generated_windows", "mix_questions",
-    "split_questions",
+    "shards_enough", "split_questions",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,20 @@ def conversation_windows(records: list[dict], *, seq_len: int, pad_id: int) -> t
     return windows, mask
 
 
+def shards_enough(directory: Path, wanted: int, *, prompt_len: int, size: int) -> int:
+    """The fewest written shards (counted from the first) whose answered turns with prompts <= prompt_len tokens
+    number `wanted`; 0 when the written ones hold fewer. The windows are those turns' first `wanted` in question
+    order whatever shards follow, so reading only these shards changes no window."""
+    if not (directory / "meta.json").exists():
+        return 0
+    found = 0
+    for record in answer_records(directory, shards=shards_written(directory)):
+        found += len(record["prompt"]) <= prompt_len
+        if found == wanted:
+            return record["index"] // size + 1
+    return 0
+
+
 def generated_windows(
     spec,
     base: nn.Module,
@@ -133,7 +147,10 @@ def generated_windows(
                         questions=questions_key(listed))  # fmt: skip
     directory = Path(root) / (aspec.key() + (f"-val{held_out}" if held_out else ""))
     wanted = len(pool) if held_out else spec.windows
-    count = min(len(pool), wanted)
+    # a question gives one or two windows: shards already written may hold enough without their count in questions
+    enough = 0 if held_out else shards_enough(directory, wanted, prompt_len=spec.prompt_len,
+                                             size=aspec.shard_questions)
+    count = enough * aspec.shard_questions or min(len(pool), wanted)
     while True:
         shards = -(-count // aspec.shard_questions)
         if not (directory / "meta.json").exists() or shards_written(directory) < shards:
