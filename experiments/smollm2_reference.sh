@@ -19,9 +19,9 @@
 set -euo pipefail
 PY=${PY:-.venv/bin/python}; WINDOWS=${WINDOWS:-8000}; SCALE=${SCALE:-1}; BENCH=${BENCH:-}
 OUT=${OUT:-outputs/smollm2_reference}; FEATURES=${FEATURES:-outputs/data/features-smollm2}
-[[ $WINDOWS =~ ^[1-9][0-9]*$ ]] || { echo "WINDOWS=$WINDOWS: must be a whole number of windows >= 1" >&2; exit 2; }
+[[ $WINDOWS =~ ^[1-9][0-9]*$ ]] || { echo "error: WINDOWS=$WINDOWS: must be a whole number of windows >= 1" >&2; exit 2; }
 [[ $SCALE =~ ^[0-9]*\.?[0-9]+$ ]] && [[ ! $SCALE =~ ^0*\.?0*$ ]] \
-  || { echo "SCALE=$SCALE: must be a number > 0 (it multiplies each training's minutes)" >&2; exit 2; }
+  || { echo "error: SCALE=$SCALE: must be a number > 0 (it multiplies each training's minutes)" >&2; exit 2; }
 mkdir -p "$OUT"
 data=(base=smollm2 features.source=generated features.windows=$WINDOWS features.prompt_len=256
       features.dir=$FEATURES)

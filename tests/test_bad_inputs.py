@@ -849,3 +849,21 @@ def test_a_run_directory_another_process_just_made_passes_the_check(tmp_path: Pa
     monkeypatch.setattr(preflight.os.path, "lexists", lambda p: False if Path(p) == run_dir else real(p))
     preflight.probe_directory(run_dir)
     assert run_dir.is_dir() and list(run_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "name, value, fragment",
+    [
+        ("WINDOWS", "abc", "WINDOWS=abc: must be a whole number of windows >= 1"),
+        ("WINDOWS", "0", "WINDOWS=0: must be a whole number"),
+        ("SCALE", "0", "SCALE=0: must be a number > 0"),
+        ("SCALE", "-1", "SCALE=-1: must be a number > 0"),
+    ],
+)
+def test_the_reference_script_refuses_bad_settings_before_any_work(tmp_path: Path, name, value, fragment) -> None:
+    env = {**os.environ, name: value, "OUT": str(tmp_path / "run"), "FEATURES": str(tmp_path / "features")}
+    proc = subprocess.run(
+        ["bash", "experiments/smollm2_reference.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert_one_line_error(proc.returncode, proc.stderr, [fragment])
+    assert not (tmp_path / "run").exists() and not (tmp_path / "features").exists()
