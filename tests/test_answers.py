@@ -11,7 +11,11 @@ import torch
 from experiments.lib.data.prompts import Question
 from experiments.lib.store.lm import build_lm
 from experiments.lib.training.answers import (
-    AnswerSpec, answer_records, generate_answers, question_sampling, shards_written,
+    AnswerSpec,
+    answer_records,
+    generate_answers,
+    question_sampling,
+    shards_written,
 )  # fmt: skip
 from experiments.lib.training.generated import VALIDATION_QUESTIONS, conversation_windows, generated_windows
 from verify.backends.target import Target

@@ -148,8 +148,7 @@ def generated_windows(
     directory = Path(root) / (aspec.key() + (f"-val{held_out}" if held_out else ""))
     wanted = len(pool) if held_out else spec.windows
     # a question gives one or two windows: shards already written may hold enough without their count in questions
-    enough = 0 if held_out else shards_enough(directory, wanted, prompt_len=spec.prompt_len,
-                                             size=aspec.shard_questions)
+    enough = 0 if held_out else shards_enough(directory, wanted, prompt_len=spec.prompt_len, size=aspec.shard_questions)
     count = enough * aspec.shard_questions or min(len(pool), wanted)
     while True:
         shards = -(-count // aspec.shard_questions)
