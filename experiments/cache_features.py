@@ -55,7 +55,7 @@ def run(cfg: DictConfig) -> dict:
     if spec.source == "generated":
         answered = generated_windows(
             spec, base, tokenizer, base_meta, root=features["answers_root"], max_new_tokens=spec.answer_tokens,
-            batch=features["answer_batch"],
+            batch=features["answer_batch"], shipped=features["answers_shipped"],
         )  # fmt: skip
     cache = open_features(  # mapped: written, not read here
         base, data.train_ids, spec, answered=answered, directory=features["dir"], root=features["root"], mapped=True

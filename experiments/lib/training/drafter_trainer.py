@@ -314,7 +314,7 @@ class Batches:
         f = self.cfg.features
         return generated_windows(
             self.spec, self.base, self.data.tokenizer, self.base_meta, root=f.answers_root,
-            max_new_tokens=self.spec.answer_tokens, batch=f.answer_batch, held_out=held_out,
+            max_new_tokens=self.spec.answer_tokens, batch=f.answer_batch, held_out=held_out, shipped=f.answers_shipped,
         )  # fmt: skip
 
     def __call__(self, step: int) -> FeatureBatch:

@@ -498,6 +498,9 @@ def check_features_config(features: dict) -> None:
         raise ValueError(f"features.teacher={features['teacher']!r}: must be one of {', '.join(TEACHERS)}")
     if not isinstance(features["answers_root"], str) or not features["answers_root"]:
         raise ValueError(f"features.answers_root={features['answers_root']!r}: give a directory for the answers")
+    shipped = features.get("answers_shipped")
+    if shipped is not None and (not isinstance(shipped, str) or not shipped):
+        raise ValueError(f"features.answers_shipped={shipped!r}: give a directory of shipped answers, or null")
     FeatureSpec(
         base_fingerprint="",
         data_key="",

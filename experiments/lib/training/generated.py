@@ -36,6 +36,7 @@ from experiments.lib.data.question_bank import BANK_CATEGORIES, bank_questions
 from experiments.lib.data.self_questions import SelfQuestionSpec, self_questions
 from experiments.lib.training.answers import AnswerSpec, answer_records, generate_answers, shards_written
 from experiments.lib.training.precision import cast_copy, native_bf16
+from experiments.lib.training.shipped import seed_answers
 
 __all__ = [
     "VALIDATION_QUESTIONS", "answer_spec", "conversation_windows", "generated_windows", "mix_questions",
@@ -119,12 +120,14 @@ def generated_windows(
     held_out: int = 0,
     questions: list[Question] | None = None,
     template=None,
+    shipped: str | Path | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The windows and masks of spec.windows answered turns of training questions (spec.questions: the bank's,
     the base's own, or both) whose prompts fit in spec.prompt_len tokens; held_out=n: instead, those of the first
     n of the bank's held-out questions (each turn). Answers missing from root/<answer spec key> are generated
     first, a shard of questions at a time, until there are enough (self questions, once, before them).
-    `questions` and `template` replace the bank and the base's chat template (tests)."""
+    Answers shipped with the repository (shipped/<answer key>, experiments/lib/training/shipped.py) are copied in
+    before any is generated. `questions` and `template` replace the bank and the base's chat template (tests)."""
     template = template or chat_template_for(base_meta)
     bank = questions if questions is not None else bank_questions()
     train, val = split_questions(bank)
@@ -146,6 +149,8 @@ def generated_windows(
     aspec = answer_spec(spec, base_meta, next(base.parameters()).device, max_new_tokens=max_new_tokens,
                         questions=questions_key(listed))  # fmt: skip
     directory = Path(root) / (aspec.key() + (f"-val{held_out}" if held_out else ""))
+    if shipped is not None:
+        seed_answers(shipped, directory)
     wanted = len(pool) if held_out else spec.windows
     # a question gives one or two windows: shards already written may hold enough without their count in questions
     enough = 0 if held_out else shards_enough(directory, wanted, prompt_len=spec.prompt_len, size=aspec.shard_questions)
