@@ -1,12 +1,12 @@
 """Answers shipped with the repository: an answer directory's whole shards, gzipped under results/answers/<name>/,
 copied into a new machine's answer cache instead of being generated again.
 
-Answering is the slow part of the data engine on a CPU: SmolLM2-135M answers ~130 tokens/s at batch 64 on 2 cores,
-so 2M answer tokens take ~6 hours, more than one session on a machine that may keep nothing of the last one. The
-answers themselves are small (a shard of 32 questions, ~15,000 tokens, is ~40 kB gzipped), so answers generated
-once are committed and every later run starts from them. An answer directory is named by a hash of everything that
-decides its contents (experiments/lib/training/answers.py: the base, the questions, the length, the dtype, the
-seed), so a shipped directory of the same name holds the answers of that very setting. They are the base's own
+Answering is the slow part of the data engine on a CPU: SmolLM2-135M answers 130-190 tokens/s at batch 64 on 2
+cores, so the 2.7M tokens answered for 2M training answer tokens (a quarter falls outside the windows) take 4-6
+hours, more than one session on a machine that may keep nothing of the last one. The answers themselves are small
+(a shard of 32 questions, ~12,000 answer tokens, is ~17 kB gzipped), so answers generated once are committed and
+every later run starts from them. An answer directory is named by a hash of everything that decides its contents
+(experiments/lib/training/answers.py: the base, the questions, the length, the dtype, the seed), so a shipped directory of the same name holds the answers of that very setting. They are the base's own
 answers to those questions with those seeds; another CPU's kernels may round differently, so an answer generated
 here may differ from the shipped one in a sampled token, never in what it is.
 
