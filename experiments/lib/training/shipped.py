@@ -6,9 +6,10 @@ cores, so the 2.7M tokens answered for 2M training answer tokens (a quarter fall
 hours, more than one session on a machine that may keep nothing of the last one. The answers themselves are small
 (a shard of 32 questions, ~12,000 answer tokens, is ~17 kB gzipped), so answers generated once are committed and
 every later run starts from them. An answer directory is named by a hash of everything that decides its contents
-(experiments/lib/training/answers.py: the base, the questions, the length, the dtype, the seed), so a shipped directory of the same name holds the answers of that very setting. They are the base's own
-answers to those questions with those seeds; another CPU's kernels may round differently, so an answer generated
-here may differ from the shipped one in a sampled token, never in what it is.
+(experiments/lib/training/answers.py: the base, the questions, the length, the dtype, the seed), so a shipped
+directory of the same name holds the answers of that very setting. They are the base's own answers to those
+questions with those seeds; another CPU's kernels may round differently, so an answer generated here may differ
+from the shipped one in a sampled token, never in what it is.
 
 Layout of a shipped directory:
     meta.json                 the answer directory's spec and format, and each shipped shard's name, sha256 (of the
