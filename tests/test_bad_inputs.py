@@ -33,7 +33,7 @@ from experiments import benchmark as bench_mod
 from experiments import generate as gen
 from experiments import peer as peer_mod
 from experiments.lib.cli import preflight
-from experiments.lib.common.errors import USER_ERRORS, write_atomic
+from experiments.lib.common.errors import USER_ERRORS, atomic_path, write_atomic
 from experiments.lib.methods import decode_checks
 from experiments.lib.methods import registry as methods
 from experiments.lib.report import results as report
@@ -499,6 +499,19 @@ def test_write_atomic_writes_text_and_bytes(tmp_path: Path) -> None:
     write_atomic(tmp_path / "a.json", "[1]")
     assert (tmp_path / "a.json").read_text() == "[1]" and (tmp_path / "b.png").read_bytes() == b"\x89PNG"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.png"]
+
+
+def test_atomic_path_renames_only_a_whole_file(tmp_path: Path) -> None:
+    path = tmp_path / "shard.bin"
+    path.write_bytes(b"old")
+    with pytest.raises(RuntimeError), atomic_path(path) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("killed mid-write")
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["shard.bin"]
+    with atomic_path(path) as tmp:
+        assert tmp.parent == tmp_path and tmp != path
+        tmp.write_bytes(b"new")
+    assert path.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["shard.bin"]
 
 
 def full_disk(*args, **kwargs):

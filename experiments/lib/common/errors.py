@@ -40,7 +40,8 @@ import secrets
 import shutil
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -59,6 +60,8 @@ __all__ = [
     "user_message",
     "read_failures",
     "write_atomic",
+    "atomic_path",
+    "fsync_directory",
 ]
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
@@ -106,28 +109,48 @@ def user_message(error: BaseException) -> str | None:
     return one_line(error) if isinstance(error, USER_ERRORS) else None
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> None:
-    """Write `data` to `path` so that a reader sees the old file or the whole new one, never a part: a temp
-    file in the same directory (same file system, so os.replace is atomic), fsync'd, renamed, and the
-    directory fsync'd so the rename survives a power cut. The file gets the umask's mode, like open()."""
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside `path` for a writer that needs a file name (safetensors' save_file, savefig,
+    np.save): when the block ends, the file is fsync'd and renamed onto `path` and the directory fsync'd, so a
+    reader sees the old file or the whole new one, never a part; if the block raises, the temporary file is
+    removed and `path` is untouched. Same directory, so the rename stays on one file system and is atomic.
+
+        with atomic_path(out / "shard.safetensors") as tmp:
+            save_file(tensors, str(tmp))"""
     path = Path(path)
-    raw = data.encode() if isinstance(data, str) else data
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    directory = os.open(path.parent, os.O_RDONLY)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: str | Path) -> None:
+    """Make a rename inside `directory` survive a power cut."""
+    fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(directory)
+        os.fsync(fd)
     finally:
-        os.close(directory)
+        os.close(fd)
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Write `data` to `path` so that a reader sees the old file or the whole new one, never a part (see
+    atomic_path). The file gets the umask's mode, like open()."""
+    raw = data.encode() if isinstance(data, str) else data
+    with atomic_path(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
 
 
 # ---------------------------------------------------------------------------------------- multirun jobs
