@@ -21,6 +21,8 @@ from pathlib import Path
 import matplotlib
 from omegaconf import OmegaConf
 
+from experiments.lib.common.errors import atomic_path
+
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -72,9 +74,7 @@ def plot(runs: list[Path], out: Path) -> str:
     ax.set_ylabel("agreement with the base's top-1")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: no curve hidden
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out)
     return "\n".join(lines)
 
 
@@ -159,10 +159,19 @@ def plot_scaling(runs: list[Path], out: Path) -> str:
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out)
     return "\n".join(lines) + "\n\n" + "\n".join(fits)
+
+
+def save_figure(fig, out: Path) -> None:
+    """The figure in the format its name says (.png, .pdf, .svg), written atomically: a run that fails or is killed
+    leaves the old plot or the whole new one, never a part of it."""
+    fig.tight_layout()
+    try:
+        with atomic_path(out) as tmp:  # the temporary name ends in .tmp: the format is given, not guessed from it
+            fig.savefig(tmp, dpi=120, format=out.suffix[1:] or "png")
+    finally:
+        plt.close(fig)
 
 
 def main(argv: list[str]) -> int:

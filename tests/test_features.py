@@ -320,3 +320,48 @@ def test_default_window_is_independent_of_a_long_context():
     assert DEFAULT_WINDOW == 512
     assert default_seq_len(None, 8192) == 512 and default_seq_len(None, 256) == 256
     assert default_seq_len(1024, 8192) == 1024  # an explicit window is the user's
+
+
+def test_a_failed_shard_write_leaves_no_temporary_file_and_the_old_shard_whole(tmp_path, monkeypatch):
+    """A full disk mid-shard (shards are gigabytes): the write raises, no temporary file stays behind, the shard it
+    was replacing (a grown cache's short last one) keeps its bytes, and the next run completes the cache."""
+    from experiments.lib.training import features
+
+    base, ids, d = make_base(), stream(), tmp_path / "f"
+    write_features(d, base, ids, spec_for(windows=20), shard_windows=6)  # its last shard holds 2 windows
+    last = d / "shard-00003.safetensors"
+    before = last.read_bytes()
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 1000)  # part of a shard, then the disk is full
+        raise OSError(28, "No space left on device", filename)
+
+    monkeypatch.setattr(features, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_features(d, base, ids, spec_for(windows=24))  # grows: the short last shard is written again
+    assert last.read_bytes() == before
+    assert [p.name for p in d.iterdir() if p.name.endswith(".tmp")] == []
+    monkeypatch.undo()
+    write_features(d, base, ids, spec_for(windows=24))
+    assert FeatureCache(d, spec_for(windows=24)).data["tokens"].shape == (24, 17)
+
+
+def test_a_killed_runs_temporary_shard_is_removed_by_the_next_run(tmp_path):
+    """SIGKILL or out of memory mid-shard leaves the temporary file (nothing can clean up then): the next run
+    removes it once its process is gone and it is an hour old, and leaves a live writer's alone."""
+    import os
+    import subprocess
+
+    base, ids, d = make_base(), stream(), tmp_path / "f"
+    d.mkdir()
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: its pid names no process now
+    dead = child.pid
+    orphan = d / f".shard-00000.safetensors.{dead}.0badc0de.tmp"
+    live = d / f".shard-00001.safetensors.{os.getpid()}.0badc0de.tmp"
+    for path in (orphan, live):
+        path.write_bytes(b"\0" * 100)
+        os.utime(path, (0, 0))  # long ago
+    write_features(d, base, ids, spec_for(windows=20), shard_windows=6)
+    assert not orphan.exists() and live.exists()

@@ -209,6 +209,37 @@ def test_failure_between_renames_keeps_previous(tmp_path: Path, monkeypatch: pyt
     assert leftovers(directory) == []
 
 
+def test_every_file_and_the_new_directory_reach_the_disk_before_the_swap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A power cut right after the swap must not leave a checkpoint of empty files: each file is written with the
+    atomic writer (fsync'd), and the new directory's own entries are fsync'd, before it is renamed into place."""
+    directory = save(tmp_path / "ckpt", make_model(0), step=1)
+    tmp, _ = ckpt_mod._siblings(directory)
+    events: list[tuple[str, Path, Path | None]] = []  # (fsync, path, None) or (replace, source, destination)
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}")), None))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(("replace", Path(src).resolve(), Path(dst).resolve()))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    save(directory, make_model(1), step=2)
+    swap = next(i for i, (kind, src, _) in enumerate(events) if kind == "replace" and src == tmp.resolve())
+    synced = {path for kind, path, _ in events[:swap] if kind == "fsync"}
+    assert tmp.resolve() in synced  # the directory's entries: the files' names
+    renamed = {src: dst for kind, src, dst in events[:swap] if kind == "replace"}  # temporary file -> its name
+    files = {tmp.resolve() / name for name in ("model.safetensors", "tokenizer.json", "meta.json")}
+    assert files <= set(renamed.values())
+    assert {src for src, dst in renamed.items() if dst in files} <= synced  # each fsync'd before its rename
+    assert leftovers(directory) == []
+
+
 def test_crash_between_renames_is_readable_and_recovered(tmp_path: Path) -> None:
     directory = save(tmp_path / "ckpt", make_model(0), step=1)
     tmp, backup = ckpt_mod._siblings(directory)

@@ -36,9 +36,11 @@ import errno
 import functools
 import json
 import os
+import re
 import secrets
 import shutil
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -62,6 +64,7 @@ __all__ = [
     "write_atomic",
     "atomic_path",
     "fsync_directory",
+    "remove_orphans",
 ]
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
@@ -132,6 +135,40 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
         raise
     fsync_directory(path.parent)
+
+
+# atomic_path's temporary names (.<name>.<pid>.<hex>.tmp), and the older .<name>.<pid>.tmp of the writers before it
+TEMP_NAME = re.compile(r"^\..+\.(\d+)(\.[0-9a-f]{8})?\.tmp$")
+ORPHAN_AGE_S = 3600.0  # a writer renames its temporary file seconds after writing it: an hour-old one is orphaned
+
+
+def remove_orphans(directory: str | Path) -> list[Path]:
+    """Remove the temporary files of atomic writes into `directory` that no writer will rename any more: those of a
+    process killed mid-write (SIGKILL, out of memory: nothing could clean up then), whose process is gone and which
+    nobody touched for an hour. A feature shard's is gigabytes. Returns what it removed."""
+    removed = []
+    for path in Path(directory).glob(".*.tmp"):
+        found = TEMP_NAME.match(path.name)
+        if found is None or _alive(int(found.group(1))):
+            continue
+        try:
+            if not path.is_file() or time.time() - path.stat().st_mtime < ORPHAN_AGE_S:
+                continue
+            path.unlink()
+        except OSError:  # gone meanwhile, or not ours to remove: left as it is
+            continue
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's process, alive
+        return True
+    return True
 
 
 def fsync_directory(directory: str | Path) -> None:

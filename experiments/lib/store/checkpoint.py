@@ -9,7 +9,9 @@ Layout of a checkpoint directory:
     meta.json           model config kwargs, tokenizer JSON string, step, fingerprint of the weights,
                         provenance, plus whatever the caller passed as `extra` (tokens seen, metrics, ...)
 
-Atomicity: everything is written into `.<name>.tmp` beside the target, then the old checkpoint is renamed
+Atomicity: everything is written into `.<name>.tmp` beside the target (each file with the project's atomic
+writer, experiments.lib.common.errors: fsync'd, so the swap never puts in place a directory whose files the
+disk has not yet got), then the old checkpoint is renamed
 to `.<name>.old`, the new one renamed into place, and the backup deleted. Renames within one directory are
 atomic, so at every instant either the old or the new complete checkpoint exists under one of two names.
 If a crash fell between the two renames, loading reads the backup, and the next save first puts it back
@@ -35,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from experiments.lib.common.errors import one_line, write_atomic
+from experiments.lib.common.errors import atomic_path, fsync_directory, one_line, write_atomic
 from experiments.lib.data.tokenizer import load_tokenizer
 from experiments.lib.store.lm import build_lm
 from verify.common.numerics import is_int
@@ -178,23 +180,16 @@ def _recover(directory: Path) -> None:
         shutil.rmtree(tmp)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """safetensors' save_file, its I/O failures raised as the OSError they are (a full disk: ENOSPC), so
     callers and the command line treat them like any other failed write."""
     try:
-        save_file(tensors, str(path), metadata=metadata)
+        with atomic_path(path) as tmp:  # fsync'd before the directory holding it is swapped into place
+            save_file(tensors, str(tmp), metadata=metadata)
     except SafetensorError as e:
         found = re.search(r"\(os error (\d+)\)", str(e))
         if found is None:
@@ -216,10 +211,8 @@ def _write_contents(
         tensors, rest_json = _flatten_optimizer(optimizer.state_dict())
         _save_tensors(tensors, tmp / OPTIM_FILE, metadata={"optimizer": rest_json})
     if meta["tokenizer"] is not None:
-        (tmp / TOKENIZER_FILE).write_text(meta["tokenizer"])
+        write_atomic(tmp / TOKENIZER_FILE, meta["tokenizer"])
     _write_json(tmp / META_FILE, meta)  # last: a directory with meta.json was written to the end
-    for path in tmp.iterdir():
-        _fsync(path)
 
 
 def save_checkpoint(
@@ -261,7 +254,7 @@ def save_checkpoint(
         if directory.exists():
             os.replace(directory, backup)
         os.replace(tmp, directory)
-        _fsync(directory.parent)  # make the renames themselves durable
+        fsync_directory(directory.parent)  # make the renames themselves durable
     finally:
         _recover(directory)  # on success: drops the backup; on failure: restores it and drops tmp
     return directory

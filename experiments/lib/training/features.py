@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from experiments.lib.common.errors import atomic_path, remove_orphans, write_atomic
 from experiments.lib.training.generated import answer_dtype
 from experiments.lib.training.mapped import MappedRows, mapped_tensors
 from experiments.lib.training.precision import cast_copy
@@ -266,6 +266,8 @@ def write_features(
         size / 1e9,
     )
     directory.mkdir(parents=True, exist_ok=True)
+    for orphan in remove_orphans(directory):  # a run killed mid-shard left its temporary file: gigabytes
+        log.info("removed %s, a shard a killed run was writing", orphan)
     meta = {
         "spec": asdict(spec),
         "format": FORMAT_VERSION,
@@ -329,9 +331,7 @@ def _shard_rows(directory: Path, i: int) -> int:
 
 
 def _write_meta(directory: Path, meta: dict) -> None:
-    tmp = directory / f".meta.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, directory / "meta.json")  # atomic: meta.json is never half-written
+    write_atomic(directory / "meta.json", json.dumps(meta, indent=1))  # never half-written, even on a full disk
 
 
 def _write_shard(
@@ -374,9 +374,10 @@ def _write_shard(
     if mask is not None:
         out["tokens"] = rows.int()  # whole, the padding past each answer too
         out["mask"] = mask.to(torch.uint8).contiguous()
-    tmp = directory / f".shard-{i:05d}.{os.getpid()}.tmp"
-    save_file(out, str(tmp))
-    os.replace(tmp, _shard_path(directory, i))  # atomic: a shard that exists is whole
+    # a shard that exists is whole; a failed write (a full disk: shards are gigabytes) leaves no temporary file and
+    # the shard it was replacing (a grown cache's short last one) as it was
+    with atomic_path(_shard_path(directory, i)) as tmp:
+        save_file(out, str(tmp))
 
 
 def _chunks(rows: Tensor, mask: Tensor | None, batch_size: int) -> list[tuple[Tensor, int]]:
