@@ -62,9 +62,9 @@ from experiments.lib.methods.registry import (
     recorded_config,
     verify_widths,
 )
-from experiments.lib.methods.rounds import RoundsProgress, interleaved_rounds
+from experiments.lib.methods.rounds import RoundsProgress, interleaved_rounds, middle_rounds
 from experiments.lib.report.by_category import category_batches, category_figures, per_category
-from experiments.lib.report.disturbed import PLAIN_SPREAD, TOLERANCE, disturbed_reasons
+from experiments.lib.report.disturbed import MIN_CELL_PROMPTS, MIN_CELL_TOKENS, PLAIN_SPREAD, TOLERANCE, judge
 from experiments.lib.report.results import mode, repeated_ngram_share, write_report
 from experiments.lib.report.spread import LEVEL, RESAMPLES, cell_times, speedup_interval
 from experiments.lib.report.spread import SEED as SPREAD_SEED
@@ -104,14 +104,24 @@ def run_once(
 def summarize_stats(stats: list[DecodeStats]) -> dict[str, Any]:
     """One round's figures: DecodeStats' own over all its batches (tokens, tokens/s, tau, alpha, acceptance
     by position, time split, per-row tau), plus the drafter's and the target's seconds per verification
-    step, counted per batch (a batch's rows share its target forwards)."""
+    step, counted per batch (a batch's rows share its target forwards), the target forwards of every row
+    (`forwards`) and those of each batch's longest-running row (`call_forwards`, summed over batches: the
+    forwards a batch's time follows, which experiments/lib/report/disturbed.py bounds a speedup with)."""
     merged = DecodeStats.merge(stats)
     steps = max(sum(s.verify_steps for s in stats), 1)
     return {
         **merged.as_dict(),
+        "forwards": int(merged.forwards.sum()),
+        "call_forwards": sum(int(s.forwards.max()) for s in stats),
         "draft_seconds_per_step": merged.time_draft / steps,
         "target_seconds_per_step": merged.time_target / steps,
     }
+
+
+def pooled_rounds(entry: dict, rounds: list[int]) -> dict[str, Any]:
+    """summarize_stats of an entry's batches in these rounds, pooled: a row's figures over the rounds its
+    median speedup takes (experiments/lib/methods/rounds.py middle_rounds)."""
+    return summarize_stats([g.stats for r in rounds for g in entry["cells"][r]])
 
 
 def bench_temperatures(
@@ -217,7 +227,8 @@ def temperature_rows(
     for e in entries:
         per_round = [m for _, m in e["rounds"]]
         speedups = [m["tokens_per_s"] / f for m, f in zip(per_round, fastest)]
-        median = per_round[sorted(range(len(speedups)), key=speedups.__getitem__)[len(speedups) // 2]]
+        middle = middle_rounds(speedups)  # the rounds the median speedup takes: tau and the rest from them too
+        median = pooled_rounds(e, middle)
         lo, hi, n = speedup_interval(cell_times(e["cells"]), plain_times)
         common = {
             "temperature": temperature,
@@ -232,22 +243,29 @@ def temperature_rows(
             "speedups": speedups,
             "warmup_s": e["warmup_s"],
             "categories": category_spreads(e, plain_entries, plain_times, labels),
+            "rounds": len(middle),
+            "tokens": median["tokens"],
+            "call_forwards": median["call_forwards"],  # the forwards the batches' time followed
         }
         if e["factory"] is None:
             plains.append({**common, "tokens_per_s_rounds": [m["tokens_per_s"] for m in per_round]})
             continue
-        rows.append(method_row(e, common, median, rule, plain_of[id(e["setup"])], cfg))
+        plain = plain_of[id(e["setup"])]
+        same = pooled_rounds(plain, middle)  # plain decoding's forwards on the same rounds: disturbed.py's bound
+        common |= {"plain_tokens": same["tokens"], "plain_call_forwards": same["call_forwards"]}
+        rows.append(method_row(e, common, median, rule, plain, cfg))
     return plains, rows
 
 
 def category_spreads(e: dict, plain_entries: list[dict], plain_times: list, labels: list[str]) -> dict[str, dict]:
     """by_category's figures of one entry, each with the bootstrap interval over that category's cells
-    (speedup_lo, speedup_hi: None for a single cell) and its cell count."""
+    (speedup_lo, speedup_hi: None for a single cell), its cell count and its number of prompts."""
     figures = category_figures(e, plain_entries)
     for category, figure in figures.items():
         batches = [b for b, label in enumerate(labels) if label == category]
         lo, hi, n = speedup_interval(cell_times(e["cells"]), plain_times, batches=batches)
-        figure.update(speedup_lo=lo, speedup_hi=hi, cells=n)
+        prompts = sum(len(e["cells"][0][b].tokens) for b in batches)  # a one-question cell is not judged
+        figure.update(speedup_lo=lo, speedup_hi=hi, cells=n, prompts=prompts)
     return figures
 
 
@@ -352,9 +370,11 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
     entries = len(setups) * (1 + len(methods))  # plain decoding and every method, in every setting
     with RoundsProgress(len(temperatures) * entries * (1 + cfg.repeats * len(batches))) as progress:
         plains, rows = bench_temperatures(cfg, setups, batches, temperatures, eos_id, labels, progress)
-    disturbed = disturbed_reasons(plains, rows, costs_of(setups, precision))
+    disturbed, small_cells = judge(plains, rows, costs_of(setups, precision))
     for reason in disturbed:
         log.warning("disturbed: %s", reason)
+    for line in small_cells:
+        log.warning("above its bound, too small to judge: %s", line)
     results = {
         "cost_tables": {mode(s): s["verify_cost"] for s in setups if "verify_cost" in s},
         "tree_cost_tables": {mode(s): s["tree_cost"] for s in setups if "tree_cost" in s},
@@ -389,6 +409,8 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         "methods": rows,
         # figures that cannot be (disturbed.py): the machine's load changed while they were timed; no winner then
         "disturbed": disturbed,
+        # category cells too small to judge (one question, or few tokens a round) that lie above their bound
+        "disturbed_warnings": small_cells,
         "spread": {
             "method": "paired bootstrap over (round, batch) cells",
             "resamples": RESAMPLES,
@@ -396,6 +418,8 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
             "seed": SPREAD_SEED,
             "tolerance": TOLERANCE,
             "plain_spread": PLAIN_SPREAD,
+            "min_cell_prompts": MIN_CELL_PROMPTS,
+            "min_cell_tokens": MIN_CELL_TOKENS,
         },
         "checkpoints": loaded,
         "config": recorded_config(cfg, loaded),

@@ -17,6 +17,12 @@ full cycle of rows every entry runs at every position and right after every othe
 Seeds as before the interleaving: entry i decodes round r's batches, in prompt order, with ONE generator
 seeded `seed + r`, carried from batch to batch; so every entry samples with the same seeds in a round, and
 at temperature 0 lossless methods can be compared token for token with plain decoding.
+
+Which rounds a row's figures come from (`middle_rounds`): its speedup is the median over rounds, which with an
+even number of rounds is the mean of the two middle ones; its tau, alpha and time split are pooled over exactly
+those rounds, so that every figure of a row (and the bound experiments/lib/report/disturbed.py checks it
+against) describes the same decoding. Taking tau from one round while the speedup averages two compared a
+speedup with a tau it was not measured at, at T > 0 where rounds sample differently.
 """
 
 from __future__ import annotations
@@ -58,6 +64,16 @@ def williams_row(n: int, row: int) -> list[int]:
     r = row % (n if n % 2 == 0 else 2 * n)
     order = [(x + r) % n for x in first]
     return order if r < n else order[::-1]
+
+
+def middle_rounds(values: list[float]) -> list[int]:
+    """The rounds whose values `statistics.median(values)` takes: the middle one of an odd count, the two middle
+    ones of an even count (the median is their mean), in round order. Ties keep the earlier round first."""
+    if not values:
+        raise ValueError("values=[]: a median needs at least one round")
+    order = sorted(range(len(values)), key=values.__getitem__)
+    half = len(values) // 2
+    return sorted(order[half - 1 : half + 1] if len(values) % 2 == 0 else order[half : half + 1])
 
 
 def interleaved_rounds(

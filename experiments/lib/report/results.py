@@ -7,9 +7,11 @@ alpha = accepted / proposed draft tokens (for a tree: accepted depth / tree dept
 speedup = median over rounds of method tokens/s over the FASTEST plain decoding's tokens/s in the same round
 (over every threads/compile setting of the run, so plain rows below 1.00 are the slower plain settings), with
 its interval in brackets: a paired bootstrap over the (round, batch) cells (experiments/lib/report/spread.py);
+tau, alpha and the time split are pooled over the rounds that median takes (the middle one, or the middle
+two of an even count: experiments/lib/methods/rounds.py middle_rounds);
 the verdict names a method only where the interval's lower end is above 1.0, and none in a run
-experiments/lib/report/disturbed.py finds disturbed (a ratio above tau / verify cost, or plain decoding's own
-rate varying between rounds);
+experiments/lib/report/disturbed.py finds disturbed (a ratio above what its forwards and verify cost allow,
+or plain decoding's own rate varying between rounds; category cells too small to judge only warn);
 mode = eager, compiled (torch.compile'd decode steps) or graph (steps replayed as CUDA graphs) and the number
 of torch threads;
 efficiency = speedup / tau (the share of the algorithmic gain that survives drafting and verifying);
@@ -34,7 +36,7 @@ from experiments.lib.common.errors import write_atomic
 from experiments.lib.common.machine import device_line
 from experiments.lib.methods.calibrate import format_cost_table
 from experiments.lib.report.by_category import category_table
-from experiments.lib.report.disturbed import disturbed_note
+from experiments.lib.report.disturbed import disturbed_note, small_cell_note
 from experiments.lib.report.spread import format_ratio, spread_note
 
 matplotlib.use("Agg")  # files only, no display
@@ -190,7 +192,7 @@ def verdict(results: dict) -> str:
 def notes(results: dict) -> str:
     """What the reader needs before the table: a disturbed run's warning, what the brackets mean, and why
     plain decoding is slower at T > 0 than at T = 0."""
-    out = disturbed_note(results.get("disturbed") or [])
+    out = disturbed_note(results.get("disturbed") or []) + small_cell_note(results.get("disturbed_warnings") or [])
     if any("speedup_lo" in r for r in results["plain"] + results["methods"]):
         out += spread_note() + "\n\n"
     if any(p["temperature"] > 0 for p in results["plain"]):
