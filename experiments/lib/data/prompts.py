@@ -184,8 +184,11 @@ def read_questions(path: str) -> list[Question]:
 
 
 def write_questions(questions: list[Question], path: str | Path) -> None:
-    """Spec-Bench's question.jsonl form, one question a line."""
-    Path(path).write_text("".join(json.dumps(q.as_json(), ensure_ascii=False) + "\n" for q in questions))
+    """Spec-Bench's question.jsonl form, one question a line, written atomically (write_atomic: a reader sees the
+    old file or the whole new one, and a failed write leaves no temporary file)."""
+    from experiments.lib.common.errors import write_atomic  # imported when writing: reading prompts needs no Hydra
+
+    write_atomic(path, "".join(json.dumps(q.as_json(), ensure_ascii=False) + "\n" for q in questions))
 
 
 def select_questions(questions: list[Question], num_prompts: int) -> list[Question]:

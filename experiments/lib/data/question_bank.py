@@ -25,12 +25,10 @@ Deterministic for (n, seed) with the same Python: string-seeded `random.Random`s
 from __future__ import annotations
 
 import functools
-import os
 import random
 import re
 import string
 import sysconfig
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Set
 from pathlib import Path
@@ -391,17 +389,10 @@ def write_bank(
     path: str | Path, n: int | None = None, *, seed: int = 0, exclude_files: Iterable[str] = ()
 ) -> dict[str, int]:
     """Write the bank's first n questions as Spec-Bench's question.jsonl, atomically (a reader never sees half a
-    file: a temporary file in the same directory replaces `path`), and return their category counts."""
+    file, a failed write leaves the previous one), and return their category counts."""
     path = Path(path)
     if path.suffix != ".jsonl":
         raise ValueError(f"path={str(path)!r}: the bank is written as Spec-Bench's question.jsonl, give a .jsonl path")
     questions = bank_questions(n, seed=seed, exclude_files=exclude_files)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write_questions(questions, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_questions(questions, path)  # atomic: fsync'd, renamed, no temporary file left on failure
     return category_counts(questions)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import time
 from collections import Counter
@@ -40,6 +39,7 @@ from rich.console import Console
 from tokenizers import Tokenizer
 from torch import nn
 
+from experiments.lib.common.errors import write_atomic
 from experiments.lib.common.progress import generation_bar
 from experiments.lib.data.prompts import Question
 from experiments.lib.data.question_bank import benchmark_check, excluded_texts
@@ -314,8 +314,8 @@ def self_questions(
         path = Path(root) / f"self-questions-{spec.key()}-n{spec.n}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"spec": asdict(spec), "format": FORMAT_VERSION, **stats}
-        _write(path.with_suffix(".json"), json.dumps(meta, indent=1) + "\n")
-        _write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))  # last: it marks done
+        write_atomic(path.with_suffix(".json"), json.dumps(meta, indent=1) + "\n")
+        write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))  # last: it marks done
         summary = _summary(Counter(stats["counts"]), spec)
         log.info("%s; %d tokens in %.0f s (%.0f tok/s); %s", summary, stats["tokens"], stats["seconds"],
                  stats["tokens_per_s"], path)  # fmt: skip
@@ -340,9 +340,3 @@ def _cached(root: Path, spec: SelfQuestionSpec) -> Path | None:
     """The file of spec's key that holds the most questions, when that is at least spec.n; else None."""
     sizes = {int(p.stem.rsplit("-n", 1)[1]): p for p in root.glob(f"self-questions-{spec.key()}-n*.jsonl")}
     return sizes[max(sizes)] if sizes and max(sizes) >= spec.n else None
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)  # atomic: a file that exists is whole

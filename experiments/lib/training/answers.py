@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ from rich.console import Console
 from tokenizers import Tokenizer
 from torch import nn
 
+from experiments.lib.common.errors import write_atomic
 from experiments.lib.common.progress import generation_bar
 from experiments.lib.data.chat import ChatTemplate
 from experiments.lib.data.prompts import Question
@@ -255,14 +255,9 @@ def answer_records(directory: str | Path, *, shards: int | None = None) -> Itera
 
 
 def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(value, indent=1))
 
 
 def _write_lines(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w") as f:
-        for record in records:
-            f.write(json.dumps(record, separators=(",", ":")) + "\n")
-    os.replace(tmp, path)  # atomic: a shard that exists is whole
+    """Atomic (write_atomic: fsync'd, renamed, nothing left behind on failure): a shard that exists is whole."""
+    write_atomic(path, "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records))

@@ -23,9 +23,9 @@ import gzip
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 
+from experiments.lib.common.errors import write_atomic
 from experiments.lib.training.answers import _shard_path, _write_json, shards_written
 
 __all__ = ["seed_answers", "ship_answers"]
@@ -49,7 +49,7 @@ def ship_answers(directory: str | Path, out_root: str | Path) -> Path:
         packed = out / (_shard_path(directory, i).name + ".gz")
         data = gzip.compress(raw, compresslevel=9, mtime=0)
         if not packed.exists() or packed.read_bytes() != data:
-            _write_atomic(packed, data)
+            write_atomic(packed, data)
         listed.append({"name": packed.name, "sha256": hashlib.sha256(raw).hexdigest(), "records": raw.count(b"\n")})
     _write_json(out / "meta.json", {"spec": meta["spec"], "format": meta["format"], "shipped": listed})
     return out
@@ -73,7 +73,7 @@ def seed_answers(shipped_root: str | Path, directory: str | Path) -> int:
     if not (directory / "meta.json").exists():
         _write_json(directory / "meta.json", setting | {"shards": len(shipped["shipped"])})
     for i, raw in unpacked.items():
-        _write_atomic(_shard_path(directory, i), raw)
+        write_atomic(_shard_path(directory, i), raw)
     if missing:
         log.info("%d answer shards copied from %s (%d now written)", len(missing), source, shards_written(directory))
     return len(missing)
@@ -97,9 +97,3 @@ def _read_meta(path: Path) -> dict:
         return json.loads(path.read_text())
     except ValueError as e:
         raise ValueError(f"{path} is not an answer directory's meta.json ({e}): delete it") from None
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)  # a shard that exists is whole
