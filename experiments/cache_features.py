@@ -6,7 +6,9 @@
     python -m experiments.cache_features base=smollm2 features.source=generated features.questions=mix  # + its own
 
 train_drafter writes the same cache on first use (same spec, same directory); this command does it up
-front, with a size estimate before it starts and a progress bar, and resumes an interrupted run.
+front, with a size estimate before it starts and its progress as it goes (a bar on a terminal; in a job's log a line
+every 30 s with the windows done, the rate and the time left: experiments/lib/common/progress.py), and resumes an
+interrupted run.
 """
 
 from __future__ import annotations

@@ -29,17 +29,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from experiments.lib.common.errors import atomic_path, remove_orphans, write_atomic
+from experiments.lib.common.progress import track
 from experiments.lib.training.generated import answer_dtype
 from experiments.lib.training.mapped import MappedRows, mapped_tensors
 from experiments.lib.training.precision import cast_copy
@@ -187,18 +187,6 @@ def continue_windows(base: nn.Module, windows: Tensor, *, prompt_len: int, tempe
     return torch.cat((windows[:, :prompt_len], torch.tensor(out, dtype=torch.long, device=windows.device)), dim=1)
 
 
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[bold]features"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not console.is_terminal,
-    )
-
-
 def _shard_path(directory: Path, i: int) -> Path:
     return directory / f"shard-{i:05d}.safetensors"
 
@@ -288,23 +276,24 @@ def write_features(
         windows, masks = answered
     else:
         windows = corpus_windows(train_ids, seq_len=spec.seq_len, windows=spec.windows, seed=spec.seed)
-    console = Console(stderr=True)
-    with _progress(console) as progress:
-        task = progress.add_task("features", total=spec.windows)
+    # a shard takes minutes: progress moves with each teacher batch, as a bar on a terminal, a log line elsewhere
+    with track("features", spec.windows, unit="windows", logger=log) as progress:
         for i in range(shards):
             rows = windows[i * shard_windows : (i + 1) * shard_windows]
-            if _shard_rows(directory, i) != len(rows):  # missing, or a smaller cache's last shard (grown)
-                _write_shard(
-                    directory,
-                    i,
-                    teacher,
-                    rows,
-                    spec,
-                    batch_size=batch_size or spec.batch,
-                    device=device,
-                    mask=None if masks is None else masks[i * shard_windows : (i + 1) * shard_windows],
-                )
-            progress.update(task, advance=len(rows))
+            if _shard_rows(directory, i) == len(rows):  # written by an earlier run
+                progress.skip(len(rows))
+                continue
+            _write_shard(  # missing, or a smaller cache's last shard (grown)
+                directory,
+                i,
+                teacher,
+                rows,
+                spec,
+                batch_size=batch_size or spec.batch,
+                device=device,
+                mask=None if masks is None else masks[i * shard_windows : (i + 1) * shard_windows],
+                done=progress.advance,
+            )
     _write_meta(directory, {**meta, "complete": True})
     return directory
 
@@ -344,9 +333,10 @@ def _write_shard(
     batch_size: int,
     device: torch.device,
     mask: Tensor | None = None,
+    done: Callable[[int], None] | None = None,
 ) -> None:
     """rows: (n, T + 1) windows; mask (n, T): source `generated`'s answer positions, stored with them. `base` is
-    the teacher, already in spec.teacher's dtype."""
+    the teacher, already in spec.teacher's dtype; done(k) is called as each batch of k windows is computed."""
     n, t = rows.shape[0], rows.shape[1] - 1
     store, dim = DTYPES[spec.dtype], base.to_logits.in_features
     out = {
@@ -371,6 +361,8 @@ def _write_shard(
         out["top_logp"][index, : length - 1] = batch.top_logp.float().cpu()
         if batch.layers is not None:
             out["layers"][index, : length - 1] = batch.layers.to(store).cpu()
+        if done is not None:
+            done(len(index))
     if mask is not None:
         out["tokens"] = rows.int()  # whole, the padding past each answer too
         out["mask"] = mask.to(torch.uint8).contiguous()
