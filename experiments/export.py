@@ -3,9 +3,12 @@ Face Llama draft model (experiments/lib/formats/, a module per format, says what
 
     python -m experiments.export checkpoint=outputs/<run>/checkpoint out=exports/prophet_eagle3
 
-The drafter is rebuilt on its own base (the checkpoint's base_checkpoint), converted, written atomically, and
-read back by its format's reader, whose first draft tokens on a probe sequence must equal the original's: an
-export that would draft otherwise is never left behind. conf/export.yaml lists the settings.
+The drafter is rebuilt on its own base (the checkpoint's base_checkpoint), converted, written into a temporary
+directory beside out=, read back by its format's reader (every format: EAGLE-3, EAGLE, Medusa, the draft model),
+whose logits on a probe sequence must equal the original's bit for bit, and only then renamed into place: an
+export that would draft otherwise is never left behind. out='s lock is held from before the base loads, so a
+second export to the same out= is refused in one line, and nothing that appears at out= meanwhile is replaced
+(experiments/lib/store/served_dir.py). conf/export.yaml lists the settings.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from experiments.lib.families.registry import load_drafter
 from experiments.lib.formats.common import FORMATS, llama_config
 from experiments.lib.formats.registry import write
 from experiments.lib.store.checkpoint import load_lm, read_meta
-from experiments.lib.store.served_dir import MARK, FormatError, check_out
+from experiments.lib.store.served_dir import MARK, FormatError, check_out, claim
 
 
 def choose_format(package: str, module_config: dict, asked: str) -> str:
@@ -80,6 +83,13 @@ def export(cfg: DictConfig) -> Path:
     check_vocab_fits(fmt, None if ids is None else torch.tensor(ids), cfg.allow_full_vocab)
     keep = (checkpoint, meta["base_checkpoint"])  # what overwrite=true may never remove
     check_out(out, overwrite=cfg.overwrite, keep=keep)
+    with claim(out):  # from before the base loads: a second export to the same out= is refused at once
+        return _convert(cfg, checkpoint, out, fmt, meta, keep)
+
+
+def _convert(cfg: DictConfig, checkpoint: str, out: str, fmt: str, meta: dict, keep: tuple[str, str]) -> Path:
+    """Rebuild the drafter on its base and write it to `out` in `fmt` (its lock held)."""
+    ids = meta.get("train_vocab_ids")
     base, _, base_meta = load_lm(meta["base_checkpoint"], device=cfg.device)
     llama_config(base)  # a base vLLM cannot load is refused before anything is built
     module, _, meta = load_drafter(cfg.checkpoint, base, base_meta)
