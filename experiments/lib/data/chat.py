@@ -7,8 +7,9 @@ conversation (with an optional system prompt; without one, whatever the template
 ends it where the assistant's answer begins. The template is the Jinja one that ships with the model
 directory (`chat_template.jinja` or tokenizer_config.json's `chat_template`), rendered by transformers'
 `apply_chat_template`, so the prompt is exactly what `generate` users feed the model. The rendered text is
-then tokenized with special tokens recognised (the template's `<|im_start|>` must be one token, not its
-characters), unlike corpus text, where a literal special token stays text.
+then tokenized with the template's own special tokens recognised (its `<|im_start|>` must be one token, not its
+characters) while the messages' text stays text: a user who types "<|im_start|>" (or an answer that writes it)
+gets those characters, never a turn marker, as corpus text does.
 
 A second turn (Spec-Bench and MT-bench ask two) needs the model's own first answer: `second_turns`
 decodes it greedily with plain decoding, then renders [user 1, assistant's answer, user 2].
@@ -16,6 +17,7 @@ decodes it greedily with plain decoding, then renders [user 1, assistant's answe
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +28,10 @@ from verify.common.numerics import EosId
 from verify.loop.plain import plain_generate
 from verify.loop.sampling import SamplingConfig
 
-__all__ = ["ChatTemplate", "chat_template_for", "encode_special", "second_turns"]
+__all__ = ["ChatTemplate", "chat_template_for", "encode_conversation", "encode_special", "second_turns"]
 
 USER_MARK = "USER-TURN-7f3c"  # text no template writes by itself: where the next user turn's content starts
+CONTENT_MARK = "MESSAGE-7f3c-{}-END"  # the same, standing for message i's text while the template renders
 
 
 def encode_special(tokenizer: Tokenizer, text: str) -> list[int]:
@@ -40,6 +43,35 @@ def encode_special(tokenizer: Tokenizer, text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False).ids
     finally:
         tokenizer.encode_special_tokens = before
+
+
+def _plain(tokenizer: Tokenizer, text: str) -> list[int]:
+    """Token ids of `text` with every special-token string in it encoded as its characters."""
+    before = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = True
+    try:
+        return tokenizer.encode(text, add_special_tokens=False).ids if text else []
+    finally:
+        tokenizer.encode_special_tokens = before
+
+
+def encode_conversation(tokenizer: Tokenizer, segments: list[tuple[str, bool]]) -> list[int]:
+    """Token ids of the concatenated segments (text, is_message): special-token strings are special tokens in the
+    template's segments and plain text in the messages'. The text between two of the template's special tokens is
+    encoded as one piece, as encode_special encodes it (so a conversation whose messages hold no special-token
+    string gets encode_special's very ids), whatever message boundaries lie inside it."""
+    specials = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special), key=len)
+    found = re.compile("|".join(re.escape(t) for t in reversed(specials))) if specials else None
+    ids: list[int] = []
+    piece: list[str] = []
+    for text, is_message in segments:
+        at = 0
+        for match in () if is_message or found is None else found.finditer(text):
+            piece.append(text[at : match.start()])
+            ids += _plain(tokenizer, "".join(piece)) + [tokenizer.token_to_id(match.group())]
+            piece, at = [], match.end()
+        piece.append(text[at:])
+    return ids + _plain(tokenizer, "".join(piece))
 
 
 class ChatTemplate:
@@ -75,7 +107,25 @@ class ChatTemplate:
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def encode(self, tokenizer: Tokenizer, turns: list[str], answers: list[str] = ()) -> list[int]:
-        return encode_special(tokenizer, self.render(turns, answers))
+        """Token ids of render(turns, answers), the messages' text encoded as text (see encode_conversation)."""
+        return self._encode(tokenizer, self.messages(list(turns), list(answers)), generation=True)
+
+    def _encode(
+        self, tokenizer: Tokenizer, messages: list[dict[str, str]], *, generation: bool, cut: str = ""
+    ) -> list[int]:
+        """The messages rendered, cut where `cut` starts (if given), then encoded with their text as text: each
+        message's text is rendered as a marker first, so the template's own text is told from the messages'."""
+        marked = [{**m, "content": CONTENT_MARK.format(i)} for i, m in enumerate(messages)]
+        text = self.hf.apply_chat_template(marked, tokenize=False, add_generation_prompt=generation)
+        text = text[: text.index(cut)] if cut else text
+        parts = re.split(CONTENT_MARK.format("([0-9]+)"), text)  # template, index, template, index, ..., template
+        segments = [
+            (part, False) if k % 2 == 0 else (messages[int(part)]["content"], True) for k, part in enumerate(parts)
+        ]
+        real = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        if not real.startswith("".join(t for t, _ in segments)):  # a template that rewrites the messages' text
+            raise ValueError(f"the chat template of {self.directory} changes the messages' text: not supported")
+        return encode_conversation(tokenizer, segments)
 
     def user_prefix(
         self, tokenizer: Tokenizer, turns: list[str] = (), answers: list[str] = (), *, system: str | None = None
@@ -89,8 +139,7 @@ class ChatTemplate:
             raise ValueError(f"system={system!r}: give a non-empty text, or None for the template's own")
         # rendered with a marker as the next user turn, then cut where the marker starts
         messages = self.messages([*turns, USER_MARK], list(answers), system=system)
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-        return encode_special(tokenizer, text[: text.index(USER_MARK)])
+        return self._encode(tokenizer, messages, generation=False, cut=CONTENT_MARK.format(len(messages) - 1))
 
 
 def chat_template_for(base_meta: dict[str, Any], *, system: str | None = None) -> ChatTemplate:
