@@ -320,3 +320,15 @@ def test_the_tokenizer_fix_names_the_base_s_corpus():
     same_source = D.base_data_fix(meta, {"source": "packages", "vocab_size": 400, "max_files": None})
     assert same_source == "use the base's data config (data.vocab_size=8192)"
     assert D.base_data_fix({}, {"source": "stdlib"}) == "use the base's data config"
+
+
+def test_chat_text_holds_out_the_stdlib_corpus_validation_files():
+    """chat_mix (a benchmark) quotes the stdlib's validation files and the question bank its training files, both
+    by the corpus's own split rule at STDLIB_VAL_FRACTION: it must be conf/data/stdlib.yaml's val_fraction, or
+    the benchmark's functions would be files a drafter trained on."""
+    import yaml
+
+    from experiments.lib.data.chat_mix import STDLIB_VAL_FRACTION
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "conf" / "data" / "stdlib.yaml").read_text())
+    assert STDLIB_VAL_FRACTION == config["val_fraction"]

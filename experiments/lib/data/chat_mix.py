@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 QUESTIONS_PER_CATEGORY = 16
-STDLIB_VAL_FRACTION = 0.05  # conf/data/stdlib.yaml's val_fraction: the held-out files
+STDLIB_VAL_FRACTION = 0.05  # conf/data/stdlib.yaml's val_fraction: the held-out files (tests/test_data.py ties them)
 MAX_CODE_LINES = 30  # functions a reader takes in at a glance; longer ones are skipped
 MIN_CODE_LINES = 4
 PASSAGE_CHARS = (400, 1500)  # summarization and RAG passages: long enough to say something, short as a prompt
