@@ -1,12 +1,14 @@
 """The training question bank (experiments/lib/data/question_bank.py): its size and categories, no benchmark prompt
 or quoted benchmark passage in it, determinism (across processes too), balanced prefixes, exclusion of a prompts
-file, the one-line refusals of a bad n, the written question.jsonl, and well-formed generated text."""
+file, the one-line refusals of a bad n, the written question.jsonl, well-formed generated text, and the same
+questions since its word lists became a data file shipped with the package."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -14,15 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from experiments.lib.data import question_topics as T
 from experiments.lib.data.chat_mix import chat_mix_questions
 from experiments.lib.data.prompts import Question, read_questions, write_questions
 from experiments.lib.data.question_bank import (
     BANK_CATEGORIES,
     SHARED_RUN,
+    TOPICS_FILE,
     bank_questions,
     category_counts,
     excluded_texts,
+    topics,
     write_bank,
 )
 
@@ -72,6 +75,32 @@ def test_no_benchmark_prompt_or_passage_in_the_bank(bank):
             for start in (0, (len(key) - SHARED_RUN) // 2, len(key) - SHARED_RUN):
                 assert key[start : start + SHARED_RUN] not in texts, (q.category, key[start : start + SHARED_RUN])
     assert checked >= 0.8 * len(mix)  # the check is not vacuous
+
+
+def digest(questions: list[Question]) -> str:
+    return hashlib.sha256(
+        json.dumps([[q.question_id, q.category, list(q.turns)] for q in questions]).encode()
+    ).hexdigest()
+
+
+# The bank's questions when its word lists were the Python module question_topics.py (2026-11-29): the categories
+# made of templates alone on any Python, the whole bank on the Python that measured it (its stdlib is text too).
+TEMPLATE_DIGEST = "a7b30ac669f6ff6f67750db231636bfe45006c56c2b464f74482e6308b404cf2"
+WHOLE_DIGEST = ("3.11.7", "ed6c24249b9ed737c3964d972762beeefa7beae9fa5407efe0d6eddc87c56264")
+
+
+def test_the_word_lists_moved_to_a_data_file_without_changing_a_question(bank):
+    assert digest([q for q in bank if q.category in GENERATED]) == TEMPLATE_DIGEST
+    if platform.python_version() == WHOLE_DIGEST[0]:
+        assert digest(bank) == WHOLE_DIGEST[1]
+    assert isinstance(topics().NAME, tuple) and isinstance(topics().FOLLOW_UPS[0], tuple)
+
+
+def test_the_word_lists_ship_with_the_package():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    folder = ROOT / "experiments" / "lib" / "data"
+    assert any((folder / TOPICS_FILE) in folder.glob(pattern) for pattern in data["experiments.lib.data"])
 
 
 def test_deterministic_and_seeded(bank):
@@ -145,12 +174,12 @@ def test_write_bank(bank, tmp_path):
 
 def test_generated_text_is_well_formed(bank):
     """No template field left unfilled, no None, in the generated questions; math and puzzles have answers."""
-    extraction_heads = {t.split("\n")[0] for t in T.EXTRACTION_TEMPLATES}
+    extraction_heads = {t.split("\n")[0] for t in topics().EXTRACTION_TEMPLATES}
     generated = [
         q.turns[0]
         for q in bank
         if q.category in GENERATED
-        or (q.category == "rag" and q.turns[0].startswith(T.RAG_INTROS))
+        or (q.category == "rag" and q.turns[0].startswith(topics().RAG_INTROS))
         or (q.category == "extraction" and q.turns[0].split("\n")[0] in extraction_heads)
         or (q.category == "qa" and not q.turns[0].startswith("What does the Python function"))
     ]

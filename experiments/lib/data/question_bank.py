@@ -5,7 +5,7 @@ per category (MT-bench's eight, translation, summarization, qa, rag): acceptance
 span those kinds of request, worded the way users ask a chat assistant. Sources per category:
 
 - coding, qa: chat_train's questions over stdlib training-file functions, and generated requests (a task in a
-  programming language, a concept; everyday how-to, advice and fact questions) from question_topics;
+  programming language, a concept; everyday how-to, advice and fact questions) from question_topics.yaml;
 - summarization, rag, extraction: chat_train's module-docstring passages, and prose of training-file class and
   function docstrings and comment blocks, under an instruction or a question; rag and extraction also get
   fictional contexts and records (a library's rules, an order email...) with questions or fields to pull out;
@@ -31,9 +31,10 @@ import string
 import sysconfig
 from collections import Counter
 from collections.abc import Callable, Iterable, Set
+from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 
-from experiments.lib.data import question_topics as T
 from experiments.lib.data.chat_mix import STDLIB_VAL_FRACTION, chat_mix_questions, rank
 from experiments.lib.data.chat_train import chat_train_questions
 from experiments.lib.data.prompts import Question, read_questions, write_questions
@@ -55,11 +56,27 @@ DOC_SHARE = {"extraction": 0.6, "translation": 0.45}  # the rest: generated reco
 RAG_GENERATED = 700  # the fictional contexts are few: more would repeat them
 TRAIN_AS = {"explanation": "coding", "documentation": "coding"}  # chat_train's code categories are Spec-Bench's coding
 GENERATED = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities", "translation")
-GENERATED += ("qa",)  # categories filled up with their question_topics <CATEGORY>_TEMPLATES
+GENERATED += ("qa",)  # categories filled up with their question_topics.yaml <CATEGORY>_TEMPLATES
 ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth")
 COUNT_WORDS = {4: "Four", 5: "Five", 6: "Six"}
+TOPICS_FILE = "question_topics.yaml"  # word lists and templates: data, beside this module
 # A `def` or `class` line, then a triple-quoted docstring: groups (keyword, name, quotes, text).
 DOCSTRING = re.compile(r"(?ms)^\s*(?:async\s+)?(def|class)\s+(\w+)[^\n]*:[ \t]*\n\s*[rRuU]?(\"\"\"|\'\'\')(.*?)\3")
+
+
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+@functools.cache
+def topics() -> SimpleNamespace:
+    """The bank's word lists and templates (question_topics.yaml, shipped inside the package: package-data in
+    pyproject.toml), each list a tuple, by name: `topics().NAME`."""
+    import yaml  # PyYAML comes with omegaconf
+
+    text = resources.files(__package__).joinpath(TOPICS_FILE).read_text(encoding="utf-8")
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return SimpleNamespace(**{name: _tuples(value) for name, value in yaml.load(text, Loader=loader).items()})
 
 
 def _normalize(text: str) -> str:
@@ -184,19 +201,19 @@ def _numbers(rng: random.Random) -> dict[str, object]:
     v.update(s=s, s2=r(30, 120), t=t, t2=t2, dist=s * t, dist2=s * t2, leg=leg[0] * scale, leg2=leg[1] * scale)
     v.update(data=", ".join(str(r(1, 30)) for _ in range(7)), clock=f"{r(1, 12)}:{rng.randrange(0, 60, 5):02d}")
     v.update(year=year, year2=year + r(3, 15), order=r(10000, 99999))
-    v["date"] = f"{rng.choice(T.MONTH)} {r(1, 28)}, {r(2024, 2027)}"
+    v["date"] = f"{rng.choice(topics().MONTH)} {r(1, 28)}, {r(2024, 2027)}"
     return v
 
 
 @functools.cache
 def _fields(template: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(the template's fields, those that no question_topics list fills: numbers or given values)."""
+    """(the template's fields, those that no question_topics.yaml list fills: numbers or given values)."""
     fields = tuple(dict.fromkeys(field for _, field, _, _ in string.Formatter().parse(template) if field))
-    return fields, tuple(f for f in fields if not hasattr(T, f.rstrip("0123456789").upper()))
+    return fields, tuple(f for f in fields if not hasattr(topics(), f.rstrip("0123456789").upper()))
 
 
 def _render(template: str, rng: random.Random, values: dict[str, object] | None = None) -> str:
-    """The template with each field from `values`, else from the question_topics list of its name (`{name2}`:
+    """The template with each field from `values`, else from the question_topics.yaml list of its name (`{name2}`:
     NAME again), different fields of one list taking different values (two people, two cities)."""
     values = dict(values or {})
     fields, other = _fields(template)
@@ -205,14 +222,14 @@ def _render(template: str, rng: random.Random, values: dict[str, object] | None 
     for field in (f for f in fields if f not in values):
         pool = field.rstrip("0123456789")
         used = {values[f] for f in fields if f in values and f.rstrip("0123456789") == pool}
-        values[field] = rng.choice([v for v in getattr(T, pool.upper()) if v not in used])
+        values[field] = rng.choice([v for v in getattr(topics(), pool.upper()) if v not in used])
     return template.format(**values)
 
 
 def _ordering_puzzle(rng: random.Random) -> str:
     """Who came k-th among 4-6 people, from one clue per neighbouring pair of a drawn order: always one answer."""
-    setting, relation, ask = rng.choice(T.ORDER_SETTING)
-    people = rng.sample(T.NAME, rng.randint(4, 6))
+    setting, relation, ask = rng.choice(topics().ORDER_SETTING)
+    people = rng.sample(topics().NAME, rng.randint(4, 6))
     clues = [f"{first} {relation} {second}." for first, second in zip(people, people[1:])]
     rng.shuffle(clues)
     listed = rng.sample(people, len(people))
@@ -222,8 +239,8 @@ def _ordering_puzzle(rng: random.Random) -> str:
 
 
 def _rag_context(rng: random.Random) -> str:
-    context, *questions = rng.choice(T.RAG_CONTEXTS)
-    text = f"{rng.choice(T.RAG_INTROS)}\n\nContext:\n{context}\n\nQuestion: {rng.choice(questions)}"
+    context, *questions = rng.choice(topics().RAG_CONTEXTS)
+    text = f"{rng.choice(topics().RAG_INTROS)}\n\nContext:\n{context}\n\nQuestion: {rng.choice(questions)}"
     return _render(text, rng)
 
 
@@ -256,8 +273,10 @@ def _over_passages(rng: random.Random, templates: tuple[str, ...], passages: Ite
 
 def _extraction_templates(text: str) -> tuple[str, ...]:
     """Instructions the passage can answer: names only where it has code names, numbers where it has digits."""
-    names = T.EXTRACT_NAME_TEMPLATES if re.search(r"\w\(\)|\b[a-z]+_[a-z_]+\b|\b[a-z]+[A-Z]\w+", text) else ()
-    return T.EXTRACT_ANY_TEMPLATES + names + (T.EXTRACT_NUMBER_TEMPLATES if re.search(r"\d", text) else ())
+    names = topics().EXTRACT_NAME_TEMPLATES if re.search(r"\w\(\)|\b[a-z]+_[a-z_]+\b|\b[a-z]+[A-Z]\w+", text) else ()
+    return (
+        topics().EXTRACT_ANY_TEMPLATES + names + (topics().EXTRACT_NUMBER_TEMPLATES if re.search(r"\d", text) else ())
+    )
 
 
 def _category_texts(category: str, rng: random.Random) -> list[str]:
@@ -267,22 +286,22 @@ def _category_texts(category: str, rng: random.Random) -> list[str]:
     long = [p for p in passages if len(p[2]) >= PASSAGE_CHARS[0]]
     fixed = [text for c, text in _train_questions() if TRAIN_AS.get(c, c) == category]
     if category == "summarization":
-        fixed += _over_passages(rng, T.SUMMARIZATION_TEMPLATES, long[0::2])
+        fixed += _over_passages(rng, topics().SUMMARIZATION_TEMPLATES, long[0::2])
     elif category == "rag":
-        fixed += _over_passages(rng, T.RAG_DOC_TEMPLATES, long[1::2])
+        fixed += _over_passages(rng, topics().RAG_DOC_TEMPLATES, long[1::2])
     elif category == "extraction":
         chosen = rng.sample(passages, min(len(passages), int(DOC_SHARE[category] * PER_CATEGORY)))
         fixed += [rng.choice(_extraction_templates(p[2])).format(passage=p[2]) for p in chosen]
     elif category == "translation":
         chosen = rng.sample(sentences, min(len(sentences), int(DOC_SHARE[category] * PER_CATEGORY)))
-        fixed += [_render(rng.choice(T.DOC_TRANSLATION_TEMPLATES), rng, {"text": s}) for s in chosen]
+        fixed += [_render(rng.choice(topics().DOC_TRANSLATION_TEMPLATES), rng, {"text": s}) for s in chosen]
     rng.shuffle(fixed)
     seen = {_normalize(text) for text in fixed}
     fixed = list(dict.fromkeys(fixed))[:PER_CATEGORY]
     if category == "rag":
         make, count = _rag_context, min(RAG_GENERATED, PER_CATEGORY - len(fixed))
     elif category in GENERATED:
-        templates = getattr(T, f"{category.upper()}_TEMPLATES")
+        templates = getattr(topics(), f"{category.upper()}_TEMPLATES")
         make, count = lambda r: _render(r.choice(templates), r), PER_CATEGORY - len(fixed)
         if category == "reasoning":
             make = lambda r: _ordering_puzzle(r) if r.random() < 0.25 else _render(r.choice(templates), r)  # noqa: E731
@@ -306,7 +325,7 @@ def _candidates(seed: int) -> dict[str, tuple[tuple[str, ...], ...]]:
             if key not in seen:
                 seen.add(key)
                 second = rng.random() < FOLLOW_UP_SHARE
-                follow_up = rng.choice([t for c, t in T.FOLLOW_UPS if c == category])
+                follow_up = rng.choice([t for c, t in topics().FOLLOW_UPS if c == category])
                 turns.append((text, follow_up) if second else (text,))
         out[category] = tuple(turns)
     return out
