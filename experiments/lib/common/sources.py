@@ -1,34 +1,106 @@
-"""A hash of the project's own source files: what a cached result was computed by.
+"""Hashes of the project's own source files: what a cached result was computed by.
 
-Two caches need it. A trained artifact (artifacts/<kind>-<hash>) is named by its recipe, and a recipe alone
-does not see a changed loss or a changed drafter layer: an artifact trained by older code was reused silently
-(seen with the base-initialised draft model). A verify-cost table is measured on one engine and must be measured
-again on another. Both hash the bytes of every .py file under the directories that decide their result, by
-path, so a renamed or deleted file changes the hash too, and a comment edit retrains (cheap to explain, never
-stale).
+Two caches need them. A trained artifact (artifacts/<kind>-<recipe>-<code>) is named by its recipe, and a recipe
+alone does not see a changed loss or a changed drafter layer: an artifact trained by older code was reused silently
+(seen with the base-initialised draft model). Its code is the project files its training imports, directly or not
+(`code_manifest`): the family's network, loss and validation, the shared training loop, the data pipeline, the
+feature cache; read from their syntax, so the same on every machine and for every entry point. A verify-cost table
+is measured on one engine and must be measured again on another (`source_version` over verify/backends).
+
+Both hash file bytes (line endings as LF: a checkout with CRLF gets the same key), never modification times, and
+name each file by its path, so a fresh clone computes the same hashes, a renamed file changes them, and a comment
+edit retrains (cheap to explain, never stale).
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 from hashlib import sha256
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]  # experiments/lib/common/ -> the project root
+PACKAGES = ("experiments", "verify", "medusa", "prophet")  # the project's own top-level packages
 
-# What decides a trained artifact's weights: the drafters' modules and losses, the training loop, the data
-# (questions, the base's answers, the feature cache), checkpoints. Not the decode engine (verify/backends): the
-# answers it generates are plain decoding's bit for bit, whatever engine change the tests let through.
-TRAINING_SOURCES = (
-    "prophet",
-    "medusa",
-    "verify/training",
-    "verify/drafters",
-    "experiments/lib/families",
-    "experiments/lib/training",
-    "experiments/lib/data",
-    "experiments/lib/store",
-)
+# Imported by training code, but not followed: they do not decide a trained artifact's weights.
+NOT_FOLLOWED = {
+    # the decode engine: the answers it generates are plain decoding's bit for bit, whatever change the tests let by
+    "verify/backends/": "the decode engine",
+    "experiments/lib/common/": "errors, progress and the machine a run reports: how it reports, not what it computes",
+}
+# Hashed, but their imports not followed: the registry imports every family; each artifact follows only its own.
+NOT_ENTERED = ("experiments/lib/families/registry.py",)
+
+
+def _file(module: str, root: Path) -> Path | None:
+    """The source file of a project module, or None (a name imported from a module, not a module itself)."""
+    path = root.joinpath(*module.split("."))
+    if (path / "__init__.py").is_file():
+        return path / "__init__.py"
+    return path.with_suffix(".py") if path.with_suffix(".py").is_file() else None
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every project module `path` (the module `module`) may import: `from a import b` names a.b too (b may be a
+    module), relative imports resolved, imports inside functions included."""
+    found: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from .x import y, from .. import z
+                parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*parts, *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.split(".")[0] in PACKAGES}
+
+
+@functools.cache
+def module_files(modules: tuple[str, ...], root: Path = ROOT) -> tuple[str, ...]:
+    """Relative paths of the project files that `modules` import, directly or not, themselves and their packages'
+    __init__.py included; NOT_FOLLOWED's are left out, NOT_ENTERED's are kept but their imports not followed."""
+    seen: set[str] = set()
+    todo = list(modules)
+    while todo:
+        module = todo.pop()
+        parts = module.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # importing a.b.c runs a and a.b first
+        path = _file(module, root)
+        if path is None:
+            continue
+        rel = path.relative_to(root).as_posix()
+        if rel in seen or rel.startswith(tuple(NOT_FOLLOWED)):
+            continue
+        seen.add(rel)
+        if rel not in NOT_ENTERED:
+            todo += sorted(_imports(path, module))
+    return tuple(sorted(seen))
+
+
+def _digest(path: Path) -> str:
+    return sha256(path.read_bytes().replace(b"\r\n", b"\n")).hexdigest()[:16]
+
+
+def code_manifest(modules: tuple[str, ...], root: Path = ROOT) -> dict[str, str]:
+    """Path -> hash of the bytes of every file of module_files(modules): what an artifact was trained by."""
+    return {rel: _digest(root / rel) for rel in module_files(tuple(modules), root)}
+
+
+def code_version(manifest: dict[str, str]) -> str:
+    """12 hex digits naming a manifest: the code part of an artifact's directory name."""
+    text = "".join(f"{path}\0{digest}\0" for path, digest in sorted(manifest.items()))
+    return sha256(text.encode()).hexdigest()[:12]
+
+
+def code_changes(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """What differs between the code an artifact was trained by (old) and this checkout's (new), file by file."""
+    changes = [f"{path} changed" for path in sorted(old.keys() & new.keys()) if old[path] != new[path]]
+    changes += [f"{path} new" for path in sorted(new.keys() - old.keys())]
+    changes += [f"{path} gone" for path in sorted(old.keys() - new.keys())]
+    return changes
 
 
 @functools.cache
@@ -39,8 +111,3 @@ def source_version(directories: tuple[str, ...], root: Path = ROOT) -> str:
         for path in sorted((root / directory).rglob("*.py")):
             digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
-
-
-def training_version() -> str:
-    """The hash of TRAINING_SOURCES: part of every artifact's recipe key."""
-    return source_version(TRAINING_SOURCES)

@@ -107,7 +107,9 @@ def checkpoint_for(cfg: DictConfig, kind: str, base_ckpt: str | None = None, bas
     given = cfg.checkpoints[kind]
     if given is not None:
         return given
-    return str(ensure(kind, artifact_overrides(cfg, kind, base_ckpt, base_meta), root=cfg.artifacts.root))
+    overrides = artifact_overrides(cfg, kind, base_ckpt, base_meta)
+    reuse_stale = cfg.artifacts.get("reuse_stale", False)  # true: an artifact trained by older code serves, warned
+    return str(ensure(kind, overrides, root=cfg.artifacts.root, reuse_stale=reuse_stale))
 
 
 def checkpoint_recipe(meta: dict) -> dict[str, Any]:
