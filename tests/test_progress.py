@@ -93,6 +93,7 @@ def test_the_feature_cache_logs_progress_within_a_shard(tmp_path, caplog, monkey
     ids = torch.randint(1, 97, (2000,), generator=torch.Generator().manual_seed(0))
     spec = FeatureSpec(base_fingerprint="b", data_key="d", seq_len=16, windows=20, top_k=8, dtype="float32", batch=2)
     monkeypatch.setattr(progress, "CLOCK", FakeClock(step=progress.LOG_EVERY))  # every reading a whole interval
+    monkeypatch.setattr(progress, "Console", lambda **kw: Console(file=io.StringIO()))  # a job's log, even under -s
     caplog.set_level(logging.INFO, logger="experiments.lib.training.features")
     write_features(tmp_path / "f", base, ids, spec, shard_windows=10)
     counts = [
