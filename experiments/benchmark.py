@@ -53,7 +53,7 @@ from experiments.lib.methods.calibrate import (
     format_cost_table,
 )
 from experiments.lib.methods.decode_checks import check_benchmark, check_exact, sampling_for
-from experiments.lib.methods.prompt_set import add_second_turns, get_prompt_set, get_prompts
+from experiments.lib.methods.prompt_set import add_second_turns, check_pilot_room, get_prompt_set, get_prompts
 from experiments.lib.methods.registry import (
     FAMILY_METHODS,
     check_drafters_before_base,
@@ -314,6 +314,8 @@ def verify_width(cfg: DictConfig, name: str, spec: SpecConfig, budget: dict | No
 def benchmark(cfg: DictConfig) -> dict[str, Any]:
     """Run the configured benchmark; returns the summary that main prints as its last line."""
     settings, temperatures, spec = check_benchmark(cfg)  # before anything loads or trains
+    if cfg.budget == "auto":
+        check_pilot_room(cfg)  # a prompts file the benchmark takes whole leaves the pilots nothing: say so now
     widths = compile_widths(cfg, spec)
     device = resolve_device(cfg.device)
     check_drafters_before_base(cfg)  # a drafter setting its training would refuse, before the base loads or trains
@@ -484,7 +486,13 @@ def pilot_prompts(cfg: DictConfig, tokenizer, base_meta: dict, taken: list[list[
     """Prompts for `budget=auto`'s pilot runs: drawn with another seed, none equal to a benchmark prompt."""
     n = cfg.budget_search.pilot_prompts
     draw = OmegaConf.merge(cfg, {"seed": cfg.seed + 1, "prompts": {"num_prompts": cfg.prompts.num_prompts + n}})
-    return [p for p in get_prompts(draw, tokenizer, base_meta) if p not in taken][:n]
+    pilots = [p for p in get_prompts(draw, tokenizer, base_meta) if p not in taken][:n]
+    if not pilots:  # check_pilot_room passed, but the spare questions repeat benchmark prompts word for word
+        raise ValueError(
+            f"budget=auto: every question past prompts.num_prompts={cfg.prompts.num_prompts} repeats a benchmarked "
+            "one, leaving none for its pilot runs; give fewer prompts.num_prompts, or budget=fixed"
+        )
+    return pilots
 
 
 def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_id: EosId) -> dict[str, dict]:

@@ -126,6 +126,7 @@ def test_bad_inputs_raise_one_line_errors(call, message):
 # ------------------------------------------------------------- calibration on a tiny random model
 
 import json  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -351,3 +352,40 @@ def test_auto_dtype_is_measured_once_and_decides(monkeypatch, tmp_path):
     assert calibrate.decode_precision("auto", model, cpu, key_parts={"base": "t"}, cache_dir=tmp_path) == chosen
     monkeypatch.setattr(calibrate, "native_bf16", lambda device: (False, "CPU lacks amx_bf16 and avx512_bf16"))
     assert calibrate.decode_precision("auto", model, cpu, key_parts={"base": "u"}, cache_dir=tmp_path)["used"] == "fp32"
+
+
+# ------------------------------------------------------------------------- budget=auto's pilot prompts
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ([], r"budget=auto: prompts.file='.*q.jsonl' holds 3 questions and prompts.num_prompts=3 benchmarks every "
+         r"one, leaving none for its pilot runs; give prompts.num_prompts=2 or fewer, or budget=fixed"),
+        (["prompts=chat_mix", "prompts.num_prompts=96"], r"budget=auto: prompts.set='chat_mix' holds 96 questions"),
+    ],
+)  # fmt: skip
+def test_a_prompt_set_the_benchmark_takes_whole_is_refused_before_any_work(tmp_path, monkeypatch, overrides, message):
+    """The pilots take questions of the same file that no benchmark prompt is: with none to spare, one line naming
+    budget=auto and the file's size, before the base loads (not 'prompts=[]' after minutes of calibration)."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments import benchmark as bench_mod
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"prompt": f"question {i}?"}) + "\n" for i in range(3)))
+
+    def no_work(*args, **kwargs):  # the first work: finding (or training) the base's checkpoint
+        raise AssertionError("work began before the refusal")
+
+    monkeypatch.setattr(bench_mod, "checkpoint_for", no_work)
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    file = [f"prompts.file={questions}", "prompts.num_prompts=3"]
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose("benchmark", overrides=["budget=auto", f"out_dir={tmp_path}", *(overrides or file)])
+    with pytest.raises(ValueError, match=message):
+        bench_mod.benchmark(cfg)
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):  # one question to spare: no refusal
+        cfg = compose("benchmark", overrides=["budget=auto", f"out_dir={tmp_path}", *file[:1], "prompts.num_prompts=2"])
+    with pytest.raises(AssertionError, match="work began"):
+        bench_mod.benchmark(cfg)

@@ -16,7 +16,15 @@ from experiments.lib.data.pipeline import base_data_config, prepare_data
 from experiments.lib.data.prompts import Question, heldout_prompts, read_questions, select_questions
 from experiments.lib.store.checkpoint import tokenizer_mismatch
 
-__all__ = ["HELDOUT", "PROMPT_SETS", "PromptSet", "add_second_turns", "get_prompt_set", "get_prompts"]
+__all__ = [
+    "HELDOUT",
+    "PROMPT_SETS",
+    "PromptSet",
+    "add_second_turns",
+    "check_pilot_room",
+    "get_prompt_set",
+    "get_prompts",
+]
 
 HELDOUT = "heldout"  # the category of held-out corpus windows
 PROMPT_SETS = ("chat_mix",)  # embedded sets, by prompts.set
@@ -69,6 +77,23 @@ def get_prompt_set(cfg: DictConfig, tokenizer, base_meta: dict) -> PromptSet:
         template = None
         ids = [enc.ids for enc in tokenizer.encode_batch([q.turns[0] for q in questions], add_special_tokens=False)]
     return PromptSet(ids, [q.category for q in questions], questions, template, [1] * len(ids))
+
+
+def check_pilot_room(cfg: DictConfig) -> None:
+    """budget=auto's pilots decode questions of the same file or set that no benchmark prompt is (the benchmark
+    takes prompts.num_prompts of them, the pilots the next ones): refuse, before any work, a file or set that
+    prompts.num_prompts leaves nothing of. Not the training question bank instead: the drafters learned from
+    its answers, so a pilot there would overstate their acceptance and pick budgets too large. Held-out
+    corpus windows (no file, no set) are drawn afresh and never run out."""
+    questions = _questions(cfg)
+    if questions is None or len(questions) > cfg.prompts.num_prompts:
+        return
+    source = f"prompts.file={cfg.prompts.file!r}" if cfg.prompts.get("file") else f"prompts.set={cfg.prompts.set!r}"
+    raise ValueError(
+        f"budget=auto: {source} holds {len(questions)} questions and prompts.num_prompts={cfg.prompts.num_prompts} "
+        f"benchmarks every one, leaving none for its pilot runs; give prompts.num_prompts={len(questions) - 1} or "
+        "fewer, or budget=fixed"
+    )
 
 
 def get_prompts(cfg: DictConfig, tokenizer, base_meta: dict) -> list[list[int]]:
