@@ -53,8 +53,9 @@ def test_hash_moves_with_every_python_byte_and_name(tmp_path: Path) -> None:
 
 
 def test_the_code_of_a_module_is_what_it_imports(tmp_path: Path) -> None:
-    """Every way of importing is followed (from-imports of modules, relative, inside functions); the engine and the
-    reporting helpers are not; the family registry is hashed but not entered (it imports every family)."""
+    """Every way of importing is followed (from-imports of modules, relative, inside functions), and a data file a
+    module names beside it is code too; the engine and the reporting helpers are not followed; the family registry
+    is hashed but not entered (it imports every family)."""
     root = _tree(
         tmp_path,
         {
@@ -62,7 +63,9 @@ def test_the_code_of_a_module_is_what_it_imports(tmp_path: Path) -> None:
             "medusa/train.py": "import torch\nfrom medusa import heads\nfrom .trees import grow\n"
             "def f():\n    import verify.training.distill\n",
             "medusa/heads.py": "from verify.backends import engine\nfrom experiments.lib.common.errors import x\n",
-            "medusa/trees.py": "def grow(): ...\n",
+            "medusa/trees.py": 'TOPICS = "topics.yaml"  # data beside it, named\ndef grow(): ...\n',
+            "medusa/topics.yaml": "words: [a, b]\n",
+            "medusa/other.yaml": "not named by any module\n",
             "medusa/unused.py": "",
             "verify/__init__.py": "",
             "verify/training/__init__.py": "",
@@ -83,6 +86,7 @@ def test_the_code_of_a_module_is_what_it_imports(tmp_path: Path) -> None:
         "experiments/lib/families/registry.py",
         "medusa/__init__.py",
         "medusa/heads.py",
+        "medusa/topics.yaml",
         "medusa/train.py",
         "medusa/trees.py",
         "verify/__init__.py",
@@ -118,6 +122,7 @@ def test_each_family_is_keyed_by_its_own_code_and_the_shared_loop() -> None:
         "experiments/lib/training/answers.py",
         "verify/training/distill.py",
         "prophet/model.py",  # the base's features, cached for every family
+        "experiments/lib/data/question_topics.yaml",  # the question bank's words: what the base answers
     }
     own = {
         "base": {"experiments/lib/training/base_trainer.py", "experiments/lib/store/lm.py"},

@@ -40,13 +40,19 @@ def _file(module: str, root: Path) -> Path | None:
     return path.with_suffix(".py") if path.with_suffix(".py").is_file() else None
 
 
-def _imports(path: Path, module: str) -> set[str]:
-    """Every project module `path` (the module `module`) may import: `from a import b` names a.b too (b may be a
-    module), relative imports resolved, imports inside functions included."""
+def _reads(path: Path, module: str) -> tuple[set[str], set[Path]]:
+    """(every project module `path` (the module `module`) may import, the data files beside it that it names).
+
+    Imports: `from a import b` names a.b too (b may be a module), relative imports resolved, imports inside
+    functions included. Data: a string constant that is the name of a file in the module's directory (the question
+    bank's question_topics.yaml: its word lists shape what the drafters learn from as much as code would)."""
     found: set[str] = set()
+    data: set[Path] = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and _is_data(path.parent, node.value):
+            data.add(path.parent / node.value)
+        elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -55,13 +61,21 @@ def _imports(path: Path, module: str) -> set[str]:
                 base = ".".join([*parts, *([base] if base else [])])
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
-    return {name for name in found if name.split(".")[0] in PACKAGES}
+    return {name for name in found if name.split(".")[0] in PACKAGES}, data
+
+
+def _is_data(directory: Path, name: str) -> bool:
+    """A file name (no directory part) of a file in `directory` that is not Python source."""
+    if not name or len(name) > 255 or "/" in name or "\\" in name or name.startswith(".") or name.endswith(".py"):
+        return False
+    return (directory / name).is_file()
 
 
 @functools.cache
 def module_files(modules: tuple[str, ...], root: Path = ROOT) -> tuple[str, ...]:
     """Relative paths of the project files that `modules` import, directly or not, themselves and their packages'
-    __init__.py included; NOT_FOLLOWED's are left out, NOT_ENTERED's are kept but their imports not followed."""
+    __init__.py included, and the data files beside them that they name; NOT_FOLLOWED's are left out, NOT_ENTERED's
+    are kept but their imports not followed."""
     seen: set[str] = set()
     todo = list(modules)
     while todo:
@@ -76,7 +90,9 @@ def module_files(modules: tuple[str, ...], root: Path = ROOT) -> tuple[str, ...]
             continue
         seen.add(rel)
         if rel not in NOT_ENTERED:
-            todo += sorted(_imports(path, module))
+            imported, data = _reads(path, module)
+            todo += sorted(imported)
+            seen.update(p.relative_to(root).as_posix() for p in data)
     return tuple(sorted(seen))
 
 
