@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from experiments import export as export_mod
 from experiments.lib.families.registry import family
 from experiments.lib.formats import medusa
 from experiments.lib.formats.registry import check_served, read
+from experiments.lib.store import served_dir
 from experiments.lib.store.checkpoint import load_lm, save_checkpoint
 from experiments.lib.store.lm import build_lm
 from experiments.lib.store.served_dir import MARK, FormatError, write_directory
@@ -177,6 +179,57 @@ def test_the_command_line_refuses_in_one_line_and_leaves_no_run_directory(work: 
     assert listing(work) == before  # no outputs/export/<time>/ either
 
 
+@pytest.mark.parametrize("hook", ["load_lm", "save_file"])
+def test_a_directory_made_at_out_while_exporting_is_refused_and_kept(
+    work: Path, hook: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """out= is made and written by someone else while the base loads, or while the export is being written."""
+    out = work / "new"
+    module = export_mod if hook == "load_lm" else served_dir
+    real = getattr(module, hook)
+
+    def meanwhile(*args, **kwargs):
+        out.mkdir(exist_ok=True)
+        (out / "notes.txt").write_text("mine\n")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, hook, meanwhile)
+    with pytest.raises(FormatError) as excinfo:
+        export_mod.export(cfg(checkpoint=work / "drafter", out=out))
+    assert str(excinfo.value).startswith(f"out={out} ") and "\n" not in str(excinfo.value)
+    assert listing(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine\n"
+    assert not [p for p in work.iterdir() if p.name.startswith(".")]
+
+
+def test_two_exports_to_one_out_one_is_refused_and_nothing_is_deleted(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second export to the same out= starts while the first writes its files (in another thread, as another
+    process would): it is refused by out='s lock in one line, and the first's export is whole."""
+    second, real = {}, served_dir.save_file
+    second_cfg = cfg(checkpoint=work / "drafter", out=work / "new")
+
+    def run_second() -> None:
+        try:
+            second["result"] = f"exported {export_mod.export(second_cfg)}"
+        except FormatError as e:
+            second["result"] = str(e)
+
+    def write_while_another_starts(*args, **kwargs):
+        monkeypatch.setattr(served_dir, "save_file", real)  # the second export writes its files plainly
+        thread = threading.Thread(target=run_second)
+        thread.start()
+        thread.join()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(served_dir, "save_file", write_while_another_starts)
+    export_mod.export(cfg(checkpoint=work / "drafter", out=work / "new"))
+    assert second["result"].startswith(f"out={work / 'new'} is being written by another export (pid {os.getpid()}")
+    assert "\n" not in second["result"]
+    assert (work / "new" / "model.safetensors").read_bytes() == (work / "e3" / "model.safetensors").read_bytes()
+    assert not [p for p in work.iterdir() if p.name.startswith(".")]
+
+
 # ------------------------------------------------------------------------------------------ what it reads
 
 
@@ -262,7 +315,7 @@ def test_a_medusa_directory_without_its_sizes_or_tensors_is_one_line(work: Path)
     path = write_directory(work / "m", config, tensors)
     with pytest.raises(FormatError, match=r"lacks the tensors \['lm_heads.1.weight'\] of a medusa"):
         check_served(path, "medusa")
-    with pytest.raises(FormatError, match="lacks the tensor 'lm_heads.1.weight'"):
+    with pytest.raises(FormatError, match=r"lacks the tensors \['lm_heads.1.weight'\] of a medusa"):
         medusa.read(path, base)
     for key in ("num_heads", "num_hidden_layers"):
         (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != key}))

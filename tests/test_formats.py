@@ -354,16 +354,17 @@ def test_what_no_format_holds_is_refused_in_one_line(rand, tmp_path, lm):
 
 def test_a_llama_draft_model_exports_as_a_plain_hugging_face_llama(rand, tmp_path, lm):
     from experiments.lib.families import draft
-    from experiments.lib.formats.llama import write
+    from experiments.lib.formats import llama
 
     base, tokens, _ = rand
     module = randomized(draft.build(base, dim=32, depth=2, heads=4, arch="llama", kv_heads=2), 8)
-    path = write(module, tmp_path / "draft", overwrite=False)
+    path = write_directory(tmp_path / "draft", *reversed(llama.export_tensors(module)))
     loaded = transformers.LlamaForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, module(tokens))
+        assert torch.equal(llama.read(path)(tokens).logits, module(tokens))  # this project's reader: the same
     with pytest.raises(FormatError, match="arch=llama"):
-        write(draft.build(base, dim=32, depth=1, heads=4), tmp_path / "xt", overwrite=False)
+        llama.export_tensors(draft.build(base, dim=32, depth=1, heads=4))
 
 
 def test_an_sglang_specforge_eagle3_directory_imports_as_the_same_drafter(rand, tmp_path):

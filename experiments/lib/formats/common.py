@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from experiments.lib.store.served_dir import FormatError, read_config, setting, tensor_names
 from medusa.heads import FrozenHead
+from prophet.eagle import EagleLayer
 from prophet.model import Prophet, base_depth, base_features
 from verify.backends.lean_llama import llama_shape
 
@@ -178,8 +179,47 @@ def new_prophet(base: nn.Module, arch: str, layer: dict[str, Any], fuse_layers: 
     return Prophet(head=head, dim=base.to_logits.in_features, arch=arch, layer=layer, fuse_layers=fuse_layers)
 
 
-def load_layer(layer: nn.Module, tensors: dict[str, Tensor], path: Path) -> None:
-    """Copy layers.0.* into an EagleLayer; a tensor the layer lacks (an input norm in EAGLE-1) or misses is refused."""
+def check_layer_fits(arch: str, shape: dict[str, Any], tensors: dict[str, Tensor], path: Path) -> set[str]:
+    """The draft layer a config describes (`shape`, EagleLayer's keywords) has exactly the file's layers.0.*
+    tensors, names and shapes: checked on a layer of the meta device (no memory), before the real one is built,
+    so a config whose sizes are not its tensors' (an intermediate_size of 1e9) allocates nothing. Returns the
+    layer's tensor names."""
+    try:
+        layer = EagleLayer(arch=arch, **shape, device="meta")
+    except ValueError as e:
+        raise FormatError(f"{path}: {' '.join(str(e).split())}") from None
+    load_layer(layer, tensors, path, copy=False)
+    return set(layer_tensors(layer))
+
+
+def shared_embedding(tensors: dict[str, Tensor], base: nn.Module, path: Path) -> set[str]:
+    """An EAGLE directory may carry a copy of the base's token embedding (SpecForge writes one): accepted when it
+    is the base's (what this project's drafter reads), refused when it differs (vLLM would draft with it).
+    Returns the name, when present, as one the reader has read."""
+    name = "embed_tokens.weight"
+    if name not in tensors:
+        return set()
+    own = base.token_emb.emb.weight.detach().float().cpu()
+    if tensors[name].shape != own.shape or not torch.equal(tensors[name].float(), own):
+        raise FormatError(
+            f"{path}: {name} {tuple(tensors[name].shape)} is not the base's token embedding, which this project's "
+            "drafter reads (vLLM would draft with the file's): remove it, or use the base it was trained on"
+        )
+    return {name}
+
+
+def check_known(names: Iterable[str], known: Iterable[str], path: Path, kind: str) -> None:
+    """Every tensor of the directory is one the `kind` reader reads: one it would ignore is refused, named (a
+    file with it is not what the reader takes it for, and vLLM may read it)."""
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        listed = f"{unknown[:3]}{' ...' if len(unknown) > 3 else ''}"
+        raise FormatError(f"{path} holds {len(unknown)} tensor(s) no {kind} reader reads: {listed}")
+
+
+def load_layer(layer: nn.Module, tensors: dict[str, Tensor], path: Path, *, copy: bool = True) -> None:
+    """Copy layers.0.* into an EagleLayer (copy=False: check only); a tensor the layer lacks (an input norm in
+    EAGLE-1), misses or has in another shape is refused."""
     ours = layer_tensors(layer)  # vLLM's name -> the layer's own parameter
     extra = sorted(k for k in tensors if k.startswith("layers.0.") and k not in ours)
     missing = sorted(k for k in ours if k not in tensors)
@@ -190,7 +230,8 @@ def load_layer(layer: nn.Module, tensors: dict[str, Tensor], path: Path) -> None
             if tensors[name].shape != param.shape:
                 shape = tuple(tensors[name].shape)
                 raise FormatError(f"{path}: {name} is {shape}, the layer needs {tuple(param.shape)}")
-            param.copy_(tensors[name])
+            if copy:
+                param.copy_(tensors[name])
 
 
 def copy_checked(param: Tensor, value: Tensor, name: str, path: Path) -> None:

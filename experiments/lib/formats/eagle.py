@@ -16,6 +16,8 @@ from torch import Tensor, nn
 
 from experiments.lib.formats.common import (
     LAYER_SETTINGS,
+    check_known,
+    check_layer_fits,
     check_settings,
     check_tensors,
     check_verifier,
@@ -24,6 +26,7 @@ from experiments.lib.formats.common import (
     layer_tensors,
     load_layer,
     new_prophet,
+    shared_embedding,
 )
 from experiments.lib.store.served_dir import FormatError, read_directory, tensor
 from prophet.model import Prophet
@@ -49,7 +52,10 @@ def from_files(config: dict, tensors: dict[str, Tensor], base: nn.Module, path: 
     check_verifier(config, base, path)
     if "fc.bias" in tensors:
         raise FormatError(f"{path}: fc.bias is present, and vLLM's EAGLE drops it: the drafts would differ")
-    prophet = new_prophet(base, "eagle", layer_shape_from(config, path))
+    shape = layer_shape_from(config, path)
+    layer_names = check_layer_fits("eagle", shape, tensors, path)  # before anything of that size is built
+    check_known(tensors, {"fc.weight"} | layer_names | shared_embedding(tensors, base, path), path, "EAGLE")
+    prophet = new_prophet(base, "eagle", shape)
     dim = base.to_logits.in_features
     fc = tensor(tensors, "fc.weight", path)  # columns (embedding, feature) -> the prophet's (feature, embedding)
     copy_checked(prophet.fuse.weight, torch.cat((fc[:, dim:], fc[:, :dim]), dim=1), "fc.weight", path)

@@ -26,6 +26,8 @@ from torch import Tensor, nn
 
 from experiments.lib.formats.common import (
     LAYER_SETTINGS,
+    check_known,
+    check_layer_fits,
     check_settings,
     check_tensors,
     check_verifier,
@@ -36,6 +38,7 @@ from experiments.lib.formats.common import (
     llama_config,
     load_layer,
     new_prophet,
+    shared_embedding,
 )
 from experiments.lib.store.served_dir import MARK, FormatError, read_config, read_directory, tensor
 from prophet.model import Prophet
@@ -118,11 +121,15 @@ def from_files(config: dict, tensors: dict[str, Tensor], base: nn.Module, path: 
         raise FormatError(f"{path}: eagle_aux_hidden_state_layer_ids={layers} must ascend (vLLM gathers them in order)")
     shape = layer_shape_from(layer, path, "transformer_layer_config")
     shape |= {"norm_before_residual": config.get("norm_before_residual", True)}
+    layer_names = check_layer_fits("eagle3", shape, tensors, path)  # before anything of that size is built
+    known = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | layer_names
+    check_known(tensors, known | shared_embedding(tensors, base, path), path, "EAGLE-3")
     prophet = new_prophet(base, "eagle3", shape, fuse_layers=list(layers))
     copy_checked(prophet.mix.weight, tensor(tensors, "fc.weight", path), "fc.weight", path)
     load_layer(prophet.decoder, tensors, path)
     copy_checked(prophet.decoder.norm.weight, tensor(tensors, "norm.weight", path), "norm.weight", path)
-    ids = draft_ids(tensors, config.get("draft_vocab_size") or base.num_tokens, base.num_tokens, path)
+    draft_vocab = config.get("draft_vocab_size")
+    ids = draft_ids(tensors, base.num_tokens if draft_vocab is None else draft_vocab, base.num_tokens, path)
     weight = tensor(tensors, "lm_head.weight", path)
     dim = base.to_logits.in_features
     if weight.shape != (ids.numel(), dim):
@@ -133,6 +140,12 @@ def from_files(config: dict, tensors: dict[str, Tensor], base: nn.Module, path: 
 
 def draft_ids(tensors: dict[str, Tensor], draft_vocab: int, vocab_size: int, path: Path) -> Tensor:
     """The target ids of an EAGLE-3 draft vocabulary (Vd,), from d2t OFFSETS, checked against t2d."""
+    if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or not 1 <= draft_vocab <= vocab_size:
+        raise FormatError(f"{path}: draft_vocab_size={draft_vocab!r} must be an integer from 1 to {vocab_size}")
+    if "d2t" in tensors and tensors["d2t"].shape != (draft_vocab,):
+        raise FormatError(f"{path}: d2t is {tuple(tensors['d2t'].shape)}, expected ({draft_vocab},)")
+    if "t2d" in tensors and tensors["t2d"].shape != (vocab_size,):
+        raise FormatError(f"{path}: t2d is {tuple(tensors['t2d'].shape)}, expected ({vocab_size},)")
     if "d2t" not in tensors:
         if draft_vocab != vocab_size:
             raise FormatError(f"{path}: draft_vocab_size={draft_vocab} < {vocab_size} tokens, and no d2t maps them")

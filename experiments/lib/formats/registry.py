@@ -5,7 +5,8 @@ drafter, `check_served` a directory from its files before any model loads.
 project checkpoint: `read` detects the format, reads the directory (config.json and every tensor) once, and
 hands both to that format's reader, which builds the drafter; an export of this project is then held to the base
 it was trained on (its fingerprint). `write` converts a trained drafter with its format's writer and writes the
-directory atomically; a prophet's export is read back by its format's reader before the directory is renamed.
+directory atomically; every export is read back by its format's reader, its logits compared with the drafter's
+bit for bit, before the directory is renamed into place.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def write(
     `vocab`: the sorted ids it was trained to draft from (None: all V); `verifier`, `tokens`: the base and the
     draft length an EAGLE-3 config names. `overwrite`, `keep`: as served_dir.check_out."""
     if fmt == "draft_model":
-        return llama.write(module, out, vocab=vocab, overwrite=overwrite, provenance=provenance, keep=keep)
-    if fmt == "eagle3":
+        tensors, config = llama.export_tensors(module, vocab)
+    elif fmt == "eagle3":
         tensors = eagle3.export_tensors(module, vocab)
         draft_vocab = tensors["lm_head.weight"].shape[0]
         config = eagle3.export_config(module, base, verifier=verifier, draft_vocab=draft_vocab, tokens=tokens)
@@ -60,11 +61,14 @@ def write(
         tensors, config = eagle.export_tensors(module), layer_config(base, module.decoder)
     else:
         tensors, config = medusa.export_tensors(module, base, vocab)
-    read_back = {"eagle3": eagle3.read, "eagle": eagle.read}.get(fmt)
 
-    def check(tmp: Path) -> None:  # a prophet format read back as this project reads it, before renaming
-        if read_back is not None:
-            check_round_trip(module, read_back(tmp, base), base, vocab, out)
+    def check(tmp: Path) -> None:  # every format read back as its reader reads it, before the rename
+        if fmt == "draft_model":
+            llama.check_round_trip(module, llama.read(tmp), vocab, out)
+        elif fmt == "medusa":
+            medusa.check_round_trip(module, medusa.read(tmp, base), base, vocab, out)
+        else:
+            check_round_trip(module, {"eagle3": eagle3.read, "eagle": eagle.read}[fmt](tmp, base), base, vocab, out)
 
     written = write_directory(out, config | provenance, tensors, overwrite=overwrite, keep=keep, check=check)
     log.info("wrote %s (%s, %d tensors) for verifier %s", written, fmt, len(tensors), verifier)

@@ -45,6 +45,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from experiments.lib.common.errors import atomic_path, fsync_directory, write_atomic
+
 log = logging.getLogger(__name__)
 
 MARK = "prophet_medusa"  # the config.json key every export carries (its checkpoint, fingerprints)
@@ -56,6 +58,7 @@ SIZES |= {"num_hidden_layers", "num_heads", "draft_vocab_size", "target_hidden_s
 SIZE_LIMITS = {"num_heads": 256, "num_hidden_layers": 1024, "num_attention_heads": 4096, "num_key_value_heads": 4096}
 SIZE_LIMIT = 1 << 24  # any other size: widths, vocabularies
 LOCK = ".{}.export.lock"
+ATOMIC_TEMP = re.compile(r"^\.|\.\d+\.[0-9a-f]{8}\.tmp$")  # atomic_path's .<name>.<pid>.<hex>.tmp, stripped to <name>
 SIDE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)(\.[0-9a-f]{8})?\.(?P<kind>tmp|old)$")  # older: no hex part
 
 
@@ -215,11 +218,13 @@ def clear_stale(out: Path) -> None:
 
 
 def _only_export_files(path: Path) -> bool:
-    """A directory (not a link) holding at most what an export writes: a temporary directory of one."""
+    """A directory (not a link) holding at most what an export writes (its files, or atomic_path's temporary
+    files of them): a temporary directory of one."""
     try:
-        return path.is_dir() and not path.is_symlink() and {p.name for p in path.iterdir()} <= {CONFIG, WEIGHTS}
+        names = {ATOMIC_TEMP.sub("", p.name) for p in path.iterdir()} if path.is_dir() else None
     except OSError:
         return False
+    return names is not None and not path.is_symlink() and names <= {CONFIG, WEIGHTS}
 
 
 # ------------------------------------------------------------------------------------------------- writing
@@ -261,6 +266,7 @@ def write_directory(
             if check is not None:
                 check(tmp)
             _swap_in(tmp, path, out, overwrite=overwrite)
+            fsync_directory(path.parent)  # the rename itself survives a power cut
         except BaseException:
             if claimed:
                 _remove_if_empty(path)
@@ -290,10 +296,12 @@ def _write_files(tmp: Path, config: dict, tensors: dict[str, Tensor]) -> None:
     state = {
         k: (t.detach().float() if t.is_floating_point() else t.detach()).cpu().contiguous() for k, t in tensors.items()
     }
-    save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=False) + "\n")
+    with atomic_path(tmp / WEIGHTS) as path:  # fsync'd: the directory renamed into place holds files on disk
+        save_file(state, str(path), metadata={"format": "pt"})
+    write_atomic(tmp / CONFIG, json.dumps(config, indent=2, sort_keys=False) + "\n")
     for file in (tmp / WEIGHTS, tmp / CONFIG):
         os.chmod(file, _umask_mode(0o666))
+    fsync_directory(tmp)
 
 
 CHANGED = "changed while the export ran"
