@@ -471,7 +471,9 @@ def test_read_meta_reads_no_weights_and_says_what_a_directory_is(
 ) -> None:
     directory = save(tmp_path / "run" / "checkpoint", make_model())
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "not_hf").mkdir()
+    (tmp_path / "not_hf" / "config.json").write_text("{}")  # a config.json alone is no Hugging Face model
     (tmp_path / "empty").mkdir()
     truncated = save(tmp_path / "truncated", make_model()) / "model.safetensors"
     truncated.write_bytes(truncated.read_bytes()[:-8])
@@ -480,6 +482,7 @@ def test_read_meta_reads_no_weights_and_says_what_a_directory_is(
     for path, fragment in (
         (tmp_path / "run", f"is a run directory, not a checkpoint: give {directory}"),
         (tmp_path / "hf", "is a Hugging Face model directory, not a checkpoint of this project"),
+        (tmp_path / "not_hf", "nor a Hugging Face model directory: its config.json names no 'model_type'"),
         (tmp_path / "empty", "is not a checkpoint directory (no meta.json, no model.safetensors)"),
         (truncated.parent, f"corrupted or truncated {truncated}"),
     ):

@@ -14,6 +14,8 @@ Benchmarks report per category (Spec-Bench's protocol), so a subset keeps every 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +123,10 @@ def _question(item: Any, path: str, line: int, n: int) -> Question:
         turns = item["turns"]
         if not isinstance(turns, list) or not turns:
             raise ValueError(f"{where}: 'turns' must be a non-empty list of strings, got {turns!r}")
+        odd = [(i, t) for i, t in enumerate(turns) if not isinstance(t, str)]
+        if odd:  # a number is no empty text: say what it is
+            i, t = odd[0]
+            raise ValueError(f"{where}: turn {i + 1} is {t!r}, a {type(t).__name__}: 'turns' must be strings")
         category = item.get("category", NO_CATEGORY)
         if not isinstance(category, str) or not category.strip():
             raise ValueError(f"{where}: 'category' must be a non-empty string, got {category!r}")
@@ -167,12 +173,22 @@ def _plain_prompts(lines: list[str]) -> list[str]:
     return [t for t in texts if t.strip()]
 
 
+def file_kind(path: str | Path) -> str:
+    """What a path that exists is, in words: "a directory", "a FIFO", "a character device" ..."""
+    mode = os.stat(path).st_mode
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"))
+    kinds += ((stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
 def read_questions(path: str) -> list[Question]:
     """The questions of a `.jsonl` file (strings, {"prompt"} objects or Spec-Bench questions) or of a
     plain-text file (one-turn prompts, see _plain_prompts), in the file's order."""
     path = str(path)
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise FileNotFoundError(f"prompts file {path!r} does not exist")
+    if not Path(path).is_file():  # a FIFO would block the read, a device (/dev/null) reads as nothing
+        raise ValueError(f"prompts file {path!r} is not a regular file ({file_kind(path)}): give a .jsonl or text file")
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     if path.endswith(".jsonl"):
         questions = _jsonl_questions(lines, path)

@@ -54,6 +54,7 @@ __all__ = [
     "checkpoint_exists",
     "read_meta",
     "check_lm_meta",
+    "hf_config_lacks",
     "is_hf_directory",
     "tokenizer_mismatch",
 ]
@@ -337,6 +338,12 @@ def _not_a_checkpoint(directory: Path) -> CheckpointError:
     if (directory / "checkpoint" / META_FILE).is_file():
         return CheckpointError(f"{directory} is a run directory, not a checkpoint: give {directory / 'checkpoint'}")
     if (directory / "config.json").is_file():
+        lacks = hf_config_lacks(directory)
+        if lacks is not None:  # a config.json alone ({}, say) makes no Hugging Face model
+            return CheckpointError(
+                f"{directory} is neither a checkpoint of this project (no {META_FILE}) nor a Hugging Face model "
+                f"directory: {lacks}"
+            )
         return CheckpointError(
             f"{directory} is a Hugging Face model directory, not a checkpoint of this project "
             f"(no {META_FILE}): only a base LM can be one"
@@ -461,7 +468,24 @@ def load_model(
 
 
 def is_hf_directory(directory: Path) -> bool:
-    return (directory / "config.json").is_file() and not (directory / META_FILE).exists()
+    """A save_pretrained directory: a config.json transformers builds a model from (hf_config_lacks), no meta.json."""
+    config = directory / "config.json"
+    return config.is_file() and not (directory / META_FILE).exists() and hf_config_lacks(directory) is None
+
+
+def hf_config_lacks(directory: Path) -> str | None:
+    """What the directory's config.json lacks to be a Hugging Face model's, in words (None: nothing): a JSON object
+    naming its model_type, which transformers builds the model from."""
+    file = directory / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"its {file.name} is not readable JSON ({one_line(e)})"
+    if not isinstance(config, dict):
+        return f"its {file.name} holds a JSON {type(config).__name__}, not an object"
+    if not isinstance(config.get("model_type"), str) or not config["model_type"].strip():
+        return f"its {file.name} names no 'model_type' (keys: {sorted(config)[:5] or 'none'})"
+    return None
 
 
 def tokenizer_mismatch(what: str, theirs: Tokenizer, ours: Tokenizer, fix: str, *, reference: str = "the base") -> str:
