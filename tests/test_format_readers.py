@@ -175,6 +175,7 @@ def test_an_eagle3_tensor_no_reader_reads_is_named(base: HFBase, eagle3_dir: Pat
     config, tensors = read_directory(eagle3_dir)
     rewrite(eagle3_dir, tensors=tensors | {"layers.1.mlp.up_proj.weight": torch.zeros(2)})
     refused(lambda: eagle3.read(eagle3_dir, base), eagle3_dir, "no EAGLE-3 reader reads: ['layers.1.mlp.up_proj")
+    refused(lambda: check_served(eagle3_dir, "prophet"), eagle3_dir, "no EAGLE-3 reader reads: ['layers.1.mlp")
 
 
 def test_an_eagle3_copy_of_the_embedding_is_read_only_when_it_is_the_bases(base: HFBase, eagle3_dir: Path) -> None:

@@ -1,5 +1,6 @@
 """What the serving formats share: which format a directory holds, the one-layer Llama config and tensor names of
-an EAGLE draft layer, the checks every reader makes, and the read-back an export of a prophet must pass.
+an EAGLE draft layer, the checks every reader makes (sizes against the file's tensors before anything is built, no
+tensor the reader would ignore), and the read-back an export of a prophet must pass.
 
 Every format is one directory: config.json + model.safetensors (experiments/lib/store/served_dir.py writes and
 reads it). What a format cannot hold is refused in one line before anything is written (a bias vLLM would drop,

@@ -67,3 +67,5 @@ def check_files(config: dict, names: set[str], path: Path) -> None:
     """A vLLM EAGLE directory from its config.json and its tensors' names, before any model loads."""
     check_settings(config, LAYER_SETTINGS, path)
     check_tensors(names, ("fc.weight",), path, "eagle")
+    outside_layer = {n for n in names if not n.startswith("layers.0.")}  # the layer's own: checked on read
+    check_known(outside_layer, {"fc.weight", "embed_tokens.weight"}, path, "EAGLE")

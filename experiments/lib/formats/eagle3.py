@@ -206,6 +206,8 @@ def check_files(config: dict, names: set[str], path: Path, base_path: str | Path
     names = {speculators_name(k) for k in names}
     check_settings(layer_settings(config, path), LAYER_SETTINGS, path, within="transformer_layer_config")
     check_tensors(names, ("fc.weight", "norm.weight"), path, "eagle3")
+    known = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight"}
+    check_known({n for n in names if not n.startswith("layers.0.")}, known, path, "EAGLE-3")  # the layer's: on read
     if base_path is not None:
         check_verifier_names(config, path, base_path)
 
