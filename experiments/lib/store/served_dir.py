@@ -59,7 +59,7 @@ SIZE_LIMITS = {"num_heads": 256, "num_hidden_layers": 1024, "num_attention_heads
 SIZE_LIMIT = 1 << 24  # any other size: widths, vocabularies
 LOCK = ".{}.export.lock"
 ATOMIC_TEMP = re.compile(r"^\.|\.\d+\.[0-9a-f]{8}\.tmp$")  # atomic_path's .<name>.<pid>.<hex>.tmp, stripped to <name>
-SIDE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)(\.[0-9a-f]{8})?\.(?P<kind>tmp|old)$")  # older: no hex part
+SIDE = r"^\.{}\.(?P<pid>\d+)(\.[0-9a-f]{{8}})?\.(?P<kind>tmp|old)$"  # .<out>.<pid>.<hex>.tmp; older: no hex
 
 
 class FormatError(ValueError):
@@ -200,9 +200,10 @@ def clear_stale(out: Path) -> None:
     """What an export killed while writing `out` left beside it (call with `out`'s lock held, so no live export
     of this project is writing them): a temporary directory is removed; an earlier export moved aside is put
     back when `out` is gone, else removed; anything else of that name is left and named."""
+    ours = re.compile(SIDE.format(re.escape(out.name)))
     for side in sorted(out.parent.glob(f".{glob.escape(out.name)}.*")):
-        found = SIDE.match(side.name)
-        if found is None or found["name"] != out.name or _alive(int(found["pid"])):
+        found = ours.match(side.name)
+        if found is None or _alive(int(found["pid"])):
             continue
         if found["kind"] == "old" and is_export(side) and not os.path.lexists(out):
             os.rename(side, out)  # killed between moving it aside and renaming the new one in: the only copy
