@@ -29,7 +29,8 @@ Z_999 = 3.0902  # standard normal quantile for significance 0.001
 def sharp_lm(seed: int, scale: float = 2.0):
     # Random small weights give near-uniform distributions; sharpen them so p and q differ visibly
     # (measured: acceptance 0.3-0.5, 60-170 degrees of freedom after pooling).
-    model = make_lm(num_tokens=VOCAB, dim=16, depth=1, seed=seed)
+    # A context of 16 (a prompt of 5 and 4 new tokens fit): the caches of 20,000 rows are sized by it.
+    model = make_lm(num_tokens=VOCAB, dim=16, depth=1, seed=seed, max_seq_len=16)
     with torch.no_grad():
         model.to_logits.weight.mul_(scale)
     return model
