@@ -9,7 +9,14 @@ What a prompt gets does not depend on the batch: its prefill runs alone, every d
 computed as if alone (verify/backends/rows.py), the position-ordered attention adds only its own keys (zeros
 elsewhere change no sum), and at T > 0 each prompt samples from its own generator, seeded per prompt. So a
 prompt's answer is the answer `plain_generate` gives it in a batch of one with that seed, bit for bit, whatever
-the batch size and whichever prompts share its step (tested; on the lean engine's ordered attention).
+the batch size and whichever prompts share its step: tested (tests/test_continuous.py, prompts of 64-1,024
+tokens, more prompts than rows) on the lean Llama engine with ordered attention, eager, on a CPU.
+
+Only there: `check_serving` refuses, in one line, any other engine, attention, compiled step or device. The
+x-transformers engine's attention is one product over the cached slots up to the longest row's, in no
+position order, and its products' rows are not padded (verify/backends/rows.py says why that matters on a
+CPU BLAS): a row's bits there may depend on how long the other rows are and how many share the step. A
+compiled step and a GPU's kernels are not tested for it.
 """
 
 from __future__ import annotations
@@ -70,10 +77,26 @@ def check_request(target: Target, request: Request, *, index: int, capacity: int
 
 
 def check_serving(target: Target, batch: int) -> None:
+    """One-line errors for a target whose rows are not tested to be independent of the batch, and a bad batch."""
+    tested = "the lean Llama engine with ordered attention, eager, on a CPU"
     if not hasattr(target, "fill_row"):
         raise ValueError(
-            f"{type(target).__name__} cannot refill one row of its cache: continuous batching runs on the lean "
-            "engine (engine=lean: x-transformers LMs and transformers' Llama)"
+            f"{type(target).__name__} cannot refill one row of its cache: continuous batching runs on {tested} "
+            "(make_target of a transformers Llama)"
+        )
+    if not target.engine.decoder.orders_attention:
+        raise ValueError(
+            f"engine={type(target.engine.decoder).__name__} (an x-transformers LM): its rows' bits are not tested "
+            f"to be independent of the batch; continuous batching runs on {tested}"
+        )
+    if not target.ordered:
+        raise ValueError(f"ordered=False: continuous batching runs on {tested}; give ordered=True")
+    if target.mode:
+        raise ValueError(f"compile={target.mode!r}: continuous batching runs on {tested}; give compile=False")
+    if target.device.type != "cpu":
+        raise ValueError(
+            f"device={target.device}: continuous batching runs on {tested}; its rows on a "
+            f"{target.device.type} device are not tested to be independent of the batch"
         )
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch={batch!r}: must be an integer >= 1 (rows decoded at once)")
