@@ -1,10 +1,11 @@
 """Ship answer directories with the repository, so that later machines start from them instead of generating again.
 
-    python -m experiments.ship_answers .cache/answers/275e75caa06587ad .cache/answers/275e75caa06587ad-val32
+    python -m experiments.ship_answers .cache/answers/<key>
 
-Each directory's whole shards are gzipped under results/answers/<its name>/ (experiments/lib/training/shipped.py;
-`--out DIR` ships elsewhere). A run with features.source=generated copies them into features.answers_root before
-it generates any answer (features.answers_shipped, default results/answers). Then commit results/answers.
+Each directory's shards (a shard that exists is whole) are gzipped under results/answers/<its name>/
+(experiments/lib/training/shipped.py; `--out DIR` ships elsewhere). A run with features.source=generated copies every
+shipped directory of its setting into features.answers_root before it generates any answer
+(features.answers_shipped, default results/answers). Then commit results/answers.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         shards = shards_written(directory)
-        records = list(answer_records(directory, shards=shards))
+        records = list(answer_records(directory))
         tokens = sum(len(r["answer"]) for r in records)
         size = sum(p.stat().st_size for p in out.iterdir())
-        print(f"{out}: {shards} shards, {len({r['index'] for r in records}):,} questions, {len(records):,} answered "
+        questions = len({r.get("key", r["index"]) for r in records})  # format 1: one list, its positions
+        print(f"{out}: {shards} shards, {questions:,} questions, {len(records):,} answered "
               f"turns, {tokens:,} answer tokens, {size / 1e6:.1f} MB")  # fmt: skip
     return 0
 

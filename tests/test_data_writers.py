@@ -18,7 +18,9 @@ from experiments.lib.data import self_questions as sq
 from experiments.lib.data.pipeline import prepare_data
 from experiments.lib.data.prompts import Question, write_questions
 from experiments.lib.store import pretrained
-from experiments.lib.training.shipped import seed_answers, ship_answers
+from experiments.lib.training.answers import AnswerSpec, generate_answers
+from experiments.lib.training.shipped import seed_directory, ship_answers
+from tests.test_answers import Template, Tokens, questions_of, tiny_llama
 
 FAILS = ["fsync", "replace"]  # a full disk when the data is flushed, or a rename that fails
 
@@ -92,9 +94,18 @@ def test_shipping_and_seeding_answers_leave_no_partial_file(fails, tmp_path, mon
     ship_answers(directory, tmp_path / "shipped")
     failing(monkeypatch, fails)
     with pytest.raises(OSError, match="No space left"):
-        seed_answers(tmp_path / "shipped", tmp_path / "new" / "answers")
+        seed_directory(tmp_path / "shipped" / "answers", tmp_path / "new" / "answers")
     monkeypatch.undo()
     assert not any(p.name.endswith(".tmp") for p in (tmp_path / "new").rglob("*"))
+
+
+@pytest.mark.parametrize("fails", FAILS)
+def test_answer_shards_leave_no_partial_file(fails, tmp_path, monkeypatch):
+    spec = AnswerSpec(base_fingerprint="b", max_new_tokens=4, shard_questions=2)
+    with monkeypatch.context() as m, pytest.raises(OSError, match="No space left"):
+        m.setattr(os, fails, full_disk)
+        generate_answers(tmp_path, tiny_llama(61), Tokens(), Template(), questions_of(4), spec, batch=2)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".") or p.name.startswith("answers-")]
 
 
 def test_the_token_id_cache_is_synced_and_leaves_no_temporary_directory(tmp_path, monkeypatch):

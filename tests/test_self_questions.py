@@ -1,8 +1,9 @@
 """The base's own questions (experiments/lib/data/self_questions.py) and their wiring (features.questions): a
 question depends on its index and the seed only (batch 1 and batch 5 give the same questions), each filter rejects
 what it should, benchmark prompts and quotes of them are dropped, the cached file is reused and named by every
-setting, steering takes the categories in turn, bad settings are one-line errors, and features.questions=mix
-answers bank and self questions while validation stays on the bank's held-out ones."""
+setting, steering takes the categories in turn, bad settings are one-line errors, features.questions=mix
+answers bank and self questions while validation stays on the bank's held-out ones, and more self questions (more
+windows) sample and answer only the new ones."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
+from experiments.lib.data import self_questions as sq
 from experiments.lib.data.chat import ChatTemplate
 from experiments.lib.data.chat_mix import chat_mix_questions
 from experiments.lib.data.prompts import Question
@@ -31,11 +33,12 @@ from experiments.lib.data.self_questions import (
     self_questions,
 )
 from experiments.lib.store import pretrained
-from experiments.lib.store.lm import build_lm
+from experiments.lib.training import generated
 from experiments.lib.training.answers import ASK, AnswerSpec, answer_records, generate_answers, question_sampling
 from experiments.lib.training.features import FeatureSpec, check_features_config
-from experiments.lib.training.generated import VALIDATION_QUESTIONS, generated_windows, mix_questions
-from verify.backends.target import Target
+from experiments.lib.training.generated import generated_records, generated_windows, mix_questions, split_questions
+from tests.test_answers import tiny_llama
+from verify.backends.choose import make_target
 from verify.loop.plain import plain_generate
 from verify.loop.sampling import SamplingConfig
 
@@ -78,8 +81,7 @@ class Template:
 
 @pytest.fixture(scope="module")
 def base():
-    torch.manual_seed(0)
-    return build_lm(num_tokens=V, dim=32, depth=2, heads=2, max_seq_len=256).eval().requires_grad_(False)
+    return tiny_llama(V)
 
 
 def spec_of(**over) -> SelfQuestionSpec:
@@ -102,7 +104,7 @@ def test_questions_are_the_same_whatever_the_batch(base):
     prefix = Template().user_prefix(Tokens())
     for record in one:
         alone = plain_generate(
-            Target(base), [prefix], max_new_tokens=24, sampling=SamplingConfig(temperature=1.0), eos_id=END,
+            make_target(base), [prefix], max_new_tokens=24, sampling=SamplingConfig(temperature=1.0), eos_id=END,
             generator=torch.Generator().manual_seed(question_seed(0, record["index"])),
         ).tokens[0]  # fmt: skip
         assert alone[-1] == END and record["turns"] == [Tokens().decode(alone[:-1], skip_special_tokens=True).strip()]
@@ -290,26 +292,70 @@ def test_mix_answers_bank_and_self_questions_and_validates_on_the_bank(base, tmp
     windows, mask = generated_windows(mix, base, Tokens(), {}, **kwargs)
     assert windows.shape == (8, 129) and mask.any(dim=1).all()
     assert [p.name.rsplit("-", 1)[1] for p in tmp_path.glob("self-questions-*.jsonl")] == ["n4.jsonl"]
-    (mixed,) = [d for d in tmp_path.iterdir() if d.is_dir()]
-    asked = list(dict.fromkeys(r["question_id"] for r in answer_records(mixed)))  # a question's turns: once
+    (directory,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    first = sorted((r for r in answer_records(directory) if r["turn"] == 1), key=lambda r: r["index"])
+    asked = [r["question_id"] for r in first]
     assert asked[:8] == [x for i in range(4) for x in (f"bank-{i}", asked[2 * i + 1])]
     assert all(asked[2 * i + 1].startswith(f"self-{SELF}-") for i in range(4))
     assert len(list(tmp_path.glob("self-questions-*.jsonl"))) == 1
-    generated_windows(feature_spec(windows=6), base, Tokens(), {}, **kwargs)  # the bank alone: another directory
-    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2
-    # validation: the bank's held-out questions, one answer directory whatever the source
-    for source in ("mix", "self", "bank"):
-        generated_windows(feature_spec(questions=source), base, Tokens(), {}, held_out=3, **kwargs)
-    (val,) = [d for d in tmp_path.iterdir() if d.name.endswith("-val3")]
-    held = {r["question_id"] for r in answer_records(val)}
-    assert held == {q.question_id for q in bank[-VALIDATION_QUESTIONS:][:3]} and not held & set(asked)
+    generated_windows(feature_spec(windows=6), base, Tokens(), {}, **kwargs)  # the bank alone: the same directory
+    assert [d for d in tmp_path.iterdir() if d.is_dir()] == [directory]
+    # validation: the bank's held-out questions, the same answers whatever the source
+    held = [generated_records(feature_spec(questions=source), base, Tokens(), {}, held_out=3, **kwargs)
+            for source in ("mix", "self", "bank")]  # fmt: skip
+    assert held[0] == held[1] == held[2]
+    ids = {r["question_id"] for r in held[0]}
+    assert ids == {q.question_id for q in split_questions(bank)[1][:3]} and not ids & set(asked)
+
+
+def test_more_windows_sample_and_answer_only_the_new_self_questions(base, tmp_path, monkeypatch):
+    """Twice the windows of mix: the self questions of the smaller run are the first ones, sampling goes on from
+    the first candidate it did not judge, and only the questions it did not answer are answered."""
+    bank = [Question((f"bank question number {i} about topic {i % 5}",), "qa", f"bank-{i}") for i in range(102)]
+    kwargs = dict(max_new_tokens=6, batch=4, questions=bank, template=Template())
+    asked, sampled, real, sample = [], [], generated.generate_answers, sq.generate_self_questions
+
+    def answering(*args, indices, **kw):
+        asked.append(list(indices))
+        return real(*args, indices=indices, **kw)
+
+    def sampling(*args, **kw):
+        records, stats = sample(*args, **kw)
+        sampled.append(stats["first_candidate_sampled"])
+        return records, stats
+
+    monkeypatch.setattr(generated, "generate_answers", answering)
+    monkeypatch.setattr(sq, "generate_self_questions", sampling)
+    spec = dict(questions="mix", self_questions=None)
+    small = generated_windows(feature_spec(windows=8, **spec), base, Tokens(), {}, root=tmp_path / "grown", **kwargs)
+    grown = generated_windows(feature_spec(windows=16, **spec), base, Tokens(), {}, root=tmp_path / "grown", **kwargs)
+    counts = json.loads(next((tmp_path / "grown").glob("*-n4.json")).read_text())
+    assert sampled == [0, counts["candidates"]]  # the second run sampled from where the first stopped judging
+    # and answered none of the first 8 questions (4 of the bank, 4 of its own, taking turns: after them the bank's
+    # questions move to make room for the new self questions, so those are new questions at their positions)
+    assert min(asked[1]) >= 8 and max(asked[0]) >= 8
+    once = generated_windows(feature_spec(windows=16, **spec), base, Tokens(), {}, root=tmp_path / "once", **kwargs)
+    assert len(asked[1]) < len(asked[2])  # fewer than answering all at once
+    assert torch.equal(grown[0], once[0]) and torch.equal(grown[0][:8], small[0])
+    new, old = (tmp_path / "once").glob("*-n8.jsonl"), (tmp_path / "grown").glob("*-n8.jsonl")
+    assert next(new).read_text() == next(old).read_text()  # the same questions as sampled at once
+
+
+def test_a_grown_file_is_the_file_sampled_at_once(base, tmp_path):
+    three = self_questions(base, Tokens(), Template(), spec_of(n=3), root=tmp_path / "grown", batch=2)
+    seven = self_questions(base, Tokens(), Template(), spec_of(n=7), root=tmp_path / "grown", batch=2)
+    once = self_questions(base, Tokens(), Template(), spec_of(n=7), root=tmp_path / "once", batch=4)
+    assert seven == once and seven[:3] == three
+    grown, fresh = (json.loads(next((tmp_path / d).glob("*-n7.json")).read_text()) for d in ("grown", "once"))
+    for key in ("counts", "candidates", "kept_of_judged_by_category"):  # not "sampled": rows run ahead
+        assert grown[key] == fresh[key], key
 
 
 def test_too_few_self_questions_say_which_setting_to_raise(base, tmp_path):
     bank = [Question((f"bank question number {i}",), "qa", f"bank-{i}") for i in range(100)]
-    with pytest.raises(ValueError, match=r"features.windows=8: .* or set features.self_questions \(now 6\)"):
-        generated_windows(
-            feature_spec(questions="self"), base, Tokens(), {}, root=tmp_path, max_new_tokens=4, batch=4,
+    with pytest.raises(ValueError, match=r"features.windows=13: .* or set features.self_questions \(now 6\)"):
+        generated_windows(  # 6 questions give 12 turns at most
+            feature_spec(questions="self", windows=13), base, Tokens(), {}, root=tmp_path, max_new_tokens=4, batch=4,
             questions=bank, template=Template(),
         )  # fmt: skip
 
@@ -319,12 +365,11 @@ def test_too_few_self_questions_say_which_setting_to_raise(base, tmp_path):
 
 def test_the_base_asks_its_own_follow_up_and_it_is_answered_when_it_passes(base, tmp_path):
     questions = [Question((f"self question {i} here", FOLLOW_UP), SELF, f"self-{i}") for i in range(12)]
-    spec = AnswerSpec(base_fingerprint="b", questions="follow", max_new_tokens=9, dtype="fp32", shard_questions=4)
+    spec = AnswerSpec(base_fingerprint="b", max_new_tokens=9, dtype="fp32", shard_questions=4)
     generate_answers(tmp_path / "a", base, Tokens(), Template(), questions, spec, batch=2)
     generate_answers(tmp_path / "b", base, Tokens(), Template(), questions, spec, batch=5)
-    for i in range(3):  # the batch changes no follow-up and no verdict
-        name = f"answers-{i:05d}.jsonl"
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    shards = [{p.name: p.read_bytes() for p in (tmp_path / d).glob("answers-*.jsonl")} for d in ("a", "b")]
+    assert len(shards[0]) == 3 and shards[0] == shards[1]  # the batch changes no follow-up and no verdict
     records = list(answer_records(tmp_path / "a"))
     by_turn = {(r["index"], r["turn"]): r for r in records}
     followed = [i for i in range(12) if (i, 2) in by_turn]
@@ -335,7 +380,7 @@ def test_the_base_asks_its_own_follow_up_and_it_is_answered_when_it_passes(base,
         said = Tokens().decode(first["answer"], skip_special_tokens=True).strip()
         # what the base asks: its T = 1 continuation of the conversation and the user turn's opening, alone
         ask = plain_generate(
-            Target(base), [Template().user_prefix(Tokens(), [q.turns[0]], [said])], max_new_tokens=96,
+            make_target(base), [Template().user_prefix(Tokens(), [q.turns[0]], [said])], max_new_tokens=96,
             sampling=SamplingConfig(temperature=1.0), eos_id=END,
             generator=torch.Generator().manual_seed(question_sampling(spec, i, ASK)[1]),
         ).tokens[0]  # fmt: skip

@@ -220,9 +220,12 @@ def generate_self_questions(
     *,
     batch: int = 64,
     console: Console | None = None,
+    start: tuple[list[dict], dict] | None = None,
 ) -> tuple[list[dict], dict]:
     """(the first spec.n kept questions as records, what the run counted) sampled from `base` (already in
-    spec.dtype); `template` is the base's ChatTemplate (its user_prefix)."""
+    spec.dtype); `template` is the base's ChatTemplate (its user_prefix). start: (the questions a run of fewer
+    kept, what it counted): sampling goes on from the first candidate that run did not judge, with its filter's
+    state, so the result is the one a single run of spec.n gives, for the new questions' cost alone."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch={batch!r}: must be an integer >= 1 (rows sampled at once)")
     eos = tokenizer.token_to_id("<|im_end|>")
@@ -234,8 +237,16 @@ def generate_self_questions(
     kept: list[dict] = []
     judged_in = Counter()  # category -> candidates judged (how well each steering line keeps)
     done: dict[int, tuple] = {}  # finished candidates read but not judged yet (they finish out of order)
-    issued = finished = judged = tokens = 0
+    finished = judged = tokens = 0
     passing = waiting = 0  # finished candidates that pass reject_reason: all of them, and those not judged yet
+    before = {"tokens": 0, "seconds": 0.0}  # the earlier run's share of the counts
+    if start is not None:
+        kept, counted = list(start[0][: spec.n]), start[1]
+        judged, before = counted["candidates"], {k: counted.get(k, 0) for k in before}
+        check.seen.update(_normalize(r["turns"][0]) for r in kept)
+        check.counts.update(counted["counts"])
+        judged_in.update({c: pair[1] for c, pair in counted.get("kept_of_judged_by_category", {}).items()})
+    first = issued = judged  # this run's first candidate; candidates handed out so far
 
     def pull() -> Request | None:
         nonlocal issued
@@ -243,7 +254,8 @@ def generate_self_questions(
         # short of n. The judged ones alone would lag: judging waits for the lowest index still sampling, and a
         # row left idle meanwhile is shed for good (serve).
         rate = passing / finished if finished else 1.0
-        if len(kept) + waiting + (issued - finished) * max(rate, 0.05) >= spec.n or issued >= limit:
+        flying = issued - first - finished
+        if len(kept) + waiting + flying * max(rate, 0.05) >= spec.n or issued >= limit:
             return None
         issued += 1
         sampling = SamplingConfig(temperature=1.0)
@@ -257,10 +269,11 @@ def generate_self_questions(
     started = logged = time.perf_counter()
     with generation_bar(console, "self questions", BAR) as progress:
         task = progress.add_task("self", total=spec.n, candidates=0, rate=0)
-        for answer in serve(make_target(base), pull, batch=min(batch, spec.n), capacity=capacity, eos_id=eos):
+        rows = min(batch, max(spec.n - len(kept), 1))
+        for answer in serve(make_target(base), pull, batch=rows, capacity=capacity, eos_id=eos):
             text, length, ended, special = read_candidate(tokenizer, answer.tokens, eos)
             passes = reject_reason(text, tokens=length, finished=ended, special=special, spec=spec) is None
-            done[answer.index] = (text, length, ended, special, passes)
+            done[first + answer.index] = (text, length, ended, special, passes)  # serve counts from 0
             finished, passing, waiting = finished + 1, passing + passes, waiting + passes
             tokens += len(answer.tokens)
             while judged in done and len(kept) < spec.n:  # judge in index order: the batch never changes a verdict
@@ -287,9 +300,10 @@ def generate_self_questions(
         )
     seconds = time.perf_counter() - started
     by_category = {c: [sum(r["category"] == c for r in kept), judged_in[c]] for c in judged_in}
+    tokens, seconds = tokens + before["tokens"], seconds + before["seconds"]  # both runs' (one when not resumed)
     stats = {"counts": dict(check.counts), "candidates": judged, "sampled": issued, "tokens": tokens,
              "seconds": round(seconds, 1), "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
-             "kept_of_judged_by_category": by_category}  # fmt: skip
+             "kept_of_judged_by_category": by_category, "first_candidate_sampled": first}  # fmt: skip
     return kept, stats
 
 
@@ -310,7 +324,9 @@ def self_questions(
     candidate's question gets the second turn FOLLOW_UP, which answers.py asks the base to write after its answer."""
     path = _cached(Path(root), spec)
     if path is None:
-        records, stats = generate_self_questions(base, tokenizer, template, spec, batch=batch, console=console)
+        start = _fewer(Path(root), spec)  # a file of fewer: its questions are the first ones, sampling goes on
+        records, stats = generate_self_questions(base, tokenizer, template, spec, batch=batch, console=console,
+                                                 start=start)  # fmt: skip
         path = Path(root) / f"self-questions-{spec.key()}-n{spec.n}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"spec": asdict(spec), "format": FORMAT_VERSION, **stats}
@@ -336,7 +352,30 @@ def self_questions(
     ]  # fmt: skip
 
 
+def _files(root: Path, spec: SelfQuestionSpec) -> dict[int, Path]:
+    """n -> the file of spec's key that holds n questions."""
+    return {int(p.stem.rsplit("-n", 1)[1]): p for p in root.glob(f"self-questions-{spec.key()}-n*.jsonl")}
+
+
 def _cached(root: Path, spec: SelfQuestionSpec) -> Path | None:
     """The file of spec's key that holds the most questions, when that is at least spec.n; else None."""
-    sizes = {int(p.stem.rsplit("-n", 1)[1]): p for p in root.glob(f"self-questions-{spec.key()}-n*.jsonl")}
+    sizes = _files(root, spec)
     return sizes[max(sizes)] if sizes and max(sizes) >= spec.n else None
+
+
+def _fewer(root: Path, spec: SelfQuestionSpec) -> tuple[list[dict], dict] | None:
+    """(the questions, the counts) of the largest file of spec's key, which holds fewer than spec.n (else there
+    would be a cached one); None when there is none or its counts are unreadable (then all are sampled anew)."""
+    sizes = _files(root, spec)
+    if not sizes:
+        return None
+    path = sizes[max(sizes)]
+    try:
+        counted = json.loads(path.with_suffix(".json").read_text())
+        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    except (OSError, ValueError):
+        return None
+    if not isinstance(counted, dict) or not {"candidates", "counts"} <= set(counted):
+        return None
+    log.info("self questions: %d in %s, sampling on from candidate %d", len(records), path, counted["candidates"])
+    return records, counted

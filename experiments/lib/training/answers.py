@@ -6,18 +6,25 @@ with a second turn is asked it after the base's first answer (rendered from the 
 would send it back), so multi-turn text is the base's too. A second turn FOLLOW_UP (given to the base's own
 questions, experiments/lib/data/self_questions.py) is written by the base itself: after its first answer it is
 given the user turn's opening, and what it writes is answered if it passes the self questions' filter. Half of the
-questions (odd indices) are answered at T = 1, each from its own seeded generator, and half greedily: drafting must
-serve both, and an answer depends only on its question, its index and the seed, never on the batch size
-(verify/loop/continuous.py).
+questions (odd positions in the list answered) are answered at T = 1, each from its own seeded generator, and half
+greedily: drafting must serve both, and an answer depends only on its question, its position and the seed, never on
+the batch size (verify/loop/continuous.py).
 
-Layout of an answer directory:
-    meta.json                the AnswerSpec, shards written, and what each holds
-    questions.jsonl          the questions (Spec-Bench's question.jsonl form), their category counts logged
-    answers-00000.jsonl      one record per answered turn: question_id, category, turn, temperature, seed,
-    ...                      prompt (token ids the base was given), answer (its tokens, <|im_end|> included),
-                             and asked (the follow-up's text) on the second turn of a FOLLOW_UP question
-A shard covers `shard_questions` consecutive questions and is written to a temporary name then renamed, so a
-shard that exists is whole and an interrupted run resumes at the first missing one.
+Answers are kept per question: an answer directory is named by the setting alone (the base, the length, the dtype,
+the seed: AnswerSpec.key), and each question's records by question_key (its turns and its position). A longer
+question list whose first questions are a shorter one's (more windows, more self questions) finds their answers
+and answers only the new ones; a list that changes answers only the questions that changed.
+
+Layout of an answer directory (format 2):
+    meta.json                  the setting (AnswerSpec.setting) and the format
+    answers-<hash>.jsonl       up to `shard_questions` questions' records, one per answered turn: index (the
+    ...                        position answered), key (question_key), question_id, category, turn, temperature,
+                               seed, prompt (token ids the base was given), answer (its tokens, <|im_end|> included),
+                               turns (the question, on turn 1), asked (a FOLLOW_UP's text, on turn 2) and skipped
+                               (on turn 1, when the second turn could not be asked: why)
+A shard is named by its questions' keys and written atomically once its last answer arrives, so a shard that exists
+is whole and an interrupted run answers only the questions of the shards it did not write. Directories of format 1
+(one question list, shards by position: the shipped answers of 2026-11) are read by answer_store.py.
 """
 
 from __future__ import annotations
@@ -44,10 +51,14 @@ from verify.backends.choose import make_target
 from verify.loop.continuous import Request, serve
 from verify.loop.sampling import SamplingConfig
 
-__all__ = ["AnswerSpec", "answer_records", "generate_answers", "question_sampling", "shards_written"]
+__all__ = [
+    "AnswerSpec", "answer_records", "generate_answers", "question_key", "question_sampling", "shard_files",
+    "shards_written", "stored_answers",
+]  # fmt: skip
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: a directory per question list, shards by position (answer_store.py reads those)
 ASK = 3  # the turn number of a follow-up question the base is asked to write (a request, never a record)
+MARGIN = 64  # tokens a second turn's prompt may gain when the first answer's text is encoded again
 LOG_EVERY = 30.0  # seconds between progress lines when the console is not a terminal (a run under nohup)
 BAR = "questions · {task.fields[tokens]:,} tokens · {task.fields[rate]:.0f} tok/s"  # the progress bar's live fields
 log = logging.getLogger(__name__)
@@ -55,14 +66,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AnswerSpec:
-    """Everything that decides an answer directory's contents (the batch size does not)."""
+    """Everything that decides an answer (the question and its position aside; the batch size does not)."""
 
     base_fingerprint: str
-    questions: str  # the question list's key (its source, size and seed)
     max_new_tokens: int = 512  # per answered turn
     dtype: str = "bf16"  # what the base decodes in: bf16 answers are bf16 decoding's, not fp32's
     seed: int = 0
-    shard_questions: int = 32  # a shard is written once its questions are answered: small shards lose little
+    shard_questions: int = 32  # questions per shard: how much an interruption loses, not what is answered
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "shard_questions"):
@@ -72,9 +82,19 @@ class AnswerSpec:
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"answers.dtype={self.dtype!r}: must be bf16 or fp32")
 
+    def setting(self) -> dict:
+        """The fields that decide an answer: what a directory of answers is named by."""
+        return {k: v for k, v in asdict(self).items() if k != "shard_questions"}
+
     def key(self) -> str:
-        record = {**asdict(self), "format": FORMAT_VERSION}
+        record = {**self.setting(), "format": FORMAT_VERSION}
         return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def question_key(question: Question, index: int) -> str:
+    """Names one question's answers in a directory: its turns and its position in the list answered (the position
+    decides its temperature and seed: question_sampling)."""
+    return hashlib.sha256(json.dumps([list(question.turns), index]).encode()).hexdigest()[:16]
 
 
 def question_sampling(spec: AnswerSpec, index: int, turn: int) -> tuple[SamplingConfig, int]:
@@ -84,16 +104,36 @@ def question_sampling(spec: AnswerSpec, index: int, turn: int) -> tuple[Sampling
     return SamplingConfig(temperature=temperature), spec.seed * 1_000_003 + 4099 * index + turn
 
 
-def _shard_path(directory: Path, i: int) -> Path:
-    return directory / f"answers-{i:05d}.jsonl"
+def shard_files(directory: str | Path) -> list[Path]:
+    """The shards of an answer directory, by name."""
+    return sorted(Path(directory).glob("answers-*.jsonl"))
 
 
 def shards_written(directory: str | Path) -> int:
-    """How many shards of an answer directory exist, counted from the first (a later one alone does not count)."""
-    i = 0
-    while _shard_path(Path(directory), i).exists():
-        i += 1
-    return i
+    return len(shard_files(directory))
+
+
+def read_shard(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def answer_records(directory: str | Path) -> Iterator[dict]:
+    """Every record of an answer directory, shard by shard (by name), each shard in question order."""
+    for path in shard_files(directory):
+        yield from read_shard(path)
+
+
+def stored_answers(directory: str | Path, *, cache: dict[str, list[dict]] | None = None) -> dict[str, list[dict]]:
+    """question_key -> that question's records (turn 1 first) in a directory of format 2. `cache` (shard name ->
+    records) spares reading a shard twice in one run: a written shard never changes."""
+    cache = {} if cache is None else cache
+    found: dict[str, list[dict]] = {}
+    for path in shard_files(directory):
+        if path.name not in cache:
+            cache[path.name] = read_shard(path)
+        for record in cache[path.name]:
+            found.setdefault(record["key"], []).append(record)
+    return found
 
 
 def _check_meta(directory: Path, spec: AnswerSpec) -> None:
@@ -101,13 +141,46 @@ def _check_meta(directory: Path, spec: AnswerSpec) -> None:
     if not path.exists():
         return
     try:
-        found = json.loads(path.read_text())["spec"]
+        meta = json.loads(path.read_text())
+        found, version = meta["spec"], meta["format"]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path} is not an answer directory's meta.json ({type(e).__name__}): delete it") from None
-    wanted = asdict(spec)
+    if version != FORMAT_VERSION:
+        raise ValueError(f"answer directory {directory} has format {version!r}, not {FORMAT_VERSION}: choose another")
+    wanted = spec.setting()
     diff = ", ".join(f"{k}: written {found.get(k)!r}, wanted {v!r}" for k, v in wanted.items() if found.get(k) != v)
     if diff:
         raise ValueError(f"answer directory {directory} was written for another setting ({diff}): choose another one")
+
+
+class _Shards:
+    """The shards being answered: each holds its questions' records until its last question closes, then writes
+    them and lets them go, so a run holds only its open shards' records."""
+
+    def __init__(self, directory: Path, questions: list[Question], missing: list[int], size: int):
+        self.directory, self.size = directory, size
+        self.chunk = {j: k // size for k, j in enumerate(missing)}  # question -> its shard among this run's
+        self.open = {k: [] for k in range(-(-len(missing) // size))}  # shard -> its records so far
+        self.left = Counter(self.chunk.values())  # shard -> its questions not closed yet
+        self.keys = {k: [] for k in self.open}
+        for j in missing:
+            self.keys[self.chunk[j]].append(question_key(questions[j], j))
+
+    def add(self, record: dict) -> None:
+        k = self.chunk[record["index"]]
+        self.open[k].append(record)
+        self.left[k] -= record["last"]
+        if self.left[k] == 0:  # its last answer: the shard is whole
+            name = hashlib.sha256("\n".join(self.keys[k]).encode()).hexdigest()[:16]
+            records = sorted(self.open.pop(k), key=lambda r: (r["index"], r["turn"]))
+            write_atomic(self.directory / f"answers-{name}.jsonl", "".join(_line(r) for r in records))
+
+    def held(self) -> int:
+        return sum(len(records) for records in self.open.values())
+
+
+def _line(record: dict) -> str:
+    return json.dumps(record, separators=(",", ":")) + "\n"
 
 
 def generate_answers(
@@ -118,54 +191,43 @@ def generate_answers(
     questions: list[Question],
     spec: AnswerSpec,
     *,
+    indices: list[int] | None = None,
     batch: int = 64,
     console: Console | None = None,
 ) -> Path:
-    """Answer `questions` (those of every shard that is missing) with `base` (already in spec.dtype), in one
-    continuous stream: a shard is written as soon as its last answer arrives. Returns the directory."""
+    """Answer questions[j] for j in `indices` (None: all) that the directory lacks, with `base` (already in
+    spec.dtype), in one continuous stream: a shard of spec.shard_questions of them is written as soon as its last
+    answer arrives. Returns the directory."""
     directory = Path(directory)
     _check_meta(directory, spec)
     directory.mkdir(parents=True, exist_ok=True)
-    size = spec.shard_questions
-    shards = -(-len(questions) // size)
-    _write_json(directory / "meta.json", {"spec": asdict(spec), "format": FORMAT_VERSION, "shards": shards})
-    # the questions as Spec-Bench's question.jsonl beside their answers: what was asked, readable without the code
-    _write_lines(directory / "questions.jsonl", [q.as_json() for q in questions])
-    counts = Counter(q.category for q in questions)
-    log.info("%d questions by category: %s", len(questions), ", ".join(f"{c} {n}" for c, n in counts.items()))
-    missing = [i for i in range(shards) if not _shard_path(directory, i).exists()]
+    write_atomic(directory / "meta.json", json.dumps({"spec": spec.setting(), "format": FORMAT_VERSION}, indent=1))
+    indices = list(range(len(questions))) if indices is None else list(indices)
+    stored = stored_answers(directory)
+    missing = [j for j in indices if question_key(questions[j], j) not in stored]
     if not missing:
         return directory
-    pending = {i: [] for i in missing}  # shard -> its records so far
-    closed = Counter()  # shard -> its questions answered to their last turn (a follow-up may end a question early)
-    indices = [j for i in missing for j in range(i * size, min((i + 1) * size, len(questions)))]
+    counts = Counter(questions[j].category for j in missing)
+    log.info("answering %d questions by category: %s", len(missing), ", ".join(f"{c} {n}" for c, n in counts.items()))
+    shards = _Shards(directory, questions, missing, spec.shard_questions)
     console = console or Console(stderr=True)
     with generation_bar(console, "answers", BAR) as progress:
-        task = progress.add_task("answers", total=len(questions), completed=len(questions) - len(indices), tokens=0,
-                                 rate=0)  # fmt: skip
+        task = progress.add_task("answers", total=len(missing), completed=0, tokens=0, rate=0)
         started, tokens, logged, answered = time.perf_counter(), 0, time.perf_counter(), 0
         eos = tokenizer.token_to_id("<|im_end|>")
-        for record in _answer_stream(make_target(base), tokenizer, template, questions, spec, indices=indices,
+        for record in _answer_stream(make_target(base), tokenizer, template, questions, spec, indices=missing,
                                      batch=batch, eos_id=eos):  # fmt: skip
-            k = record["index"] // size
-            pending[k].append(record)
-            closed[k] += record["last"]
-            if closed[k] == len(questions[k * size : (k + 1) * size]):  # its last answer: the shard is whole
-                _write_lines(_shard_path(directory, k), sorted(pending[k], key=_order))
+            shards.add(record)
             tokens += len(record["answer"])
             now = time.perf_counter()
             rate, answered = tokens / (now - started), answered + int(record["last"])
             progress.update(task, advance=int(record["last"]), tokens=tokens, rate=rate)
             if not console.is_terminal and now - logged > LOG_EVERY:
-                left = (len(indices) - answered) * (now - started) / max(answered, 1)
+                left = (len(missing) - answered) * (now - started) / max(answered, 1)
                 log.info("answers: %d/%d questions, %d tokens, %.0f tok/s, about %.0f min left",
-                         len(questions) - len(indices) + answered, len(questions), tokens, rate, left / 60)  # fmt: skip
+                         answered, len(missing), tokens, rate, left / 60)  # fmt: skip
                 logged = now
     return directory
-
-
-def _order(record: dict) -> tuple[int, int]:
-    return record["index"], record["turn"]
 
 
 def _answer_stream(
@@ -176,30 +238,40 @@ def _answer_stream(
     first answer arrives, so a question's turns finish close together and shards are written as the stream runs.
     A FOLLOW_UP second turn is the base's own: asked (the conversation so far, then the user turn's opening,
     sampled at T = 1 from the question's seed) and judged by FollowUpFilter before it is answered; the first
-    answer's record waits for that verdict, and is the question's last when the follow-up is rejected."""
+    answer's record waits for that verdict, and is the question's last when the follow-up is rejected. A second
+    turn whose prompt outgrew the rows (the first answer's text encodes to more tokens than it had) is skipped,
+    recorded on the first turn's record with its reason: the question is whole, never asked again on a resume."""
     queue: deque[tuple[Request, int, int]] = deque()  # (request, question index, turn)
     for j in indices:
         sampling, seed = question_sampling(spec, j, 1)
         prompt = template.encode(tokenizer, [questions[j].turns[0]])
         queue.append((Request(prompt, spec.max_new_tokens, sampling, seed), j, 1))
-    taken: list[tuple[Request, int, int]] = []
+    taken: dict[int, tuple[Request, int, int]] = {}  # serve's request index -> the request, until it is answered
+    pulled = 0
 
     def pull() -> Request | None:
+        nonlocal pulled
         if not queue:
             return None
-        taken.append(queue.popleft())
-        return taken[-1][0]
+        taken[pulled], pulled = queue.popleft(), pulled + 1
+        return taken[pulled - 1][0]
 
     # A second turn's prompt holds the first answer (re-encoded from its text: a few tokens either way) and turn 2;
     # a follow-up the base writes is up to follow.spec.max_tokens long.
     asked = [questions[j].turns[:2] for j in indices]
     longest = max(len(template.encode(tokenizer, list(turns), [""] * (len(turns) - 1))) for turns in asked)
     follow = FollowUpFilter() if any(turns[1:] == (FOLLOW_UP,) for turns in asked) else None
-    capacity = longest + 2 * spec.max_new_tokens + 64 + (follow.spec.max_tokens if follow else 0)
+    capacity = longest + 2 * spec.max_new_tokens + MARGIN + (follow.spec.max_tokens if follow else 0)
+
+    def fits(prompt: list[int], new: int) -> str | None:
+        if len(prompt) + new <= capacity:
+            return None
+        return f"second turn's prompt of {len(prompt)} tokens + {new} new is more than the rows' {capacity}"
+
     first: dict[int, tuple[str, dict]] = {}  # question -> its first answer's text and record, awaiting a follow-up
     follow_ups: dict[int, str] = {}  # question -> the follow-up the base asked, being answered
     for answer in serve(target, pull, batch=min(batch, len(indices)), capacity=capacity, eos_id=eos_id):
-        request, j, turn = taken[answer.index]
+        request, j, turn = taken.pop(answer.index)
         q = questions[j]
         if turn == ASK:  # the base's follow-up question: answered next if it is one, else the question ends
             text, length, finished, special = read_candidate(tokenizer, answer.tokens, eos_id)
@@ -207,57 +279,48 @@ def _answer_stream(
             if follow(text, tokens=length, finished=finished, special=special) is None:
                 sampling, seed = question_sampling(spec, j, 2)
                 prompt = template.encode(tokenizer, [q.turns[0], text], [said])
-                queue.appendleft((Request(prompt, spec.max_new_tokens, sampling, seed), j, 2))
-                follow_ups[j] = text
-            yield {**record, "last": j not in follow_ups}
+                record["skipped"] = fits(prompt, spec.max_new_tokens)
+                if record["skipped"] is None:
+                    queue.appendleft((Request(prompt, spec.max_new_tokens, sampling, seed), j, 2))
+                    follow_ups[j] = text
+            yield _finish({**record, "last": j not in follow_ups})
             continue
         last = turn == len(q.turns) or turn == 2
         record = {
-            "index": j,
-            "question_id": q.question_id,
-            "category": q.category,
-            "turn": turn,
-            "temperature": request.sampling.temperature,
-            "seed": request.seed,
-            "prompt": request.prompt,
-            "answer": answer.tokens,
-            "last": last,
-        }
+            "index": j, "key": question_key(q, j), "question_id": q.question_id, "category": q.category,
+            "turn": turn, "temperature": request.sampling.temperature, "seed": request.seed,
+            "prompt": request.prompt, "answer": answer.tokens, "last": last,
+        }  # fmt: skip
+        if turn == 1:
+            record["turns"] = list(q.turns)  # what was asked, readable beside its answer
         if turn == 2 and j in follow_ups:
-            record["asked"] = follow_ups.pop(j)  # what the base asked itself: not in questions.jsonl
+            record["asked"] = follow_ups.pop(j)  # what the base asked itself
         if not last:  # the second turn, after the base's first answer as its text
             text = tokenizer.decode(answer.tokens, skip_special_tokens=True).strip()
             if q.turns[1] == FOLLOW_UP:
                 seed = question_sampling(spec, j, ASK)[1]
                 prompt = template.user_prefix(tokenizer, [q.turns[0]], [text])
-                queue.appendleft((Request(prompt, follow.spec.max_tokens, SamplingConfig(temperature=1.0), seed), j,
-                                  ASK))  # fmt: skip
-                first[j] = (text, record)
-                continue
-            sampling, seed = question_sampling(spec, j, 2)
-            prompt = template.encode(tokenizer, list(q.turns[:2]), [text])
-            queue.appendleft((Request(prompt, spec.max_new_tokens, sampling, seed), j, 2))
-        yield record
+                record["skipped"] = fits(prompt, follow.spec.max_tokens)
+                if record["skipped"] is None:
+                    queue.appendleft((Request(prompt, follow.spec.max_tokens, SamplingConfig(temperature=1.0), seed),
+                                      j, ASK))  # fmt: skip
+                    first[j] = (text, record)
+                    continue
+            else:
+                sampling, seed = question_sampling(spec, j, 2)
+                prompt = template.encode(tokenizer, list(q.turns[:2]), [text])
+                record["skipped"] = fits(prompt, spec.max_new_tokens)
+                if record["skipped"] is None:
+                    queue.appendleft((Request(prompt, spec.max_new_tokens, sampling, seed), j, 2))
+            record["last"] = record["skipped"] is not None
+        yield _finish(record)
 
 
-def answer_records(directory: str | Path, *, shards: int | None = None) -> Iterator[dict]:
-    """The records of an answer directory's first `shards` shards (None: all it lists), in question order (turn 1
-    before turn 2)."""
-    directory = Path(directory)
-    shards = json.loads((directory / "meta.json").read_text())["shards"] if shards is None else shards
-    for i in range(shards):
-        path = _shard_path(directory, i)
-        if not path.exists():
-            raise ValueError(f"answer directory {directory} lacks {path.name}: generate the answers first")
-        with path.open() as f:
-            for line in f:
-                yield json.loads(line)
-
-
-def _write_json(path: Path, value: dict) -> None:
-    write_atomic(path, json.dumps(value, indent=1))
-
-
-def _write_lines(path: Path, records: list[dict]) -> None:
-    """Atomic (write_atomic: fsync'd, renamed, nothing left behind on failure): a shard that exists is whole."""
-    write_atomic(path, "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records))
+def _finish(record: dict) -> dict:
+    """The record as written: a second turn that was asked leaves no `skipped` behind; one that was not says why."""
+    if record.get("skipped", "") is None:
+        del record["skipped"]
+    elif "skipped" in record:
+        log.warning("question %s: %s; its first turn is kept, the second skipped", record["question_id"],
+                    record["skipped"])  # fmt: skip
+    return record
