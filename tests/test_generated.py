@@ -249,7 +249,7 @@ def test_a_bf16_teacher_names_its_cache_and_computes_in_bf16(tmp_path):
 
 def test_validation_uses_the_teacher_of_the_training_features():
     """Held-out answers are computed by the same teacher as the cache (its dtype): chain_tau on bf16 features is
-    measured on bf16 states."""
+    measured on bf16 states; the batches are a category's each."""
     from types import SimpleNamespace
 
     from experiments.lib.training.drafter_trainer import validation_batches
@@ -257,12 +257,41 @@ def test_validation_uses_the_teacher_of_the_training_features():
     from experiments.lib.training.precision import cast_copy
 
     base, (windows, mask) = make_base(), answered_windows(3)
+    records = [{"category": c} for c in ("qa", "rag", "qa")]
     cfg = SimpleNamespace(eval_blocks=3, features=SimpleNamespace(top_k=8))
+    rows = {"qa": [0, 2], "rag": [1]}
+
+    def windows_of(chosen):  # the windows of the held-out records given (here: by their category)
+        picked = rows[chosen[0]["category"]]
+        return windows[picked], mask[picked]
+
     for teacher in ("bf16", "fp32"):
-        batches = SimpleNamespace(spec=spec_for(teacher=teacher), layers=(), answered=lambda held_out: (windows, mask))
-        (got,) = validation_batches(cfg, base, None, batches, seq_len=16, device=torch.device("cpu"))
-        want = teacher_batch(cast_copy(base, teacher), windows, top_k=8)
-        assert torch.equal(got.hidden, want.hidden) and torch.equal(got.mask, mask)
+        batches = SimpleNamespace(spec=spec_for(teacher=teacher), layers=(), held_out=lambda n: records,
+                                  windows=windows_of)  # fmt: skip
+        got = validation_batches(cfg, base, None, batches, seq_len=16, device=torch.device("cpu"))
+        assert [c for c, _ in got] == ["qa", "rag"]
+        for category, batch in got:
+            want = teacher_batch(cast_copy(base, teacher), windows[rows[category]], top_k=8)
+            assert torch.equal(batch.hidden, want.hidden) and torch.equal(batch.mask, mask[rows[category]])
+
+
+def test_validation_reports_chain_tau_by_category():
+    """chain_tau over every held-out answer position (what picks the best checkpoint, as before), and per category:
+    a category's figure is the mean over its own positions."""
+    from types import SimpleNamespace
+
+    from experiments.lib.training.drafter_trainer import validate
+
+    def batch(rows: int, tau: float):
+        return SimpleNamespace(tokens=torch.zeros(rows, 4), mask=None, tau=tau)
+
+    family = SimpleNamespace(evaluate=lambda module, base, b, vocab: {"chain_tau": b.tau, "agree": b.tau / 4})
+    batches = [batch(2, 1.0), batch(1, 2.5), batch(1, 4.0)]
+    got = validate(family, torch.nn.Identity(), None, batches, vocab=None, categories=["qa", "rag", "qa"])
+    assert got["chain_tau"] == pytest.approx((2 * 1.0 + 2.5 + 4.0) / 4)
+    assert got["chain_tau/qa"] == pytest.approx((2 * 1.0 + 4.0) / 3) and got["chain_tau/rag"] == 2.5
+    plain = validate(family, torch.nn.Identity(), None, batches, vocab=None)  # a corpus's windows: no categories
+    assert not [k for k in plain if k.startswith("chain_tau/")] and plain["chain_tau"] == got["chain_tau"]
 
 
 def test_teacher_auto_follows_the_answers_dtype():

@@ -50,7 +50,7 @@ from experiments.lib.training.features import (
     open_features,
     teacher_batch,
 )
-from experiments.lib.training.generated import generated_windows
+from experiments.lib.training.generated import conversation_windows, generated_records, generated_windows
 from experiments.lib.training.loop import (
     LoopSettings,
     LoopState,
@@ -162,40 +162,62 @@ def layers_needed(cfg: DictConfig) -> tuple[int, ...]:
 
 @torch.no_grad()
 def validate(
-    family: Family, module: nn.Module, base: nn.Module, batches: list[FeatureBatch], *, vocab: Tensor | None
+    family: Family,
+    module: nn.Module,
+    base: nn.Module,
+    batches: list[FeatureBatch],
+    *,
+    vocab: Tensor | None,
+    categories: list[str | None] | None = None,
 ) -> dict[str, float]:
     """Drafter metrics over the fixed validation batches, averaged with weights by batch size (by answer positions
     for masked batches), `chain_tau` (every family reports it: the figure the best checkpoint is picked by) and
-    `mean_agree`: the mean of the per-position agreements (`agree`, `head{k}_agree`, `step{j}_agree`)."""
+    `mean_agree`: the mean of the per-position agreements (`agree`, `head{k}_agree`, `step{j}_agree`). Batches
+    with a category (`categories`, one per batch: held-out questions') also give `chain_tau/<category>`:
+    acceptance differs by task, and a mean over the categories can hide one the drafter fails."""
     module.eval()
+    categories = categories or [None] * len(batches)
     totals: dict[str, float] = {}
-    rows = sum(eval_weight(b) for b in batches)
-    for batch in batches:
+    weights: dict[str | None, float] = {}
+    taus: dict[str | None, float] = {}
+    for category, batch in zip(categories, batches):
         for key, value in family.evaluate(module, base, batch, vocab=vocab).items():
             totals[key] = totals.get(key, 0.0) + float(value) * eval_weight(batch)
+            if key == MONITOR.metric:
+                taus[category] = taus.get(category, 0.0) + float(value) * eval_weight(batch)
+        weights[category] = weights.get(category, 0.0) + eval_weight(batch)
     module.train()
+    rows = sum(weights.values())
     metrics = {key: value / max(rows, 1) for key, value in totals.items()}
     agree = [value for key, value in metrics.items() if key == "agree" or key.endswith("_agree")]
     if not agree or MONITOR.metric not in metrics:
         raise ValueError(f"the drafter's evaluate reports no agreement or {MONITOR.metric} (got {sorted(metrics)})")
-    return {**metrics, "mean_agree": sum(agree) / len(agree)}
+    by_category = {f"{MONITOR.metric}/{c}": tau / max(weights[c], 1) for c, tau in taus.items() if c is not None}
+    return {**metrics, "mean_agree": sum(agree) / len(agree), **by_category}
 
 
-def validation_batches(cfg, base: nn.Module, data, batches, *, seq_len: int, device: torch.device) -> list:
-    """The fixed validation batches: with generated answers, the base's answers to cfg.eval_blocks held-out
-    questions (the text a drafter drafts, masked to the answers); else cfg.eval_blocks windows of the corpus's
-    validation split. Computed by the teacher the training features came from (its dtype)."""
+def validation_batches(
+    cfg, base: nn.Module, data, batches, *, seq_len: int, device: torch.device
+) -> list[tuple[str | None, FeatureBatch]]:
+    """The fixed validation batches, each with its category: with generated answers, the base's answers to
+    cfg.eval_blocks held-out questions (the text a drafter drafts, masked to the answers; the categories take
+    turns among them), batched by category; else cfg.eval_blocks windows of the corpus's validation split
+    (category None). Computed by the teacher the training features came from (its dtype)."""
     if batches.spec is not None and batches.spec.source == "generated":
-        windows, mask = batches.answered(held_out=cfg.eval_blocks)
-        chunks = zip(windows.split(16), mask.split(16))
+        records = batches.held_out(cfg.eval_blocks)
+        chunks = []
+        for category in dict.fromkeys(r["category"] for r in records):
+            windows, mask = batches.windows([r for r in records if r["category"] == category])
+            chunks += [(category, w, m) for w, m in zip(windows.split(16), mask.split(16))]
+        log.info("validation: %d held-out turns of %d categories", len(records), len({c for c, _, _ in chunks}))
     else:
         blocks = validation_blocks(data.val_ids, seq_len=seq_len, eval_blocks=cfg.eval_blocks)
-        chunks = ((chunk, None) for chunk in blocks.split(16))
+        chunks = [(None, chunk, None) for chunk in blocks.split(16)]
     out, teacher = [], base if batches.spec is None else cast_copy(base, batches.spec.teacher)
-    for chunk, m in chunks:
+    for category, chunk, m in chunks:
         batch = teacher_batch(teacher, chunk.to(device), layers=batches.layers, top_k=cfg.features.top_k)
         batch.mask = None if m is None else m.to(device)
-        out.append(batch)
+        out.append((category, batch))
     return out
 
 
@@ -311,10 +333,21 @@ class Batches:
     def answered(self, *, held_out: int = 0) -> tuple[Tensor, Tensor]:
         """The base's answered turns as windows (N, T + 1) and answer masks (N, T): the training windows, or those
         of the first `held_out` held-out questions (generated first where missing)."""
+        return self.windows(self.held_out(held_out)) if held_out else self._generated(generated_windows)
+
+    def held_out(self, n: int) -> list[dict]:
+        """The answered turns of the first n held-out questions (generated first where missing), with categories."""
+        return self._generated(generated_records, held_out=n)
+
+    def windows(self, records: list[dict]) -> tuple[Tensor, Tensor]:
+        pad = self.data.tokenizer.token_to_id("<|im_end|>")
+        return conversation_windows(records, seq_len=self.spec.seq_len, pad_id=0 if pad is None else pad)
+
+    def _generated(self, read, **kwargs):
         f = self.cfg.features
-        return generated_windows(
+        return read(
             self.spec, self.base, self.data.tokenizer, self.base_meta, root=f.answers_root,
-            max_new_tokens=self.spec.answer_tokens, batch=f.answer_batch, held_out=held_out, shipped=f.answers_shipped,
+            max_new_tokens=self.spec.answer_tokens, batch=f.answer_batch, shipped=f.answers_shipped, **kwargs,
         )  # fmt: skip
 
     def __call__(self, step: int) -> FeatureBatch:
@@ -423,9 +456,8 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
     if ctx.main:  # only rank 0 validates; computed once: the base is frozen
         val_batches = validation_batches(cfg, base, data, batches, seq_len=seq_len, device=device)
         if batches.spec is not None and batches.spec.source == "generated" and vocab is not None:
-            log.info(
-                "training vocabulary covers %.1f%% of the held-out answers' tokens", 100 * coverage(vocab, val_batches)
-            )
+            covered = coverage(vocab, [b for _, b in val_batches])
+            log.info("training vocabulary covers %.1f%% of the held-out answers' tokens", 100 * covered)
     optimizer = make_optimizer(
         module, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay
     )
@@ -464,7 +496,9 @@ def _train(cfg: DictConfig, *, ctx: Dist, device: torch.device, out_dir: Path) -
         loss_fn=lambda m, b: family.loss(m, base, b, vocab=vocab, **share(loss_kwargs, b, batch_size)),
         batch_fn=batches,
         count_fn=positions_trained,
-        validate_fn=lambda: validate(family, module, base, val_batches, vocab=vocab),
+        validate_fn=lambda: validate(
+            family, module, base, [b for _, b in val_batches], vocab=vocab, categories=[c for c, _ in val_batches]
+        ),
         save_fn=save_fn,
         optimizer=optimizer,
         settings=LoopSettings.from_config(cfg),
