@@ -90,6 +90,18 @@ def test_a_batched_run_timed_by_its_longest_rows_is_not_disturbed(monkeypatch) -
     assert plains[0]["tokens"] / plains[0]["call_forwards"] == pytest.approx(1.3)  # the step check per forward
 
 
+def test_the_report_compares_a_batch_verification_with_a_plain_step_not_a_token(monkeypatch, tmp_path) -> None:
+    """verify/step: the method's target seconds per step over plain decoding's per step of the batch (1.3
+    tokens a step here), not per token: 30 forwards in 29 steps at one plain step each, 1.03, not 1.34."""
+    plains, rows = run(monkeypatch, batched(), BATCHES, LABELS)
+    for r in plains + rows:
+        r |= dict(repeat4=0.1, warmup_s=0.1)
+    rows[0] |= dict(rule="greedy", lossless=True, exact=True, alpha=0.5, acceptance_by_position=[0.5])
+    write_report({"cpu": "AMD EPYC", "plain": plains, "methods": rows, "disturbed": []}, tmp_path)
+    line = next(x for x in (tmp_path / "results.md").read_text().splitlines() if x.startswith("| prompt_lookup"))
+    assert line.split("|")[12].strip() == f"{30 / 29:.2f}"
+
+
 def test_a_doctored_batched_speedup_is_flagged(monkeypatch) -> None:
     """The same method timed at half what its forwards allow (6.67x where 3.33x is the most): disturbed."""
     plains, rows = run(monkeypatch, batched(speed=0.5), BATCHES, LABELS)

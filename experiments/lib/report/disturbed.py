@@ -176,7 +176,8 @@ def disturbed_note(reasons: list[str]) -> str:
     lines = "\n".join(f"- {r}" for r in reasons)
     return (
         "**DISTURBED RUN**: some figures cannot be (above the bound max(1, tau / verify cost) or an efficiency of "
-        f"1, by more than {100 * TOLERANCE:.0f}%, or plain decoding's own rate varied more than {PLAIN_SPREAD}x "
+        f"1, by more than {100 * TOLERANCE:.0f}%, where at batch > 1 tau counts each batch's longest row's "
+        f"forwards against plain decoding's; or plain decoding's own rate varied more than {PLAIN_SPREAD}x "
         "between rounds): the machine's load changed while it was timed. No winner is named; rerun on a quiet "
         f"machine.\n{lines}\n\n"
     )

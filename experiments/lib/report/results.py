@@ -18,7 +18,8 @@ efficiency = speedup / tau (the share of the algorithmic gain that survives draf
 draft % = share of wall time spent in the drafter; rest % = share spent neither drafting nor in the target's
 forward and acceptance (the loop's own bookkeeping, cache commits, host reads);
 verify/step and draft/step = the target's (verification) and the drafter's seconds per decoding step over plain
-decoding's seconds per token in the same setting: the regime a speedup has to come from;
+decoding's seconds per step in the same setting (a step of every row of a batch: per token at batch 1): the regime
+a speedup has to come from;
 exact = token-identical to plain at temperature 0;
 lossless = the acceptance rule keeps the target's distribution (a lenient `delta` or typical acceptance does not).
 """
@@ -156,9 +157,12 @@ def base_line(base: dict, dtype: str = "float32") -> str:
 
 
 def plain_step(results: dict, row: dict) -> float:
-    """Plain decoding's seconds per token in `row`'s setting and temperature."""
+    """Plain decoding's seconds per step (one forward of every row of a batch) in `row`'s setting and temperature:
+    its seconds per token times its tokens per step, the batch's rows (1 at batch 1, and for results written
+    before the benchmark counted forwards). Per token, a batch of 4 would show a verification at 4x its cost."""
     plain = next(p for p in results["plain"] if mode(p) == mode(row) and p["temperature"] == row["temperature"])
-    return 1 / plain["tokens_per_s"]
+    per_step = plain["tokens"] / plain["call_forwards"] if plain.get("call_forwards") else 1.0
+    return per_step / plain["tokens_per_s"]
 
 
 def verdict(results: dict) -> str:
