@@ -113,6 +113,7 @@ def summarize_stats(stats: list[DecodeStats]) -> dict[str, Any]:
         **merged.as_dict(),
         "forwards": int(merged.forwards.sum()),
         "call_forwards": sum(int(s.forwards.max()) for s in stats),
+        "calls": len(stats),  # decode calls (batches): a cell timed in one call a round is one stall away from noise
         "draft_seconds_per_step": merged.time_draft / steps,
         "target_seconds_per_step": merged.time_target / steps,
     }

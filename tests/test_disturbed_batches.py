@@ -179,6 +179,18 @@ def test_a_cell_under_the_token_threshold_only_warns_and_a_large_one_is_judged()
     assert reason == "m (eager 2t) at T=0 on x: efficiency 1.50 > 1 (speedup 3.00x at tau 2.00)"
 
 
+def test_a_cell_decoded_in_one_call_a_round_only_warns_and_two_calls_are_judged() -> None:
+    """At batch 4 a category of four questions is one batch: one call a round, as exposed to a stall as one
+    question (seen: 4.0x against a bound of 1.88 in one round of a loaded batch-4 run)."""
+    cell = dict(speedup=3.0, tau=2.0, prompts=4, tokens=2 * 4 * 64, rounds=2, calls=2)  # one call a round
+    row = dict(name="m", temperature=0.0, threads=2, compiled=False, speedup=1.2, tau=2.0, categories={"x": cell})
+    plain = dict(temperature=0.0, threads=2, compiled=False)
+    reasons, (warning,) = judge([plain], [row])
+    assert reasons == [] and "not judged: one decode call a round" in warning
+    (reason,) = judge([plain], [{**row, "categories": {"x": {**cell, "calls": 4}}}])[0]
+    assert reason.startswith("m (eager 2t) at T=0 on x: efficiency 1.50 > 1")
+
+
 # ------------------------------------------------------------------------------ the rounds a row comes from
 
 

@@ -85,7 +85,7 @@ def pooled(summaries: list[dict]) -> dict:
         "tokens": tokens,
         "call_forwards": sum(s["call_forwards"] for s in summaries),
         "rounds": len(summaries),
-    }
+    } | ({"calls": sum(s["calls"] for s in summaries)} if all("calls" in s for s in summaries) else {})
 
 
 def _ratio(figure: dict) -> str:

@@ -38,7 +38,10 @@ to judge: a cell of one question, or of fewer than MIN_CELL_TOKENS tokens a roun
 plain decoding's call moves the ratio by more than TOLERANCE; one question is also one draw of its category's
 acceptance. Such a cell above its bound is reported as a warning line, and the run's verdict stands (a
 13-question run, one question a category at 32 tokens, lost its verdict to one 1.45x cell against a 1.24x
-bound that way). 128 tokens is two questions of 64 tokens, the demo's cells, which are still judged. The
+bound that way). 128 tokens is two questions of 64 tokens, the demo's cells, which are still judged. At
+batch > 1 a category may fit one batch: its cell is then one decode call a round, as exposed to one stall as
+a single question (a batch-4 run's cell of four summarization questions read 4.0x against a bound of 1.88 in one
+round on a loaded machine), and is not judged either. The
 whole run's rows pool every cell and are always judged.
 """
 
@@ -53,8 +56,10 @@ PLAIN_SPREAD = 1.5  # max / min of plain decoding's tokens/s over rounds: the sa
 STEP_MATCH = 2.0  # a cost table's step against this run's plain seconds per forward (prefill included)
 MIN_CELL_PROMPTS = 2  # a category cell of fewer questions is not judged (one question is its own noise)
 MIN_CELL_TOKENS = 128  # nor one of fewer tokens a round: a few seconds, where one stall moves it past TOLERANCE
+MIN_CELL_CALLS = 2  # nor one decoded in a single call a round (a batch holding the whole category): one stall
 
 __all__ = [
+    "MIN_CELL_CALLS",
     "MIN_CELL_PROMPTS",
     "MIN_CELL_TOKENS",
     "PLAIN_SPREAD",
@@ -122,6 +127,8 @@ def too_small(cell: dict) -> str | None:
         return f"{prompts} question{'s' if prompts != 1 else ''}"
     if tokens is not None and tokens / rounds < MIN_CELL_TOKENS:
         return f"{tokens / rounds:.0f} tokens a round"
+    if cell.get("calls") is not None and cell["calls"] / rounds < MIN_CELL_CALLS:
+        return "one decode call a round"
     return None
 
 
@@ -189,7 +196,8 @@ def small_cell_note(warnings: list[str]) -> str:
         return ""
     lines = "\n".join(f"- {w}" for w in warnings)
     return (
-        f"Note: category cells of one question or under {MIN_CELL_TOKENS} tokens a round are not judged for "
+        f"Note: category cells of one question, one decode call or under {MIN_CELL_TOKENS} tokens a round are not "
+        "judged for "
         "disturbance (a few seconds of timing; the verdict stands on the whole run). These lie above their "
         f"bound:\n{lines}\n\n"
     )
