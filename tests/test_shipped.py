@@ -174,7 +174,7 @@ SMOLLM2 = AnswerSpec(base_fingerprint="3a48bab5ae5246e5", max_new_tokens=512, dt
 def test_the_answers_shipped_in_format_one_still_serve_the_bank(tmp_path):
     """The 234 training shards shipped on 2026-11-28 (format 1, the bank's training questions in order) serve the
     same questions now: the first shard's and the last's, each record the shipped one (the whole set was checked
-    once: every one of its 7,488 questions found)."""
+    once: every one of its 7,488 questions found); the 96 held-out questions' answers are shipped too."""
     from tokenizers import Tokenizer
 
     from experiments.lib.data.chat import ChatTemplate
@@ -191,7 +191,9 @@ def test_the_answers_shipped_in_format_one_still_serve_the_bank(tmp_path):
     legacy = tmp_path / "275e75caa06587ad"  # the training answers (their name: the old key of the whole bank)
     assert legacy in legacy_directories(tmp_path, SMOLLM2)
     shards = json.loads((legacy / "meta.json").read_text())["shards"]
-    train = split_questions(bank_questions())[0]
+    train, val = split_questions(bank_questions())
+    held = Answers(tmp_path, SMOLLM2, val, ChatTemplate(directory), tokenizer).find(range(len(val)))
+    assert sorted(held) == list(range(96))  # the held-out questions' answers, shipped in format 2
     answers = Answers(tmp_path, SMOLLM2, train, ChatTemplate(directory), tokenizer)
     for shard in (0, shards - 1):
         positions = range(32 * shard, 32 * shard + 32)
