@@ -51,7 +51,9 @@ class Answers:
         self.root, self.spec, self.questions = Path(root), spec, questions
         self.template, self.tokenizer = template, tokenizer
         self.directory = self.root / spec.key()
-        self.legacy = legacy_directories(self.root, spec)
+        # format-1 directories -> their shard size (questions per shard, by position)
+        self.legacy = {d: json.loads((d / "meta.json").read_text())["spec"]["shard_questions"]
+                       for d in legacy_directories(self.root, spec)}  # fmt: skip
         self._read: dict[str, list[dict]] = {}  # shard name -> records (a written shard never changes)
         self._legacy: dict[tuple[Path, int], dict[int, list[dict]]] = {}  # (directory, shard) -> index -> records
         self._found: dict[int, list[dict]] = {}  # position -> its records, once found (answers never change)
@@ -77,7 +79,7 @@ class Answers:
         return None
 
     def _legacy_shard(self, directory: Path, j: int) -> dict[int, list[dict]]:
-        size = json.loads((directory / "meta.json").read_text())["spec"]["shard_questions"]
+        size = self.legacy[directory]
         where = (directory, j // size)
         if where not in self._legacy:
             path = directory / f"answers-{j // size:05d}.jsonl"
