@@ -35,7 +35,7 @@ from tokenizers import Tokenizer
 
 from experiments.lib.cli.preflight import hydra_preflight
 from experiments.lib.common.errors import USER_ERRORS, exit_on_user_error, one_line
-from experiments.lib.data.chat import ChatTemplate, chat_template_for, encode_special
+from experiments.lib.data.chat import ChatTemplate, chat_template_for
 from experiments.lib.data.prompts import check_prompt_text
 from experiments.lib.methods.calibrate import CALIBRATION_DIR, decode_precision
 from experiments.lib.methods.decode_checks import (
@@ -243,8 +243,9 @@ def generate_one(s: Session, text: str) -> dict[str, Any]:
     """Decode one prompt both ways; the result record (texts, accepted mask, statistics)."""
     text = check_prompt(text)
     if s.template is not None:  # shown as the model reads it: the rendered conversation
+        # the user's text encoded as text: a typed "<|im_start|>" never becomes a turn marker
+        prompt = s.template.encode(s.tokenizer, [text])
         text = s.template.render([text])
-        prompt = encode_special(s.tokenizer, text)
     else:
         prompt = encode(s.tokenizer, text)
     s.target.check_tokens([prompt], max_new_tokens=s.cfg.max_new_tokens)

@@ -75,8 +75,8 @@ def topics() -> SimpleNamespace:
     import yaml  # PyYAML comes with omegaconf
 
     text = resources.files(__package__).joinpath(TOPICS_FILE).read_text(encoding="utf-8")
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    return SimpleNamespace(**{name: _tuples(value) for name, value in yaml.load(text, Loader=loader).items()})
+    data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # the C SafeLoader: 3x faster
+    return SimpleNamespace(**{name: _tuples(value) for name, value in data.items()})
 
 
 def _normalize(text: str) -> str:
