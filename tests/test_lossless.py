@@ -101,7 +101,7 @@ def eagle_prophet(seed: int):
 CASES = {
     "draft_model_t1": (lambda: DraftModelDrafter(sharp_lm(1)), SamplingConfig(temperature=1.0)),
     "draft_model_t07_topk4": (lambda: DraftModelDrafter(sharp_lm(1)), SamplingConfig(temperature=0.7, top_k=4)),
-    "draft_model_topp": (lambda: DraftModelDrafter(sharp_lm(1)), SamplingConfig(temperature=1.0, top_p=0.9)),
+    "draft_model_topp": (lambda: DraftModelDrafter(sharp_lm(1)), SamplingConfig(temperature=1.0, top_p=0.9)),  # slow
     "deterministic_drafter": (lambda: PromptLookupDrafter(vocab_size=VOCAB), SamplingConfig(temperature=1.0)),
     "eagle_chain_t1": (lambda: ProphetDrafter(eagle_prophet(2), mode="chain"), SamplingConfig(temperature=1.0)),
     "eagle_tree_t1": (
@@ -111,7 +111,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Top-p in the slow tier: the fast tier keeps temperature with top-k through the same sampling transform.
+SLOW = {"draft_model_topp"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW else []) for c in CASES])
 def test_speculative_sampling_reproduces_the_target_distribution(case):
     make, sampling = CASES[case]
     (stat, critical), stats = run(make(), sampling)
@@ -119,7 +123,8 @@ def test_speculative_sampling_reproduces_the_target_distribution(case):
     assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}: the output is not the target's distribution"
 
 
-@pytest.mark.parametrize("delta", [0.0, 0.5])
+# bf16's negative control (delta=0.5) is slow; the fast tier's is fp32's (test_negative_control_delta_is_detected)
+@pytest.mark.parametrize("delta", [0.0, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_bf16_speculative_sampling_reproduces_the_bf16_target(delta):
     """dtype=bf16: the target and the drafter in bf16; the output must follow the bf16 target's distribution,
     and the biased rule (delta=0.5) must still be caught, in bf16 too."""

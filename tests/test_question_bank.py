@@ -110,6 +110,8 @@ def test_deterministic_and_seeded(bank):
     assert len({q.turns[0] for q in other} - {q.turns[0] for q in bank[:600]}) > 300
 
 
+# 12 s (the bank built again in a fresh interpreter); the fast tier pins the bank's hash on this Python instead
+@pytest.mark.slow
 def test_same_bank_in_another_process(bank):
     """Another interpreter with another hash seed builds the same questions (no set order, no global random)."""
     code = (

@@ -195,7 +195,11 @@ STUBS = {
 }
 
 
-@pytest.mark.parametrize("name", list(STUBS))
+# sampled_deep (40,000 rows, 11 s) in the slow tier; tests/test_tree_walk.py checks a stopped walk's residual fast
+SLOW_STUBS = {"sampled_deep"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_STUBS else []) for n in STUBS])
 def test_tree_sampling_reproduces_the_target_distribution(name):
     (stat, critical), stats = run_tree(STUBS[name](), trials=2 * TRIALS if name == "sampled_deep" else TRIALS)
     assert 0 < stats.alpha < 1

@@ -24,6 +24,7 @@ category) makes `prompts.turns=2` possible.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import sysconfig
@@ -70,9 +71,11 @@ def _first(candidates: dict[str, str], n: int) -> list[str]:
     return [candidates[k] for k in sorted(candidates, key=rank)[:n]]
 
 
+@functools.cache  # parsing half the stdlib takes 4-5 s; the question sets of a process read it several times
 def stdlib_functions(*, validation: bool) -> dict[str, tuple[str, str, str]]:
     """key -> (name, code without docstring, docstring summary) of every short public function with a docstring
-    in the stdlib corpus's validation files (validation=True: the benchmark's) or its training files."""
+    in the stdlib corpus's validation files (validation=True: the benchmark's) or its training files. Cached per
+    process: read it, never change it."""
     root = Path(sysconfig.get_paths()["stdlib"])
     found = {}
     for path in stdlib_files():

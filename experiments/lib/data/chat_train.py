@@ -18,6 +18,7 @@ list is the same on every machine with the same Python; its first n questions ar
 from __future__ import annotations
 
 import ast
+import functools
 import sysconfig
 import warnings
 from pathlib import Path
@@ -50,6 +51,7 @@ def _module_docs() -> dict[str, tuple[str, str]]:
     return found
 
 
+@functools.cache  # chat_train_questions(n) for every n reads the same lists: built once per process
 def _by_category() -> dict[str, list[str]]:
     functions = stdlib_functions(validation=False)
     keys = sorted(functions, key=rank)
