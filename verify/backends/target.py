@@ -157,8 +157,11 @@ class Target:
         # Room for the longest prompt and ROOM new tokens (a power of two: few distinct shapes for a compiled
         # step), not the model's whole context: a compiled step attends over every slot, and SmolLM2's 8,192
         # made its step 2x slower than eager. A longer generation grows the cache by doubling.
+        # Draft room: max_draft slots, but no more than the model's context (a short-context model's cache of
+        # many rows, as the statistical tests run 20,000 of, would be mostly draft room); a wider extend grows it.
         longest = max(len(p) for p in prompts)
-        capacity = min(self.max_seq_len, 1 << (longest + ROOM - 1).bit_length()) + self.max_draft + 1
+        room = min(self.max_draft, self.max_seq_len)
+        capacity = min(self.max_seq_len, 1 << (longest + ROOM - 1).bit_length()) + room + 1
         self.cache = self.engine.decoder.new_cache(len(prompts), capacity, device=self.device)
         logits_at = lengths - 1 if last_logits else None
         logits, hidden, *states = self.engine(
