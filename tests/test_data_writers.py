@@ -131,6 +131,34 @@ def test_the_pretrained_conversion_is_synced_and_leaves_no_temporary_directory(t
     with monkeypatch.context() as m, pytest.raises(OSError, match="No space left"):
         m.setattr(os, "fsync", full_disk)
         pretrained.ensure_pretrained("smollm2", tmp_path / "artifacts")
-    assert list((tmp_path / "artifacts" / "pretrained").iterdir()) == []
+    left = [p.name for p in (tmp_path / "artifacts" / "pretrained").iterdir()]
+    assert left == [".smollm2-b179c9523d0e.lock"]  # the lock file only: no half-converted directory
     final = pretrained.ensure_pretrained("smollm2", tmp_path / "artifacts")
     assert sorted(p.name for p in final.iterdir()) == ["model.safetensors", "provenance.json"]
+
+
+def test_two_conversions_at_once_convert_once(tmp_path, monkeypatch):
+    """make test's workers (or two runs) asking for the base at once: one converts, the other waits and takes it."""
+    import threading
+    import time
+
+    monkeypatch.setattr(pretrained, "_checked_file", lambda name: tmp_path / "model.gguf")
+    calls = []
+
+    def convert(gguf: Path, out: Path) -> None:
+        calls.append(out)
+        time.sleep(0.3)  # long enough for the other thread to arrive while this one converts
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"weights")
+
+    monkeypatch.setattr(pretrained, "_convert", convert)
+    found = []
+    threads = [
+        threading.Thread(target=lambda: found.append(pretrained.ensure_pretrained("smollm2", tmp_path / "a")))
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(found) == 2 and found[0] == found[1]

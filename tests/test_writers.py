@@ -32,6 +32,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     "directory (atomic_path renames files); a rename onto one another process finished first fails, and its copy wins",
     ("experiments/lib/store/pretrained.py", "write_text"): "provenance.json inside the conversion's temporary "
     "directory, fsync'd with it before the rename",
+    ("experiments/lib/store/pretrained.py", "os.open"): "the conversion's lock file: flock'd, never read for data",
     ("experiments/lib/store/pretrained.py", "os.rename"): "the finished conversion's directory renamed into place "
     "(a directory; another process finishing first keeps its copy)",
     ("experiments/lib/store/rundir.py", "write_bytes"): "a probe: an empty file made and removed at once to learn "

@@ -20,6 +20,7 @@ the same directory. Configs name it as `base_checkpoint: ${pretrained:smollm2,ar
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -144,6 +145,20 @@ def ensure_pretrained(name: str, root: str | Path = "artifacts") -> Path:
     if (final / "provenance.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    # One conversion at a time: a second process (make test's workers, two runs started at once) waits for the
+    # first and takes its directory instead of converting again beside it (20 s of both cores, on a fresh clone).
+    lock = os.open(final.parent / f".{final.name}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (final / "provenance.json").is_file():
+            _convert_into(name, spec, path, final)
+    finally:
+        os.close(lock)  # releases the flock
+    return final
+
+
+def _convert_into(name: str, spec: Pretrained, path: Path, final: Path) -> None:
+    """Convert the GGUF at `path` into a temporary directory beside `final`, fsync it, rename it into place."""
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -165,7 +180,6 @@ def ensure_pretrained(name: str, root: str | Path = "artifacts") -> Path:
         fsync_directory(final.parent)  # the rename itself
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 @cache
