@@ -334,6 +334,9 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=2e-4, rtol=1e-3) for k in a)
 
 
+# 10-20 s (two ranks, each a fresh interpreter importing torch): the slow tier's; the fast tier keeps one process's
+# training, its crash and resume, and gradient accumulation equal to the whole batch (above)
+@pytest.mark.slow
 def test_torchrun_two_ranks_train_identical_replicas(tmp_path: Path, cache_dir: str) -> None:
     common = [*BASE, *FP32, f"data.cache_dir={cache_dir}", "max_steps=4", "eval_every=2", "checkpoint_every=2"]
     result = _torchrun("experiments.train_base", *common, f"hydra.run.dir={tmp_path / 'ddp'}")
