@@ -64,6 +64,7 @@ __all__ = [
     "write_atomic",
     "atomic_path",
     "fsync_directory",
+    "fsync_tree",
     "remove_orphans",
 ]
 
@@ -178,6 +179,23 @@ def fsync_directory(directory: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(directory: str | Path) -> None:
+    """fsync every file under `directory`, then the directories: its contents reach the disk before a rename
+    publishes it (a rename alone can survive a power cut while the files' data does not). For writers that
+    build a whole directory and rename it into place (the id cache, a pretrained conversion)."""
+    directory = Path(directory)
+    for path in sorted(directory.rglob("*"), key=lambda p: -len(p.parts)):  # deepest first, directories last
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        else:
+            fsync_directory(path)
+    fsync_directory(directory)
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from experiments.lib.common.errors import fsync_directory
+from experiments.lib.common.errors import fsync_directory, fsync_tree
 from experiments.lib.data.packages import PACKAGE_SPLIT_RULE, split_by_package
 from experiments.lib.data.sources import SPLIT_RULE, Corpus, CorpusScan, Undecodable, split_documents
 from experiments.lib.data.tokenizer import (
@@ -172,21 +172,6 @@ def _write_ids(
         return train.close(), val.close()
 
 
-def _fsync_tree(directory: Path) -> None:
-    """fsync every file under `directory`, then the directories: its contents reach the disk before a rename
-    publishes it (a rename alone can survive a power cut while the files' data does not)."""
-    for path in sorted(directory.rglob("*"), key=lambda p: -len(p.parts)):  # deepest first, directories last
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        else:
-            fsync_directory(path)
-    fsync_directory(directory)
-
-
 def _temporary_sibling(entry: Path) -> Path:
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = entry.parent / f".tmp-{entry.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -241,7 +226,7 @@ def build_entry(
         if tokenizer_max_bytes is not None:
             meta["tokenizer_files"] = len(sample)  # training documents the tokenizer learned from
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         os.rename(tmp, entry)
         fsync_directory(entry.parent)  # the rename itself
     except OSError:

@@ -30,7 +30,7 @@ from functools import cache
 from importlib import metadata
 from pathlib import Path
 
-from experiments.lib.common.errors import fsync_directory
+from experiments.lib.common.errors import fsync_directory, fsync_tree
 
 __all__ = ["PRETRAINED", "Pretrained", "ensure_pretrained", "gguf_file", "register_resolver", "sha256"]
 
@@ -121,21 +121,6 @@ def _convert(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _fsync_tree(directory: Path) -> None:
-    """fsync every file under `directory`, then the directories: its contents reach the disk before a rename
-    publishes it (a rename alone can survive a power cut while the files' data does not)."""
-    for path in sorted(directory.rglob("*"), key=lambda p: -len(p.parts)):  # deepest first, directories last
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        else:
-            fsync_directory(path)
-    fsync_directory(directory)
-
-
 def ensure_pretrained(name: str, root: str | Path = "artifacts") -> Path:
     """The converted directory of pretrained base `name` under `root`, converting the installed GGUF the
     first time (about 20 s for SmolLM2 on 2 cores)."""
@@ -171,7 +156,7 @@ def _convert_into(name: str, spec: Pretrained, path: Path, final: Path) -> None:
             "sha256": spec.sha256,
         }
         (tmp / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished first: its directory is the same conversion
