@@ -47,6 +47,14 @@ def visibility(start: Tensor, n: int, allow: Tensor | None, capacity: int) -> Te
     return rearrange(seen | (rel < 0)[:, None, :], "b n s -> b 1 n s")
 
 
+def keeps_prefix(keep: Tensor) -> Tensor:
+    """Whether every row of keep (b, k) keeps a prefix of its k entries, slots 0..count-1 (keeping none is one too):
+    a 0-dim bool left on keep's device, for a caller to read with a host read it makes anyway and then commit
+    with `StaticCache.commit(keep, prefix=...)`."""
+    first = torch.arange(keep.shape[1], device=keep.device) < keep.sum(dim=1, keepdim=True)
+    return (keep == first).all()
+
+
 def kv_index(slots: Tensor, buf: Tensor) -> Tensor:
     """slots (b, n) -> the rows (b h n,) that `write_kv` fills in `rows(buf)`, for a layer's buffer (b, h, S, dh)
     or its eager span (a view of the first slots): the same for every layer of a forward, so a decoder builds
@@ -220,11 +228,12 @@ class StaticCache:
     def commit(self, keep: Tensor, *, prefix: bool = False) -> None:
         """Roll back: of the last k entries of each row, keep those where keep (b, k) is True, in order.
 
-        Where every row keeps a prefix (chains, and any tree whose accepted path is a prefix) this is
-        a length rewind. Otherwise the kept entries move down to fill the gaps: one gather and one
-        scatter over the k newest slots of each layer's buffers. `prefix=True`: the caller knows every row
-        keeps a prefix (a chain's accepted tokens), so nothing is read back to the host: on a GPU the
-        decode loop then waits for the device once per step, not at every commit.
+        `prefix=True`: the caller knows that every row keeps a prefix, slots 0..count-1 (a chain's accepted
+        tokens; a tree whose kept nodes come first in its node order, which the decode loop learns from
+        `keeps_prefix` with the host read it makes anyway), and this is a length rewind. Otherwise the kept
+        entries move down to fill the gaps: one gather and one scatter over the k newest slots of each layer's
+        buffers. Neither reads anything back to the host: on a GPU the decode loop waits for the device once
+        per step, not at every commit.
         """
         b, k = keep.shape
         counts = keep.sum(dim=1)

@@ -2,8 +2,9 @@
 
 A step: the drafter proposes k tokens per row; the target runs [pending, draft...] in one forward;
 an acceptance rule keeps a prefix and adds one token; the target's cache is rolled back to the kept
-tokens; the drafter is told the verdict and rolls back its own state. Rows of a batch accept
-different numbers of tokens in the same step; each row stops at EOS or after max_new_tokens.
+tokens (a tree's at the next step's host read, see below); the drafter is told the verdict and rolls back
+its own state. Rows of a batch accept different numbers of tokens in the same step; each row stops at EOS
+or after max_new_tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from verify.backends.cache import keeps_prefix
 from verify.backends.target import Target
 from verify.common.numerics import DRAFT_Q, TARGET_LOGITS, EosId, check_usable, eos_ids, usable
 from verify.loop.acceptance import (
@@ -162,13 +164,24 @@ def speculative_generate(
             done |= torch.isin(pending, eos)
         with stats.timed("draft"):
             drafter.begin(prompts, prefill, pending)
+        # A tree's rollback waits for the next step's host read, which also reads whether every row kept a
+        # prefix of the tree's nodes (`keeps_prefix`): a length rewind then, not a gather and scatter over every
+        # layer's buffers, and no read of its own. It runs right after that read, before the next draft (an
+        # early-exit drafter drafts on the target's cache) and before the next target forward.
+        tree_kept, tree_prefix = None, torch.ones((), dtype=torch.bool, device=device)
         while True:
             active = ~done & (stats.tokens < max_new_tokens)
             # The step's one host read: whether any row goes on, whether the last step's values were finite,
-            # and the fewest tokens an active row has left. Never draft past a row's budget: a step emits at
-            # most k + 1 tokens, and the positions it processes stay below prompt + max_new_tokens <= max_seq_len.
+            # the fewest tokens an active row has left, and whether the last step's tree kept prefixes. Never draft
+            # past a row's budget: a step emits at most k + 1 tokens, and the positions it processes stay below
+            # prompt + max_new_tokens <= max_seq_len.
             left = torch.where(active, max_new_tokens - stats.tokens, max_new_tokens).min()
-            go, all_fine, left = torch.stack((active.any().long(), fine.long(), left)).tolist()
+            go, all_fine, left, prefix = torch.stack(
+                (active.any().long(), fine.long(), left, tree_prefix.long())
+            ).tolist()
+            if tree_kept is not None:  # the last step's tree, also when the loop ends: the cache as a step leaves it
+                target.commit(tree_kept, prefix=bool(prefix))
+                tree_kept = None
             if not all_fine:
                 for what, values, used in checks:
                     check_usable(what, decode_step, values, used)
@@ -194,7 +207,10 @@ def speculative_generate(
             kept = torch.zeros(b, draft.length + 1, dtype=torch.bool, device=device)
             kept.scatter_(1, path, True)  # a path is padded by repeating its last accepted node
             kept &= active[:, None]
-            target.commit(kept, prefix=draft.parents is None)  # a chain keeps a prefix: no host read
+            if draft.parents is None:
+                target.commit(kept, prefix=True)  # a chain keeps a prefix: a length rewind, known without a read
+            else:  # nothing reads the target's cache before the next step's host read, which commits this
+                tree_kept, tree_prefix = kept, keeps_prefix(kept)
             # The rule chose every row's tokens from p at the kept nodes (a chain: positions 0..accepted),
             # and divided by q at the children of kept nodes; nothing else it computed was used.
             decode_step, checks = decode_step + 1, [(TARGET_LOGITS, verified.logits, kept)]
