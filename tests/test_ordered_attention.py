@@ -1,6 +1,8 @@
 """The lean Llama engine's attention in position order: a tree node's logits equal, bit for bit, those of
 decoding its root-to-node path one token at a time, in bfloat16 too, wherever the prefix ends relative to the
-chunks (verify/backends/ordered_attention.py). The negative control (without the order, SmolLM2's bf16 tree
+chunks. Every engine-level test runs on both forms: the C++ operator (verify/backends/ordered_kernel.py) and
+the pure-torch form (verify/backends/ordered_attention.py), which decoding takes where the operator cannot be
+built. The negative control (without the order, SmolLM2's bf16 tree
 nodes leave their paths) needs real weights and a long prefix: tests/test_smollm2.py, in the slow tier."""
 
 import pytest
@@ -35,6 +37,18 @@ def bf16_llama(*, seed: int, hidden: int, layers: int, positions: int) -> HFBase
         pad_token_id=None,
     )
     return HFBase(transformers.LlamaForCausalLM(config)).eval().to(torch.bfloat16)
+
+
+@pytest.fixture(autouse=True, params=["cpp", "torch"])
+def form(request, monkeypatch):
+    """Which ordered attention the engine runs (a cache made under one form keeps its key dtype)."""
+    from verify.backends import lean_llama, ordered_kernel
+
+    if request.param == "cpp" and not ordered_kernel.kernel_available():
+        pytest.skip("the ordered attention operator could not be built here")
+    if request.param == "torch":
+        monkeypatch.setattr(lean_llama, "kernel_name", lambda device, dim_head: "torch")
+    return request.param
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from verify.backends.cache import StaticCache, kv_index, visibility, write_kv
 from verify.backends.engine import LeanDecoder, LeanLM, UnsupportedModel, block_depth
 from verify.backends.ordered_attention import attend_in_order, order_plan
+from verify.backends.ordered_kernel import attend_kernel, fast_bf16, kernel_name, kernel_plan
 from verify.backends.packed import linear
 
 
@@ -144,10 +145,12 @@ class LlamaDecoder(LeanDecoder):
     def new_cache(
         self, batch: int, capacity: int, *, device: torch.device | None = None, layers: int | None = None
     ) -> StaticCache:
-        """Keys and values are cached for the kv heads only; keys in float32, the precision attention scores are
-        computed in (each layer of each step converted the whole span's keys: most of a batch-64 step at 1,000
-        tokens). The same values, so the same bits as bf16 keys converted on the fly."""
+        """Keys and values are cached for the kv heads only. Keys are bf16 values (a bf16 model computes them in
+        bf16); they are stored float32 for the pure-torch attention, whose scores are float32 products (each layer
+        of each step converted the whole span's keys: most of a batch-64 step at 1,000 tokens), and bf16 where the
+        C++ operator multiplies bf16 pairs itself (half the bytes each step reads). The same values either way."""
         device = device if device is not None else self.inv_freq.device
+        bf16_keys = self.dtype == torch.bfloat16 and kernel_name(device, self.dim_head) == "cpp" and fast_bf16()
         return StaticCache(
             layers=self.num_layers if layers is None else layers,
             batch=batch,
@@ -156,7 +159,7 @@ class LlamaDecoder(LeanDecoder):
             capacity=capacity,
             device=device,
             dtype=self.dtype,
-            key_dtype=torch.float32,
+            key_dtype=None if bf16_keys else torch.float32,
         )
 
     def _table(self, length: int) -> tuple[Tensor, Tensor]:
@@ -184,22 +187,26 @@ class LlamaDecoder(LeanDecoder):
         pos = slots if pos is None else pos
         cos, sin = (rearrange(t[pos], "b n r -> b n 1 r") for t in self._table(capacity))
         # Decoding forwards (a step, a chain, a tree) sum attention in position order, so that a tree node equals
-        # its path decoded alone (ordered_attention.py). Not SDPA there: past a few hundred keys its result for a
-        # query depends on how many queries share the call (measured: 4e-6 apart at 600 keys). A prefill, the
-        # same call for every decoder of a prompt, takes SDPA's fused kernel: the ordered products' float32 scores
-        # grow with n * S (140 MB a layer at 2,000 tokens).
-        mask = visibility(start, n, allow, capacity)
+        # its path decoded alone and a batched row equals itself alone: the C++ operator (ordered_kernel.py) where it
+        # builds, else the pure-torch form (ordered_attention.py). Not SDPA there: past a few hundred keys its result
+        # for a query depends on how many queries share the call (measured: 4e-6 apart at 600 keys). A prefill, the
+        # same call for every decoder of a prompt, takes SDPA's fused kernel.
         ordered = attention == "ordered"
-        plan = ordered and order_plan(
-            start,
-            n,
-            allow,
-            capacity,
-            heads=self.heads,
-            kv_heads=self.kv_heads,
-            bias=group_bias(mask, self.heads, self.kv_heads),
-            static=True,  # shared chunks up to the span (masked past c0): no host read of c0
-        )
+        kernel = ordered and kernel_name(x.device, self.dim_head) == "cpp"
+        if kernel:
+            plan = kernel_plan(start, n, allow)
+        else:
+            mask = visibility(start, n, allow, capacity)
+            plan = ordered and order_plan(
+                start,
+                n,
+                allow,
+                capacity,
+                heads=self.heads,
+                kv_heads=self.kv_heads,
+                bias=group_bias(mask, self.heads, self.kv_heads),
+                static=True,  # shared chunks up to the span (masked past c0): no host read of c0
+            )
         index = kv_index(slots, k_buf[0])  # where keys/values go, in every layer
         rotated = self.heads + self.kv_heads  # queries and keys: rotated together, as (b, n, heads, dh)
         layer, saved = 0, {}
@@ -211,7 +218,9 @@ class LlamaDecoder(LeanDecoder):
                 qk = rotate_halves(qkv[:, :, :rotated], cos, sin)
                 k, v = (rearrange(t, "b n h d -> b h n d") for t in (qk[:, :, self.heads :], qkv[:, :, rotated:]))
                 k_all, v_all = write_kv(k_buf[layer], v_buf[layer], k, v, slots, index)
-                if ordered:
+                if kernel:
+                    attended = attend_kernel(qk[:, :, : self.heads], k_all, v_all, plan, self.scale)
+                elif ordered:
                     attended = attend_in_order(qk[:, :, : self.heads], k_all, v_all, plan, self.scale)
                 else:
                     attended = _attend_fused(qk[:, :, : self.heads], k_all, v_all, mask, self.scale)
