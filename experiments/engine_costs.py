@@ -12,9 +12,11 @@ lean engine against transformers' own `generate` on the same weights and dtype (
 rounds). The base is loaded in fp32 and cast per setting on a copy. Writes costs.json and costs.md into
 the run directory and prints the table, then one JSON object as the last line.
 
-Then, per dtype, the eager engine across `contexts` x `batches`: plain greedy decoding tokens/s (prefill
-excluded) beside transformers' `generate` on the same prompts, and at batch 1 the step and what a 16-token
-chain and a 16-node tree cost over it at that context.
+Then, per dtype and attention (`attention`: ordered, the exact position-ordered sums; fused, SDPA's kernel), the
+eager engine across `contexts` x `batches`: plain greedy decoding tokens/s (prefill excluded) beside
+transformers' `generate` on the same prompts, and at batch 1 the step and what chains and binary trees of 4, 8
+and 16 tokens cost over it at that context. Which ordered attention ran (the C++ operator or the pure-torch
+form, PROPHET_MEDUSA_KERNEL=0) is in the header and costs.json.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from experiments.lib.training.settings import check_bool, check_int
 from verify.backends.choose import make_target
 from verify.backends.graphs import check_mode
 from verify.backends.hf import HFBase
+from verify.backends.ordered_kernel import kernel_name
 from verify.loop.plain import plain_generate
 
 
@@ -53,6 +56,9 @@ def check_config(cfg: DictConfig) -> None:
     check_bool("generate", cfg.generate)
     for name in ("grid_new_tokens", "max_grid_tokens"):
         check_int(name, cfg[name])
+    attention = cfg.attention
+    if not isinstance(attention, ListConfig) or not attention or any(a not in ("ordered", "fused") for a in attention):
+        raise ValueError(f"attention={attention!r}: give a non-empty list of ordered, fused")
     for key in ("contexts", "batches"):
         if not isinstance(cfg[key], ListConfig) or not all(isinstance(v, int) and v >= 1 for v in cfg[key]):
             raise ValueError(f"{key}={cfg[key]!r}: give a list of integers >= 1 ([] for none)")
@@ -130,10 +136,13 @@ def decode_rate(decode, prompts: list[list[int]], new: int) -> float:
     return len(prompts) * new / max(time.perf_counter() - start - first, 1e-9)
 
 
+WIDTHS = (4, 8, 16)  # the chains and trees each batch-1 cell prices
+
+
 def grid_cell(model, target, context: int, batch: int, cfg: DictConfig, hf: bool) -> dict[str, Any]:
     """One (context, batch) cell: plain greedy decoding tokens/s on the lean engine and (a Hugging Face base)
-    transformers' generate, interleaved, median over rounds; at batch 1 also the step and the cost of a
-    16-token chain and a 16-node tree over it."""
+    transformers' generate, interleaved, median over rounds; at batch 1 also the step and the cost of chains
+    and binary trees of WIDTHS tokens over it."""
     g = torch.Generator().manual_seed(context + batch)
     prompts = torch.randint(0, target.vocab_size, (batch, context), generator=g).tolist()
 
@@ -154,44 +163,46 @@ def grid_cell(model, target, context: int, batch: int, cfg: DictConfig, hf: bool
         cell["generate_tokens_per_s"] = statistics.median(generate)
         cell["ratio"] = cell["lean_tokens_per_s"] / cell["generate_tokens_per_s"]
     if batch == 1:
-        chain = measure_verify_cost(target, ks=(1, 16), prompt_len=context, repeats=cfg.repeats)
-        tree = measure_verify_cost(target, ks=(16,), prompt_len=context, repeats=cfg.repeats, tree=True)
-        cell |= {
-            "step_ms": 1e3 * chain[1],
-            "chain16_over_step": chain[16] / chain[1],
-            "tree16_over_step": tree[16] / chain[1],
-        }
+        chain = measure_verify_cost(target, ks=(1, *WIDTHS), prompt_len=context, repeats=cfg.repeats)
+        tree = measure_verify_cost(target, ks=WIDTHS, prompt_len=context, repeats=cfg.repeats, tree=True)
+        cell["step_ms"] = 1e3 * chain[1]
+        cell |= {f"chain{k}_over_step": chain[k] / chain[1] for k in WIDTHS if k in chain}
+        cell |= {f"tree{k}_over_step": tree[k] / chain[1] for k in WIDTHS if k in tree}
     return cell
 
 
-def measure_grid(base, dtype: str, cfg: DictConfig) -> list[dict[str, Any]]:
+def measure_grid(base, dtype: str, attention: str, cfg: DictConfig) -> list[dict[str, Any]]:
     """Every (context, batch) cell of the eager engine in `dtype` whose batch x context is at most
     cfg.max_grid_tokens (the others are listed as skipped: a 64 x 2,048 prefill alone takes minutes on 2 cores)."""
     model = base if dtype == "fp32" else copy.deepcopy(base).to(DTYPES[dtype])
-    target, hf = make_target(model), isinstance(model, HFBase)
+    target, hf = make_target(model, ordered=attention == "ordered"), isinstance(model, HFBase)
     plain_generate(target, [[1, 2, 3]], max_new_tokens=4)  # warm-up
     cells = []
     for context in cfg.contexts:
         for batch in cfg.batches:
+            key = {"dtype": dtype, "attention": attention, "context": context, "batch": batch}
             if context * batch > cfg.max_grid_tokens:
-                cells.append({"dtype": dtype, "context": context, "batch": batch, "skipped": True})
+                cells.append(key | {"skipped": True})
                 continue
-            cells.append({"dtype": dtype, **grid_cell(model, target, context, batch, cfg, hf)})
+            cells.append(key | grid_cell(model, target, context, batch, cfg, hf))
     return cells
 
 
 def grid_table(cells: list[dict]) -> str:
-    """Markdown: a row per (dtype, context, batch)."""
-    head = "| dtype | context | batch | plain tok/s | generate tok/s | ratio | step ms | v(16) | tree(16) |"
+    """Markdown: a row per (dtype, attention, context, batch)."""
+    shapes = [f"{kind}({k})" for kind in ("chain", "tree") for k in WIDTHS]
+    head = "| dtype | attention | context | batch | plain tok/s | generate tok/s | ratio | step ms | "
+    head += " | ".join(shapes) + " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in cells:
+        key = f"| {c['dtype']} | {c['attention']} | {c['context']} | {c['batch']} "
         if c.get("skipped"):
-            lines.append(f"| {c['dtype']} | {c['context']} | {c['batch']} | skipped (max_grid_tokens) | | | | | |")
+            lines.append(key + "| skipped (max_grid_tokens) |" + " |" * (3 + len(shapes)))
             continue
+        costs = " | ".join(_cell(c.get(f"{kind}{k}_over_step"), ".2f") for kind in ("chain", "tree") for k in WIDTHS)
         lines.append(
-            f"| {c['dtype']} | {c['context']} | {c['batch']} | {_cell(c.get('lean_tokens_per_s'))} "
-            f"| {_cell(c.get('generate_tokens_per_s'))} | {_cell(c.get('ratio'), '.2f')} | {_cell(c.get('step_ms'))} "
-            f"| {_cell(c.get('chain16_over_step'), '.2f')} | {_cell(c.get('tree16_over_step'), '.2f')} |"
+            key + f"| {_cell(c.get('lean_tokens_per_s'))} | {_cell(c.get('generate_tokens_per_s'))} "
+            f"| {_cell(c.get('ratio'), '.2f')} | {_cell(c.get('step_ms'))} | {costs} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -218,6 +229,14 @@ def table(rows: list[dict], ks: list[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ordered_kernel_name(base) -> str:
+    """ "cpp" or "torch": the ordered attention the base's engine runs ("-" where the engine has none)."""
+    decoder = make_target(base).engine.decoder
+    if not decoder.orders_attention:
+        return "-"
+    return kernel_name(next(base.parameters()).device, decoder.dim_head)
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     check_config(cfg)
     device = check_run(cfg)
@@ -226,19 +245,25 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     base, tokenizer, _ = load_lm(cfg.base_checkpoint, device=str(device))
     prompt = tokenizer.encode("The history of the printing press begins", add_special_tokens=False).ids
     rows = [measure_setting(base, d, m, cfg, prompt) for d in cfg.dtypes for m in cfg.compile]
-    grid = [cell for d in cfg.dtypes for cell in measure_grid(base, d, cfg)] if cfg.contexts else []
+    grid = []
+    if cfg.contexts:
+        grid = [cell for d in cfg.dtypes for a in cfg.attention for cell in measure_grid(base, d, a, cfg)]
     info = device_info(device)
-    header = f"{device_line({'device_info': info})}; {torch.get_num_threads()} threads; prompt {cfg.prompt_len}\n\n"
+    kernel = ordered_kernel_name(base)
+    header = f"{device_line({'device_info': info})}; {torch.get_num_threads()} threads; prompt {cfg.prompt_len}; "
+    header += f"ordered attention: {kernel}\n\n"
     text = header + table(rows, list(cfg.ks))
     if grid:
         text += (
             f"\nPlain greedy decoding by context and batch (eager; {cfg.grid_new_tokens} new tokens per row, "
-            "prefill excluded; v(16), tree(16): a 16-token chain and a 16-node tree over the step)\n\n"
+            "prefill excluded; chain(k), tree(k): a k-token chain and a k-node binary tree over the step, "
+            "at batch 1)\n\n"
         )
         text += grid_table(grid)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = {"base_checkpoint": str(cfg.base_checkpoint), "device_info": info, "threads": torch.get_num_threads()}
+    results["ordered_attention"] = kernel
     results["rows"], results["grid"] = rows, grid
     write_atomic(out / "costs.json", json.dumps(results, indent=2, default=str))
     write_atomic(out / "costs.md", text)

@@ -122,16 +122,26 @@ def test_engine_costs_measures_the_real_base_beside_generate(smol_dir, tmp_path)
         "batches=[1,2]",
         "grid_new_tokens=2",
         "max_grid_tokens=40",
+        "attention=[ordered,fused]",
     )
     results = run(cfg)
     (row,) = results["rows"]
     assert row["dtype"] == "bf16" and row["step_ms"] > 0 and set(row["verify_over_step"]) == {1, 4}
     assert row["lean_tokens_per_s"] > 0 and row["generate_tokens_per_s"] > 0
-    cells = {(c["context"], c["batch"]): c for c in results["grid"]}
-    assert set(cells) == {(16, 1), (16, 2), (32, 1), (32, 2)} and cells[(32, 2)].get("skipped")  # 64 > 40
-    assert cells[(16, 2)]["generate_tokens_per_s"] > 0 and cells[(32, 1)]["tree16_over_step"] > 0
+    cells = {(c["attention"], c["context"], c["batch"]): c for c in results["grid"]}
+    shapes = {(c, b) for c in (16, 32) for b in (1, 2)}
+    assert set(cells) == {(a, *shape) for a in ("ordered", "fused") for shape in shapes}
+    assert cells[("ordered", 32, 2)].get("skipped")  # 64 > 40
+    assert cells[("ordered", 16, 2)]["generate_tokens_per_s"] > 0
+    assert all(
+        cells[(a, 32, 1)][f"{kind}{k}_over_step"] > 0
+        for a in ("ordered", "fused")
+        for kind in ("chain", "tree")
+        for k in (4, 8, 16)
+    )
     text = (tmp_path / "costs.md").read_text()
-    assert "| bf16 | eager |" in text and "| bf16 | 32 | 1 |" in text
+    assert "| bf16 | eager |" in text and "| bf16 | ordered | 32 | 1 |" in text and "| bf16 | fused | 16 | 2 |" in text
+    assert results["ordered_attention"] in ("cpp", "torch") and "ordered attention: " in text
 
 
 @pytest.mark.parametrize(
@@ -141,6 +151,7 @@ def test_engine_costs_measures_the_real_base_beside_generate(smol_dir, tmp_path)
         ("ks=[]", "ks=.*: give a non-empty list"),
         ("compile=[maybe]", "compile="),
         ("repeats=0", "repeats"),
+        ("attention=[sdpa]", "attention=.*give a non-empty list of ordered, fused"),
     ],
 )
 def test_engine_costs_refuses_bad_settings_before_loading(tmp_path, override, message):
