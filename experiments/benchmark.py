@@ -403,6 +403,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
         "precision": {k: precision[k] for k in ("requested", "used", "reason")},
         # attention summed in position order (decode.ordered on the lean Llama engine): what makes T=0 exact in bf16
         "ordered": targets[0].ordered,
+        "ordered_attention": targets[0].ordered_attention,  # "cpp" (the C++ operator), "torch" (its fallback), "-"
         # the target's shape, printed in the table's header: the regime every speedup below belongs to
         "base": {
             "parameters": count_parameters(base),

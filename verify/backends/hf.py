@@ -233,6 +233,7 @@ class HFTarget:
         # widths are the lean engine's compiled widths; a DynamicCache needs none. max_draft: see GPT-Neo below.
         # ordered: the lean engine's position-ordered attention; transformers' forward sums its own way.
         self.ordered = False
+        self.ordered_attention = "-"
         if not isinstance(base, HFBase):
             raise ValueError(f"HFTarget takes an HFBase, got {type(base).__name__}")
         if compile:

@@ -1,5 +1,9 @@
 """Attention summed in position order: a tree node's output equals its root-to-node path computed alone, bit for bit.
 
+The pure-torch form: decoding runs the C++ operator (ordered_kernel.py) where it builds, and this where it does
+not (no compiler, a GPU, a head size the operator lacks, PROPHET_MEDUSA_KERNEL=0). Both are exact; each is
+tested on its own (a tree node against its path, a chain against its steps, under the same form).
+
 Why: a draft tree is verified in one forward, each node at its own cache slot (prefix, then node 0, 1, ...).
 A node's keys (the prefix and its ancestors) are then not contiguous: siblings and cousins sit between
 them, masked. Plain decoding of the same path sees the same keys contiguous. Softmax and the p @ v product

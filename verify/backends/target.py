@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from verify.backends.cache import StaticCache, tree_attention
 from verify.backends.engine import check_layers
 from verify.backends.lean import lean
+from verify.backends.ordered_kernel import kernel_name
 
 
 @dataclass
@@ -127,6 +128,8 @@ class Target:
         # Decoding forwards sum attention in position order (a k-token verification gives each token the bits k
         # one-token steps give it); ordered=False takes the fused kernel, for a drafter that needs no exactness.
         self.ordered = bool(ordered) and self.engine.decoder.orders_attention  # what runs, as results record it
+        # which form sums it: "cpp" (the C++ operator) or "torch" (its pure-torch fallback); "-" when not ordered
+        self.ordered_attention = kernel_name(self.device, self.engine.decoder.dim_head) if self.ordered else "-"
         self.reset()
 
     def reset(self) -> None:

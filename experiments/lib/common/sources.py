@@ -121,9 +121,10 @@ def code_changes(old: dict[str, str], new: dict[str, str]) -> list[str]:
 
 @functools.cache
 def source_version(directories: tuple[str, ...], root: Path = ROOT) -> str:
-    """16 hex digits over the relative path and bytes of every .py file under the given directories of root."""
+    """16 hex digits over the relative path and bytes of every .py and .cpp file (the ordered attention operator's
+    source is C++) under the given directories of root."""
     digest = sha256()
     for directory in directories:
-        for path in sorted((root / directory).rglob("*.py")):
+        for path in sorted(p for p in (root / directory).rglob("*") if p.suffix in (".py", ".cpp")):
             digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]

@@ -159,6 +159,7 @@ def cached_verify_cost(
         "machine": machine_key(target.device),
         "engine": engine_version(),  # a changed engine measures again, never reuses an old engine's table
         "ordered": target.ordered,
+        "ordered_attention": target.ordered_attention,  # the C++ operator and the torch form cost differently
         "target_compiled": target.mode,
         "target_widths": list(target.widths),
         "max_seq_len": target.max_seq_len,
