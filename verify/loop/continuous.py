@@ -6,11 +6,12 @@ work once lengths differ. Here a row that emits EOS or reaches its budget hands 
 next prompt: the prompt is prefilled into that row alone (`Target.fill_row`), the other rows decode on.
 
 What a prompt gets does not depend on the batch: its prefill runs alone, every decoding product's rows are
-computed as if alone (verify/backends/rows.py), the position-ordered attention reads only its own keys (the C++
-operator; the pure-torch form adds exact zeros for the others), and at T > 0 each prompt samples from its own generator, seeded per prompt. So a
-prompt's answer is the answer `plain_generate` gives it in a batch of one with that seed, bit for bit, whatever
-the batch size and whichever prompts share its step: tested (tests/test_continuous.py, prompts of 64-1,024
-tokens, more prompts than rows) on the lean Llama engine with ordered attention, eager, on a CPU.
+computed as if alone (verify/backends/rows.py), the position-ordered attention reads only the row's own keys (the
+C++ operator; the pure-torch form adds exact zeros for the others), and at T > 0 each prompt samples from its own
+generator, seeded per prompt. So a prompt's answer is the answer `plain_generate` gives it in a batch of one with
+that seed, bit for bit, whatever the batch size and whichever prompts share its step: tested
+(tests/test_continuous.py, prompts of 64-1,024 tokens, more prompts than rows) on the lean Llama engine with
+ordered attention, eager, on a CPU.
 
 Only there: `check_serving` refuses, in one line, any other engine, attention, compiled step or device. The
 x-transformers engine's attention is one product over the cached slots up to the longest row's, in no
