@@ -39,7 +39,7 @@ def bf16_llama(*, seed: int, hidden: int, layers: int, positions: int) -> HFBase
     return HFBase(transformers.LlamaForCausalLM(config)).eval().to(torch.bfloat16)
 
 
-@pytest.fixture(autouse=True, params=["cpp", "torch"])
+@pytest.fixture(params=["cpp", "torch"])
 def form(request, monkeypatch):
     """Which ordered attention the engine runs (a cache made under one form keeps its key dtype)."""
     from verify.backends import lean_llama, ordered_kernel
@@ -84,12 +84,14 @@ def tree_mismatches(base, prompt_len: int, seed: int) -> int:
     )
 
 
+@pytest.mark.usefixtures("form")
 @pytest.mark.parametrize("prompt_len", [3, CHUNK - 2, CHUNK, 2 * CHUNK - 2, 3 * CHUNK - 1, 5 * CHUNK - 2])
 def test_tree_nodes_equal_their_paths_decoded_alone_bit_for_bit(base, prompt_len):
     with torch.inference_mode():
         assert tree_mismatches(base, prompt_len, seed=prompt_len) == 0
 
 
+@pytest.mark.usefixtures("form")
 def test_chain_equals_one_token_steps_bit_for_bit(base):
     g = torch.Generator().manual_seed(7)
     prompt, chain = torch.randint(0, V, (CHUNK + 30,), generator=g).tolist(), [3, 1, 4, 1, 5, 9]
@@ -146,6 +148,7 @@ def test_a_tree_node_attends_as_its_path_stepped_alone_bit_for_bit(prefix, dtype
         assert [node for node in range(len(PARENTS)) if not torch.equal(tree[node], paths[node])] == []
 
 
+@pytest.mark.usefixtures("form")
 def test_a_tree_past_128_nodes_stays_exact_and_the_fused_mode_is_a_setting(base):
     """No size limit hides a mode: a 150-node tree (more than the 128 a prefill-sized forward once switched
     order at) still equals its paths bit for bit; ordered=False is the target's own setting, recorded on it."""
@@ -173,6 +176,7 @@ def long_base():
     return bf16_llama(seed=1, hidden=64, layers=2, positions=4096)
 
 
+@pytest.mark.usefixtures("form")
 @pytest.mark.parametrize("batch", [1, 16, pytest.param(64, marks=pytest.mark.slow)])  # 64 rows x 1,000 tokens: ~15 s
 def test_a_chain_equals_its_steps_in_batches_of_rows_at_contexts_up_to_2048(long_base, batch):
     """Rows of contexts 64-2,048 in one batch: a 4-token verification gives every row's every token the bits four
@@ -193,6 +197,7 @@ def test_a_chain_equals_its_steps_in_batches_of_rows_at_contexts_up_to_2048(long
     assert rows == [], [lengths[r] for r in rows]
 
 
+@pytest.mark.usefixtures("form")
 @pytest.mark.parametrize("prompt_len", [1024 - 3, 2048 - 7])
 def test_a_tree_node_equals_its_path_after_a_long_context(long_base, prompt_len):
     with torch.inference_mode():

@@ -95,9 +95,8 @@ def test_a_tree_node_equals_its_path_stepped_alone_and_a_chain_its_steps(dtypes,
 @pytest.mark.parametrize("dtypes", DTYPES[1:2] + DTYPES[0:1])
 @pytest.mark.parametrize("batch", [1, 7, 64])
 def test_a_batched_row_reads_only_its_own_keys_and_equals_itself_alone(dtypes, batch):
-    """Rows of 64-2,048 cached slots in one call: every slot a row does not see (past its length, and its masked
-    tree siblings) holds NaN, so a row that read one, even with weight 0, would be NaN; each row equals its own
-    call alone, bit for bit."""
+    """Rows of 64-2,048 cached slots in one call: every slot past a row's own entries holds NaN, so a row that read
+    one, even with weight 0, would be NaN; each row equals its own call alone, bit for bit."""
     qt, kt, vt = dtypes
     g = torch.Generator().manual_seed(batch)
     heads, kv_heads, d, n = 9, 3, 64, len(PARENTS)

@@ -69,6 +69,10 @@ def _missing() -> str | None:
     return None
 
 
+def _fake(q: Tensor, k: Tensor, v: Tensor, ctx: Tensor, extra: Tensor, count: Tensor, scale: float) -> Tensor:
+    return q.new_empty(q.shape, dtype=torch.float32)  # what a compiled step traces: the output's shape
+
+
 @cache
 def _load() -> str | None:
     """Build (once per machine) and load the operator; None when it loaded, else why not, in one line."""
@@ -92,7 +96,9 @@ def _load() -> str | None:
             )
         except (RuntimeError, OSError) as error:
             why = f"the build failed ({str(error).strip().splitlines()[-1][:200]}); its files are in {build}"
-    if why is not None:
+    if why is None:
+        torch.library.register_fake("prophet_medusa::attend_ordered")(_fake)  # shapes for torch.compile
+    else:
         warnings.warn(
             f"ordered attention: {why}; decoding uses the pure-torch ordered attention (exact, slower)", stacklevel=3
         )
@@ -116,16 +122,6 @@ def fast_bf16() -> bool:
     return kernel_available() and bool(torch.ops.prophet_medusa.fast_bf16())
 
 
-def _fake(q: Tensor, k: Tensor, v: Tensor, ctx: Tensor, extra: Tensor, count: Tensor, scale: float) -> Tensor:
-    return q.new_empty(q.shape, dtype=torch.float32)  # what a compiled step traces: the output's shape
-
-
-@cache
-def _register_fake() -> None:
-    """Shapes for torch.compile, registered once the operator exists."""
-    torch.library.register_fake("prophet_medusa::attend_ordered")(_fake)
-
-
 def kernel_plan(start: Tensor, n: int, allow: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The keys each of n new queries written from slot start (b,) sees, as the operator takes them: ctx (b, n),
     every slot below it; then extra (b, n, m)[:count (b, n)], window slots in slot order. allow (b, n, r) over the
@@ -144,7 +140,6 @@ def kernel_plan(start: Tensor, n: int, allow: Tensor | None) -> tuple[Tensor, Te
 def attend_kernel(q: Tensor, k: Tensor, v: Tensor, plan: tuple[Tensor, Tensor, Tensor], scale: float) -> Tensor:
     """q (b, n, h, dh) over the cached k, v (b, g, S, dh) (g kv heads shared by h / g query heads each), every
     query over its own keys in position order (`kernel_plan`) -> (b, n, h dh) in q's dtype."""
-    _register_fake()
     ctx, extra, count = plan
     out = torch.ops.prophet_medusa.attend_ordered(q.contiguous(), k, v, ctx, extra, count, scale)
     return out.to(q.dtype).flatten(2)
