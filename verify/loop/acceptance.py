@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from verify.common.numerics import is_finite_number
-from verify.loop.sampling import sample_from_probs
+from verify.loop.sampling import greedy_tokens, sample_from_probs
 
 RULES = ("auto", "greedy", "speculative", "typical")
 
@@ -59,7 +59,7 @@ def _accepted_prefix(ok: Tensor) -> Tensor:
 def greedy_accept(p: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
     """p (b, k+1, V) (or the logits: same argmax), draft (b, k): keep the longest prefix equal to the
     target's argmax, then add its argmax."""
-    choice = p.argmax(dim=-1)  # (b, k+1)
+    choice = greedy_tokens(p)  # (b, k+1)
     accepted = _accepted_prefix(draft == choice[:, :-1])
     return accepted, choice.gather(1, accepted[:, None]).squeeze(1)
 

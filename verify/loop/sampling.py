@@ -63,11 +63,18 @@ def _filter_top_p(logits: Tensor, top_p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """(..., V) logits -> (...) their argmax (ties: the lowest id), taken in float32: the same index (the cast is
+    exact), but a CPU's bf16 argmax is not vectorised: 94 us a row of SmolLM2's 49,152 logits against 25 in float32
+    (AMD EPYC, 2 threads), 1.6 ms of each 17-node tree's verification."""
+    return logits.float().argmax(dim=-1)
+
+
 def probs_from_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
     """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k and top-p."""
     logits = logits.float()
     if cfg.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).float()
     logits = logits / cfg.temperature
     if cfg.top_k is not None:
         logits = _filter_top_k(logits, cfg.top_k)
@@ -116,7 +123,7 @@ def sample_siblings(probs: Tensor, width: int, generator: torch.Generator | None
 def sample_token(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> Tensor:
     """(..., V) logits -> (...) next tokens. Greedy skips the softmax (same result as one-hot p)."""
     if cfg.greedy:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     return sample_from_probs(probs_from_logits(logits, cfg), generator)
 
 
@@ -131,6 +138,6 @@ def draft_from_logits(
     speculative sampling accepts a draft with probability min(1, p / q), far more often than a fixed top
     guess, which the base samples only as often as p gives it."""
     if cfg.greedy:
-        return full_ids(logits.argmax(dim=-1), vocab), None
+        return full_ids(greedy_tokens(logits), vocab), None
     q = probs_from_logits(logits, cfg)  # (..., N)
     return full_ids(sample_from_probs(q, generator), vocab), expand_probs(q, vocab, vocab_size)

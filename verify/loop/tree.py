@@ -20,7 +20,7 @@ from einops import rearrange
 from torch import Tensor
 
 from verify.backends.cache import tree_attention
-from verify.loop.sampling import sample_from_probs
+from verify.loop.sampling import greedy_tokens, sample_from_probs
 
 Path = tuple[int, ...]
 
@@ -186,7 +186,7 @@ def tree_greedy_accept(logits: Tensor, tokens: Tensor, parents: Tensor) -> tuple
     """
     n = tokens.shape[1]
     ancestors, depth = tree_attention(parents)  # (b, n, n), (b, n)
-    best = logits.argmax(dim=-1)  # (b, n): the target's token after each node
+    best = greedy_tokens(logits)  # (b, n): the target's token after each node
     is_root = parents < 0
     match = (tokens == best.gather(1, parents.clamp(min=0))) & ~is_root
     earlier = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril(-1)  # [i, j]: j comes before i
