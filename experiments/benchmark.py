@@ -55,9 +55,10 @@ from experiments.lib.methods.calibrate import (
 from experiments.lib.methods.decode_checks import check_benchmark, check_exact, sampling_for
 from experiments.lib.methods.prompt_set import add_second_turns, check_pilot_room, get_prompt_set, get_prompts
 from experiments.lib.methods.registry import (
-    FAMILY_METHODS,
+    HYBRID_METHODS,
     check_drafters_before_base,
     checkpoint_for,
+    family_mode,
     make_methods,
     recorded_config,
     verify_widths,
@@ -304,7 +305,7 @@ def method_row(e: dict, common: dict, best: dict, rule: str, plain: dict, cfg: D
 def verify_width(cfg: DictConfig, name: str, spec: SpecConfig, budget: dict | None) -> int:
     """Tokens a method's target forward verifies: a tree's nodes plus the pending token, a chain's gamma + 1
     (with adaptive gamma the narrowest, 2: the bound it sets, tau / v(width), is then the loosest)."""
-    family, method_mode = FAMILY_METHODS.get(name, (None, "chain"))
+    family, method_mode = family_mode(name)
     if method_mode == "tree":
         given = cfg[family].decode.get("tree")  # an explicit tree of rank paths: one node per path
         nodes = (budget or {}).get("tree_nodes") or (len(given) if given else cfg[family].decode.tree_nodes)
@@ -363,7 +364,7 @@ def benchmark(cfg: DictConfig) -> dict[str, Any]:
                 tree=tree,
             )
             setup["verify_cost"] = measure(False)
-            if any(FAMILY_METHODS.get(name, (None, "chain"))[1] == "tree" for name in methods):
+            if any(family_mode(name)[1] == "tree" for name in methods):
                 setup["tree_cost"] = measure(True)  # trees are budgeted on what a tree forward costs
             setup["calibration_s"] = time.perf_counter() - start  # compiled: includes compiling every width
             table = format_cost_table(setup["verify_cost"], tree_cost=setup.get("tree_cost"))
@@ -462,7 +463,7 @@ def costs_of(setups: list[dict], precision: dict) -> Callable[[dict], dict[int, 
 
     def costs(row: dict) -> dict[int, float] | None:
         setup = by_mode[mode(row)]
-        tree = FAMILY_METHODS.get(row["name"], (None, "chain"))[1] == "tree"
+        tree = family_mode(row["name"])[1] == "tree"
         if "verify_cost" in setup:
             return setup.get("tree_cost", setup["verify_cost"]) if tree else setup["verify_cost"]
         return None if setup["compiled"] else precision.get("verify_cost")
@@ -511,9 +512,10 @@ def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_i
         batch_size=cfg.decode.batch_size,
     )
     torch.set_num_threads(setup["threads"])
-    for name, make in setup["makers"].items():
+    # hybrids last: a hybrid's learned side drafts at its own chain's chosen gamma (hybrid.learned_gamma null)
+    for name, make in sorted(setup["makers"].items(), key=lambda item: item[0] in HYBRID_METHODS):
         compile_ = setup["compiled"]
-        family, method_mode = FAMILY_METHODS.get(name, (None, "chain"))
+        family, method_mode = family_mode(name)
         if method_mode == "tree":
             candidates = [dict(c) for c in search[f"{family}_trees"]]
             # A head tree's depth is the loop's gamma (one head per level), not a drafter argument
@@ -529,10 +531,14 @@ def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_i
             kwargs, gamma = over(result["drafter_kwargs"]), result["gamma"]
             factory = lambda make=make, kwargs=kwargs, compile_=compile_: make(compile=compile_, **kwargs)  # noqa: E731
         else:
+            kwargs = {}
+            if name in HYBRID_METHODS and cfg.hybrid.learned_gamma is None and f"{family}_chain" in chosen:
+                kwargs = {"learned_gamma": chosen[f"{family}_chain"]["budget"]["gamma"]}
+            factory = lambda make=make, kwargs=kwargs, compile_=compile_: make(compile=compile_, **kwargs)  # noqa: E731
             result = choose_chain_budget(
-                setup["target"], setup["methods"][name], setup["pilot_prompts"], max_gamma=search.max_gamma, **common
+                setup["target"], factory, setup["pilot_prompts"], max_gamma=search.max_gamma, **common
             )
-            gamma, factory, kwargs = result["gamma"], setup["methods"][name], {}
+            gamma = result["gamma"]
         spec = replace(setup["spec"], gamma=gamma, max_gamma=max(setup["spec"].max_gamma, gamma))
         chosen[name] = dict(factory=factory, spec=spec, budget={"gamma": gamma, **kwargs, "table": result["table"]})
         log.info("budget=auto %s (%s, T=%g): gamma %d %s", name, mode(setup), sampling.temperature, gamma, kwargs)

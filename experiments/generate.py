@@ -43,6 +43,7 @@ from experiments.lib.methods.decode_checks import (
     check_decode,
     check_exact,
     check_family_decode,
+    check_hybrid_config,
     check_prompt_lookup,
     check_run,
     check_temperature,
@@ -50,8 +51,8 @@ from experiments.lib.methods.decode_checks import (
     sampling_for,
 )
 from experiments.lib.methods.registry import (
+    ALL_METHODS,
     DRAFTER_KINDS,
-    METHODS,
     check_drafters_before_base,
     checkpoint_for,
     checkpoint_kinds,
@@ -153,8 +154,8 @@ NOT_READ = {
 
 def check_config(cfg: DictConfig) -> tuple[SamplingConfig, SpecConfig, str]:
     """One-line errors for bad settings before anything is loaded or trained; (sampling, spec, resolved rule)."""
-    if cfg.method not in METHODS:
-        raise ValueError(f"method={cfg.method!r}: must be one of {', '.join(METHODS)}")
+    if cfg.method not in ALL_METHODS:
+        raise ValueError(f"method={cfg.method!r}: must be one of {', '.join(ALL_METHODS)}")
     if not check_bool("interactive", cfg.interactive):
         check_prompt(cfg.prompt)
     check_int("max_new_tokens", cfg.max_new_tokens)
@@ -173,6 +174,7 @@ def check_config(cfg: DictConfig) -> tuple[SamplingConfig, SpecConfig, str]:
     _, spec = check_decode(cfg.decode)  # spec: decode_checks.spec_from, as the benchmark builds it
     sampling, rule = sampling_for(cfg.decode, check_temperature("temperature", cfg.temperature))
     check_prompt_lookup(cfg.prompt_lookup)
+    check_hybrid_config(cfg.hybrid)
     check_family_decode(cfg)
     check_checkpoints(cfg, checkpoint_kinds([cfg.method]))
     return sampling, spec, rule
@@ -184,7 +186,7 @@ def check_prompt(prompt: Any) -> str:
 
 def methods_config(cfg: DictConfig) -> DictConfig:
     """The keys make_methods reads, resolved, with the one chosen method."""
-    keys = ("checkpoints", "artifacts", "prompt_lookup", *DRAFTER_KINDS, "data")
+    keys = ("checkpoints", "artifacts", "prompt_lookup", "hybrid", *DRAFTER_KINDS, "data")
     resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in keys}
     return OmegaConf.create({"methods": [cfg.method], "vocab": cfg.vocab, **resolved})
 

@@ -843,6 +843,42 @@ def test_benchmark_budget_auto_picks_and_records_budgets(tiny_base: Path, drafte
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 2 + 2 * measured
 
 
+def test_benchmark_hybrids_are_exact_and_draft_at_their_chains_gamma(
+    tiny_base: Path, drafters: dict, tmp_path: Path
+) -> None:
+    """hybrid_<family>_<mode> rows: exact at T=0, sampled at T=1; with budget=auto the hybrid chain's learned side
+    drafts at the gamma its family's own chain chose, and its tree searches the family's trees."""
+    cfg = fast_bench_cfg(
+        tiny_base,
+        drafters,
+        tmp_path,
+        "methods=[medusa_chain,hybrid_medusa_chain,hybrid_sequential_tree]",
+        "budget=auto",
+        "budget_search.max_gamma=3",
+        "budget_search.pilot_prompts=1",
+        "budget_search.sequential_trees=[{tree_nodes: 2, depth: 2}, {tree_nodes: 4, depth: 2}]",
+        f"budget_search.cache_dir={tmp_path / 'calibration'}",
+    )
+    bench_mod.benchmark(cfg)
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["name"], r["temperature"]): r for r in results["methods"]}
+    assert set(rows) == {
+        (m, t) for m in ("medusa_chain", "hybrid_medusa_chain", "hybrid_sequential_tree") for t in (0, 1)
+    }
+    for t in (0.0, 1.0):
+        chain, hybrid, tree = (rows[m, t] for m in ("medusa_chain", "hybrid_medusa_chain", "hybrid_sequential_tree"))
+        assert hybrid["budget"]["learned_gamma"] == chain["gamma"] and 1 <= hybrid["gamma"] <= 3
+        assert tree["budget"]["tree_nodes"] in (2, 4)
+    assert all(rows[m, 0.0]["exact"] for m in ("hybrid_medusa_chain", "hybrid_sequential_tree"))
+
+
+def test_bad_hybrid_setting_is_one_line_error_before_work(tmp_path: Path) -> None:
+    cfg = make_cfg("benchmark", "hybrid.min_match=5", f"out_dir={tmp_path / 'out'}")
+    with pytest.raises(ValueError, match="hybrid min_match=5: must be at most max_ngram=3"):
+        bench_mod.benchmark(cfg)
+    assert not (tmp_path / "out").exists()
+
+
 def test_benchmark_trains_missing_drafter_through_the_cache(
     tiny_base: Path, drafters: dict, cache_dir: str, tmp_path: Path
 ) -> None:

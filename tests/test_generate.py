@@ -73,7 +73,16 @@ def test_config_composes_with_the_benchmark_keys() -> None:
     assert cfg.max_new_tokens == 64 and cfg.prompt == "def fib(n):" and cfg.interactive is False
     derived = gen.methods_config(cfg)
     assert list(derived.methods) == ["prophet_tree"] and derived.checkpoints.base is None
-    assert set(derived) == {"methods", "checkpoints", "artifacts", "prompt_lookup", *DRAFTER_KINDS, "vocab", "data"}
+    assert set(derived) == {
+        "methods",
+        "checkpoints",
+        "artifacts",
+        "prompt_lookup",
+        "hybrid",
+        *DRAFTER_KINDS,
+        "vocab",
+        "data",
+    }
 
 
 def test_prompt_lookup_one_shot(base_ckpt: str, capsys: pytest.CaptureFixture) -> None:

@@ -31,17 +31,22 @@ class PromptLookupDrafter:
         self._append(pending[:, None], torch.ones_like(self.lengths))
 
     def propose(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator | None) -> Draft:
-        start = self._find_continuation()  # (b,) index of the first continuation token
+        start, _ = self.match()
+        return Draft(tokens=self.continuation(start, gamma))
+
+    def continuation(self, start: Tensor, gamma: int) -> Tensor:
+        """(b, gamma) context tokens from each row's `start` (b,) on."""
         index = start[:, None] + torch.arange(gamma, device=start.device)
         # Past the context's end there is nothing to copy: repeat the last token (likely rejected, still valid).
         index = torch.minimum(index, (self.lengths - 1)[:, None])
-        return Draft(tokens=self.ctx.gather(1, index))
+        return self.ctx.gather(1, index)
 
     def commit(self, verdict: Verdict) -> None:
         self._append(verdict.tokens, verdict.accepted + 1)
 
-    def _find_continuation(self) -> Tensor:
-        """(b,) start of the continuation after the latest earlier match of the longest n-gram suffix."""
+    def match(self) -> tuple[Tensor, Tensor]:
+        """(b,) start of the continuation after the latest earlier match of the longest n-gram suffix (n from
+        max_ngram down to min_ngram), and (b,) whether a row found one (else its start is its last token)."""
         b, width = self.ctx.shape
         found = torch.zeros(b, dtype=torch.bool, device=self.ctx.device)
         start = self.lengths - 1  # no match: point at the last token
@@ -59,7 +64,7 @@ class PromptLookupDrafter:
             hit = (latest >= 0) & ~found
             start = torch.where(hit, latest + n, start)
             found |= hit
-        return start
+        return start, found
 
     def _append(self, tokens: Tensor, counts: Tensor) -> None:
         """Append each row's first counts[b] tokens of tokens (b, k) to its context."""

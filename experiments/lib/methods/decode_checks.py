@@ -43,6 +43,7 @@ from experiments.lib.training.artifacts import ENTRY, check_artifact
 from experiments.lib.training.precision import resolve_decode_dtype
 from experiments.lib.training.settings import check_bool, check_int, check_number, resolve_device
 from verify.backends.graphs import check_mode
+from verify.drafters.hybrid import check_hybrid
 from verify.drafters.prompt_lookup import PromptLookupDrafter
 from verify.loop.acceptance import RULES, check_rule, is_lossless
 from verify.loop.sampling import SamplingConfig
@@ -169,6 +170,15 @@ def check_prompt_lookup(node: Any) -> dict:
     for key in node:
         check_int(f"prompt_lookup.{key}", node[key])
     PromptLookupDrafter(vocab_size=1, **node)  # min_ngram <= max_ngram
+    return dict(node)
+
+
+def check_hybrid_config(node: Any) -> dict:
+    """hybrid's {max_ngram, min_match, learned_gamma}, as the hybrid drafter takes them."""
+    keys = {"max_ngram", "min_match", "learned_gamma"}
+    if not isinstance(node, DictConfig) or not set(node) <= keys:
+        raise ValueError(f"hybrid={node!r}: must be {{max_ngram: N, min_match: M, learned_gamma: G or null}}")
+    check_hybrid(**{"max_ngram": 3, "min_match": 2, "learned_gamma": None, **node})
     return dict(node)
 
 
@@ -390,6 +400,7 @@ def check_benchmark(cfg: DictConfig) -> tuple[list[tuple[int | None, bool]], lis
     check_budget(cfg)
     methods = check_methods(cfg.methods)
     check_prompt_lookup(cfg.prompt_lookup)
+    check_hybrid_config(cfg.hybrid)
     check_family_decode(cfg)
     check_prompts(cfg.prompts)
     check_checkpoints(cfg, checkpoint_kinds(methods))

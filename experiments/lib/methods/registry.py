@@ -2,12 +2,14 @@
 (experiments/benchmark.py, generate.py, baseline.py).
 
 A method is plain decoding's rival: `draft_model` (an LM drafting a chain), `prompt_lookup` (n-grams of the
-prompt, no weights) or `<family>_<mode>` for each drafter family of experiments/lib/families/registry.py and each of
-its modes (chain, tree). This module holds the registry (METHODS, and check_methods of a config's list of
-them), where each method's checkpoint comes from (an explicit directory, or the artifact cache of
-experiments/lib/training/artifacts.py, trained on first use), and make_methods, which loads them and returns one
-factory of a fresh drafter per method. The prompts every method decodes are experiments/lib/methods/prompt_set.py's.
-The rest of a decoding config's checks, before any of this runs, are experiments/lib/methods/decode_checks.py's.
+prompt, no weights), `<family>_<mode>` for each drafter family of experiments/lib/families/registry.py and each of
+its modes (chain, tree), or `hybrid_<family>_<mode>`: prompt lookup where the context repeats itself, that
+family's drafter elsewhere (verify/drafters/hybrid.py). This module holds the registry (METHODS, HYBRID_METHODS, and
+check_methods of a config's list of them), where each method's checkpoint comes from (an explicit directory, or the
+artifact cache of experiments/lib/training/artifacts.py, trained on first use), and make_methods, which loads them
+and returns one factory of a fresh drafter per method. The prompts every method decodes are
+experiments/lib/methods/prompt_set.py's. The rest of a decoding config's checks, before any of this runs, are
+experiments/lib/methods/decode_checks.py's.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from experiments.lib.training.artifacts import compose_recipe, ensure
 from medusa.trees import accuracies_from_metrics
 from verify.common.vocab import frequent_tokens
 from verify.drafters.draft_model import DraftModelDrafter
+from verify.drafters.hybrid import HybridDrafter
 from verify.drafters.prompt_lookup import PromptLookupDrafter
 
 log = logging.getLogger(__name__)
@@ -40,20 +43,29 @@ DRAFTER_KINDS = tuple(FAMILIES)
 FAMILY_METHODS: dict[str, tuple[str, str]] = {
     f"{name}_{mode}": (name, mode) for name, f in FAMILIES.items() if name != "draft" for mode in f.modes
 }
-METHODS = ("draft_model", "prompt_lookup", *FAMILY_METHODS)  # the order of results tables
+METHODS = ("draft_model", "prompt_lookup", *FAMILY_METHODS)  # the order of results tables; the default benchmark
+# hybrid_<family>_<mode> -> (family, mode): not in the default benchmark (each doubles its family's decoding time);
+# configs name the hybrids they compare
+HYBRID_METHODS: dict[str, tuple[str, str]] = {f"hybrid_{name}": fm for name, fm in FAMILY_METHODS.items()}
+ALL_METHODS = (*METHODS, *HYBRID_METHODS)
+
+
+def family_mode(name: str) -> tuple[str | None, str]:
+    """(family, mode) of a family's or a hybrid's method; (None, "chain") for draft_model and prompt_lookup."""
+    return FAMILY_METHODS.get(name) or HYBRID_METHODS.get(name) or (None, "chain")
 
 
 def method_kind(name: str) -> str | None:
     """The checkpoint kind method `name` reads (a drafter family), None for prompt lookup (no weights)."""
-    return "draft" if name == "draft_model" else FAMILY_METHODS[name][0] if name in FAMILY_METHODS else None
+    return "draft" if name == "draft_model" else family_mode(name)[0]
 
 
 def check_methods(methods: Any) -> list[str]:
     """The method names (one name alone is a list of one); unknown or repeated names are errors."""
     names = list(methods) if isinstance(methods, (list, tuple, ListConfig)) else [methods]
-    unknown = [m for m in names if m not in METHODS]
+    unknown = [m for m in names if m not in ALL_METHODS]
     if unknown:
-        raise ValueError(f"methods contain {unknown}: each must be one of {', '.join(METHODS)}")
+        raise ValueError(f"methods contain {unknown}: each must be one of {', '.join(ALL_METHODS)}")
     if len(set(names)) < len(names):
         raise ValueError(f"methods={names}: give each method once")
     return names
@@ -183,7 +195,7 @@ def make_methods(
         elif name == "prompt_lookup":
             methods[name] = lambda compile=False: PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
         else:
-            family, mode = FAMILY_METHODS[name]
+            family, mode = family_mode(name)
             if family not in trained:
                 directory = checkpoint_for(cfg, family, base_ckpt, base_meta)
                 module, package, meta = load_drafter(directory, base, base_meta)
@@ -198,6 +210,11 @@ def make_methods(
             methods[name] = lambda m=module, p=package, d=decode, c=compiles, v=own, compile=False, **over: (
                 p.make_drafter(m, base, **{**d, **over}, vocab=v, **({"compile": compile} if c else {}))
             )
+            if name in HYBRID_METHODS:  # lookup's settings and the learned side's cap (budget=auto: its chain's gamma)
+                methods[name] = lambda learned=methods[name], compile=False, learned_gamma=None, **over: HybridDrafter(
+                    learned(compile=compile, **over),
+                    **{**cfg.hybrid, **({} if learned_gamma is None else {"learned_gamma": learned_gamma})},
+                )
     return methods, loaded
 
 
