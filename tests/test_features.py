@@ -263,6 +263,42 @@ def test_kl_target_is_cross_entropy_to_the_renormalised_top_k():
     assert torch.allclose(distill_loss(student, top_ids=full.indices, top_logp=full.values), kl + entropy, atol=1e-5)
 
 
+def test_tv_target_is_one_minus_the_acceptance_rate_of_speculative_sampling():
+    """With k = V the tv loss is exactly the total variation 1 - sum min(p, q) = 0.5 |p - q|_1, the probability that
+    speculative sampling rejects a draft drawn from q; kl_tv adds the kl target's cross-entropy."""
+    g = torch.Generator().manual_seed(1)
+    student, teacher = torch.randn(6, V, generator=g), (2 * torch.randn(6, V, generator=g)).log_softmax(-1)
+    full = teacher.topk(V, dim=-1)
+    tv = 0.5 * (teacher.exp() - student.softmax(-1)).abs().sum(-1).mean()
+    assert torch.allclose(distill_loss(student, top_ids=full.indices, top_logp=full.values, target="tv"), tv)
+    kl = distill_loss(student, top_ids=full.indices, top_logp=full.values)
+    kl_tv = distill_loss(student, top_ids=full.indices, top_logp=full.values, target="kl_tv")
+    assert torch.allclose(kl_tv, kl + tv)
+    same = distill_loss(teacher, top_ids=full.indices, top_logp=full.values, target="tv")
+    assert abs(float(same)) < 1e-6  # q = p: every draft accepted
+    # a top-k teacher: the mass outside it counts as no overlap, so the loss bounds the rejection rate from above
+    top = teacher.topk(4, dim=-1)
+    assert distill_loss(student, top_ids=top.indices, top_logp=top.values, target="tv") >= tv - 1e-6
+
+
+def test_tv_target_trains_a_student_to_be_accepted():
+    """Gradient steps on the tv loss raise the acceptance rate sum min(p, q) of a random student to near the most a
+    top-16 teacher lets it see."""
+    g = torch.Generator().manual_seed(2)
+    teacher = (2 * torch.randn(4, V, generator=g)).log_softmax(-1)
+    top = teacher.topk(16, dim=-1)
+    student = torch.randn(4, V, generator=g).requires_grad_()
+    accepted = lambda: float(torch.minimum(teacher.exp(), student.softmax(-1)).sum(-1).mean())  # noqa: E731
+    before = accepted()
+    optimizer = torch.optim.Adam([student], lr=0.1)
+    for _ in range(300):
+        optimizer.zero_grad()
+        distill_loss(student, top_ids=top.indices, top_logp=top.values, target="tv").backward()
+        optimizer.step()
+    reachable = float(top.values.exp().sum(-1).mean())  # the overlap the top-16 can show (the rest counts as none)
+    assert before < 0.5 and accepted() > 0.95 * reachable, (before, accepted(), reachable)
+
+
 def test_trimmed_vocabulary_drops_teacher_tokens_outside_it():
     vocab = torch.tensor([3, 10, 50])
     index = subset_index(vocab, V, torch.device("cpu"))

@@ -116,9 +116,10 @@ def masked(batch: FeatureBatch, mask: Tensor | None = None) -> FeatureBatch:
 
 
 def changed(batch: FeatureBatch, where: Tensor, *, tokens: bool = False) -> FeatureBatch:
-    """The batch with the teacher reversed (its top-1 becomes its k-th) at positions `where` (B, T), and with
-    `tokens` the target tokens there too (token t + 1 for position t)."""
-    top_ids = torch.where(where[..., None], batch.top_ids.flip(-1), batch.top_ids)
+    """The batch with the teacher reversed (its top-1 becomes its k-th) and moved to the next token ids at positions
+    `where` (B, T), and with `tokens` the target tokens there too (token t + 1 for position t). Moved as well as
+    reversed: a near-uniform student's tv loss sums min(p, q) = q over the same tokens in any order."""
+    top_ids = torch.where(where[..., None], (batch.top_ids.flip(-1) + 1) % V, batch.top_ids)
     out = replace(batch, top_ids=top_ids)
     if tokens:
         targets = torch.where(where, (batch.tokens[:, 1:] + 1) % V, batch.tokens[:, 1:])
@@ -148,7 +149,7 @@ def test_no_mask_equals_an_all_true_mask(case):
     assert case.evaluate(case.batch) == case.evaluate(everything)
 
 
-@pytest.mark.parametrize("target", ["kl", "argmax", "true"])
+@pytest.mark.parametrize("target", ["kl", "argmax", "true", "tv", "kl_tv"])
 def test_masked_out_positions_change_nothing_and_a_masked_in_one_does(case, target):
     if target == "true" and not case.tokens_are_targets:
         pytest.skip("the family reads the tokens as inputs: changing them changes every later prediction")

@@ -385,7 +385,7 @@ def test_torchrun_two_ranks_train_a_drafter(family: str, tiny_base: Path, cache_
 @pytest.mark.parametrize(
     "family, override, message",
     [
-        ("medusa", "drafter.loss.target=bogus", "target='bogus': must be one of kl, argmax, true"),
+        ("medusa", "drafter.loss.target=bogus", "target='bogus': must be one of kl, argmax, true, tv, kl_tv"),
         ("medusa", "+drafter.loss.foo=1", "drafter.loss.foo: not a setting of medusa.train.loss"),
         ("medusa", "+drafter.module.foo=1", "drafter.module.foo: not a setting of medusa.train.build"),
         ("prophet", "drafter.loss.unroll=0", "unroll=0: must be an integer >= 1"),

@@ -12,6 +12,13 @@ Three targets:
   still normalises over every token it can emit.
 - `argmax`: cross-entropy to the base's top-1 (what greedy acceptance checks, nothing more).
 - `true`: cross-entropy to the corpus token (learning the data, the pre-distillation recipe).
+- `tv`: 1 - sum over the teacher's top-k of min(p, q), the total variation the acceptance rule pays for: speculative
+  sampling accepts a draft from q with probability exactly sum_x min(p(x), q(x)), so this loss is one minus a lower
+  bound of the acceptance rate (the mass outside the top-k counts as no overlap). p is the teacher's probability
+  over the full vocabulary, not renormalised; q the student's softmax. Its gradient reaches only the tokens where
+  q < p, and vanishes once q covers p there: alone it can stall far from p, so
+- `kl_tv`: the `kl` cross-entropy plus `tv` (the acceptance-rate losses of the literature mix the two, the divergence
+  pulling q towards p from afar, the total variation aiming at the accepted mass).
 
 A trimmed drafter vocabulary (`vocab`, sorted ids (N,)) gives student logits over the subset only; teacher
 tokens outside it are dropped (the drafter can never propose them), and positions whose target falls
@@ -29,7 +36,7 @@ from torch import Tensor
 
 from verify.common.vocab import full_ids
 
-TARGETS = ("kl", "argmax", "true")
+TARGETS = ("kl", "argmax", "true", "tv", "kl_tv")
 
 
 def check_target(target: str) -> str:
@@ -70,7 +77,7 @@ def distill_loss(
         ids, weight = true_ids[:, None], torch.ones_like(true_ids, dtype=log_q.dtype)[:, None]
     elif target == "argmax":
         ids, weight = top_ids[:, :1], torch.ones_like(top_logp[:, :1], dtype=log_q.dtype)
-    else:
+    else:  # kl, tv, kl_tv: the teacher's top-k probabilities
         ids, weight = top_ids, top_logp.float().exp()
     if index is not None:  # teacher tokens the subset cannot emit carry no target
         ids = index[ids]
@@ -78,9 +85,14 @@ def distill_loss(
         ids = ids.clamp(min=0)
     mass = weight.sum(dim=-1)  # (N,)
     keep = mass > 0 if mask is None else (mass > 0) & mask
-    p = weight[keep] / mass[keep, None]  # (n, k) renormalised teacher
-    ce = -(p * log_q[keep].gather(-1, ids[keep])).sum(dim=-1)  # (n,)
-    return ce.mean() if ce.numel() else log_q.sum() * 0.0  # no target at all: a zero that still has a graph
+    log_q_top = log_q[keep].gather(-1, ids[keep])  # (n, k) the student's log-probability of each teacher token
+    loss = log_q_top.new_zeros(log_q_top.shape[0])  # (n,)
+    if target != "tv":
+        p = weight[keep] / mass[keep, None]  # (n, k) renormalised teacher
+        loss = loss - (p * log_q_top).sum(dim=-1)
+    if target in ("tv", "kl_tv"):
+        loss = loss + 1 - torch.minimum(weight[keep], log_q_top.exp()).sum(dim=-1)
+    return loss.mean() if loss.numel() else log_q.sum() * 0.0  # no target at all: a zero that still has a graph
 
 
 def student_top1(logits: Tensor, vocab: Tensor | None) -> Tensor:
