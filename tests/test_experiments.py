@@ -285,7 +285,7 @@ def test_train_drafter_missing_base_is_one_line_error() -> None:
 def check_benchmark_cfg(cfg: DictConfig) -> None:
     """What benchmark checks before work, plus: each artifact recipe composes and validates as ensure() would."""
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    assert set(cfg.methods) <= set(methods.METHODS)
+    assert set(cfg.methods) <= set(methods.ALL_METHODS)
     decode_checks.check_decode(cfg.decode)
     base_trainer.validate_config(make_cfg("train_base", *cfg.artifacts.base, "out_dir=/tmp/unused"))
     for family in ("draft", *FAMILIES):  # the draft model is distilled from the base like the others
