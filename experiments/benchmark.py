@@ -56,6 +56,7 @@ from experiments.lib.methods.decode_checks import check_benchmark, check_exact, 
 from experiments.lib.methods.prompt_set import add_second_turns, check_pilot_room, get_prompt_set, get_prompts
 from experiments.lib.methods.registry import (
     HYBRID_METHODS,
+    SHIPPED,
     check_drafters_before_base,
     checkpoint_for,
     family_mode,
@@ -513,7 +514,8 @@ def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_i
     )
     torch.set_num_threads(setup["threads"])
     # hybrids last: a hybrid's learned side drafts at its own chain's chosen gamma (hybrid.learned_gamma null)
-    for name, make in sorted(setup["makers"].items(), key=lambda item: item[0] in HYBRID_METHODS):
+    hybrid = lambda name: name.removeprefix(SHIPPED) in HYBRID_METHODS  # noqa: E731
+    for name, make in sorted(setup["makers"].items(), key=lambda item: hybrid(item[0])):
         compile_ = setup["compiled"]
         family, method_mode = family_mode(name)
         if method_mode == "tree":
@@ -532,8 +534,9 @@ def choose_budgets(cfg: DictConfig, setup: dict, sampling: SamplingConfig, eos_i
             factory = lambda make=make, kwargs=kwargs, compile_=compile_: make(compile=compile_, **kwargs)  # noqa: E731
         else:
             kwargs = {}
-            if name in HYBRID_METHODS and cfg.hybrid.learned_gamma is None and f"{family}_chain" in chosen:
-                kwargs = {"learned_gamma": chosen[f"{family}_chain"]["budget"]["gamma"]}
+            own_chain = name.replace("hybrid_", "", 1)  # [shipped_]hybrid_<family>_chain -> [shipped_]<family>_chain
+            if hybrid(name) and cfg.hybrid.learned_gamma is None and own_chain in chosen:
+                kwargs = {"learned_gamma": chosen[own_chain]["budget"]["gamma"]}
             factory = lambda make=make, kwargs=kwargs, compile_=compile_: make(compile=compile_, **kwargs)  # noqa: E731
             result = choose_chain_budget(
                 setup["target"], factory, setup["pilot_prompts"], max_gamma=search.max_gamma, **common

@@ -57,6 +57,7 @@ from experiments.lib.methods.registry import (
     checkpoint_for,
     checkpoint_kinds,
     make_methods,
+    shipped_directories,
     verify_widths,
 )
 from experiments.lib.store.checkpoint import load_lm
@@ -175,6 +176,7 @@ def check_config(cfg: DictConfig) -> tuple[SamplingConfig, SpecConfig, str]:
     sampling, rule = sampling_for(cfg.decode, check_temperature("temperature", cfg.temperature))
     check_prompt_lookup(cfg.prompt_lookup)
     check_hybrid_config(cfg.hybrid)
+    shipped_directories(cfg, [cfg.method])  # a shipped_* method's drafter present and whole
     check_family_decode(cfg)
     check_checkpoints(cfg, checkpoint_kinds([cfg.method]))
     return sampling, spec, rule
@@ -188,7 +190,9 @@ def methods_config(cfg: DictConfig) -> DictConfig:
     """The keys make_methods reads, resolved, with the one chosen method."""
     keys = ("checkpoints", "artifacts", "prompt_lookup", "hybrid", *DRAFTER_KINDS, "data")
     resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in keys}
-    return OmegaConf.create({"methods": [cfg.method], "vocab": cfg.vocab, **resolved})
+    return OmegaConf.create(
+        {"methods": [cfg.method], "vocab": cfg.vocab, "shipped_drafters": cfg.shipped_drafters, **resolved}
+    )
 
 
 # ------------------------------------------------------------------------------------------- decoding

@@ -872,6 +872,39 @@ def test_benchmark_hybrids_are_exact_and_draft_at_their_chains_gamma(
     assert all(rows[m, 0.0]["exact"] for m in ("hybrid_medusa_chain", "hybrid_sequential_tree"))
 
 
+def test_benchmark_decodes_with_shipped_drafters_beside_its_own(
+    tiny_base: Path, drafters: dict, tmp_path: Path
+) -> None:
+    """shipped_<method> rows draft with the copy under shipped_drafters/<family> (experiments/ship_drafters.py),
+    exact at T=0 beside the configured checkpoint's rows; a missing shipped drafter fails before any work."""
+    from experiments import ship_drafters
+
+    source = drafters["sequential"]["result"]["checkpoint"]
+    shipped = tmp_path / "shipped"
+    assert ship_drafters.main([f"sequential={source}", "--out", str(shipped), "--command", "test"]) == 0
+    names = "[sequential_chain,shipped_sequential_chain,shipped_hybrid_sequential_chain]"
+    cfg = fast_bench_cfg(
+        tiny_base,
+        drafters,
+        tmp_path / "run",
+        f"methods={names}",
+        "decode.temperatures=[0]",
+        f"shipped_drafters={shipped}",
+    )
+    bench_mod.benchmark(cfg)
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert [r["name"] for r in results["methods"]] == names.strip("[]").split(",")
+    assert all(r["exact"] for r in results["methods"])
+    assert results["checkpoints"]["shipped_sequential"]["checkpoint"] == str(shipped / "sequential")
+    assert results["checkpoints"]["sequential"]["checkpoint"] == source
+    missing = fast_bench_cfg(
+        tiny_base, drafters, tmp_path / "none", f"methods={names}", f"shipped_drafters={tmp_path / 'nowhere'}"
+    )
+    with pytest.raises(ValueError, match="checkpoint directory not found"):
+        bench_mod.benchmark(missing)
+    assert not (tmp_path / "none").exists()
+
+
 def test_bad_hybrid_setting_is_one_line_error_before_work(tmp_path: Path) -> None:
     cfg = make_cfg("benchmark", "hybrid.min_match=5", f"out_dir={tmp_path / 'out'}")
     with pytest.raises(ValueError, match="hybrid min_match=5: must be at most max_ngram=3"):

@@ -79,6 +79,7 @@ def test_config_composes_with_the_benchmark_keys() -> None:
         "artifacts",
         "prompt_lookup",
         "hybrid",
+        "shipped_drafters",
         *DRAFTER_KINDS,
         "vocab",
         "data",

@@ -31,6 +31,7 @@ from experiments.lib.families import early_exit as exit_family
 from experiments.lib.formats.common import detect
 from experiments.lib.formats.registry import read
 from experiments.lib.store.checkpoint import CheckpointError, load_checkpoint
+from experiments.lib.store.shipped_drafters import check_sums, expand, is_shipped
 from medusa import drafter as medusa_drafter
 from medusa import sequential_drafter, sequential_train
 from medusa import train as medusa_train
@@ -134,6 +135,10 @@ def load_drafter(directory: str | Path, base: nn.Module, base_meta: dict) -> tup
         )
     found = family(meta["model_config"]["package"])
     module = found.build(base, **meta["model_config"]["module"])
-    module.load_state_dict(ckpt.state_dict, strict=True)
+    state = ckpt.state_dict
+    if is_shipped(meta):  # a trimmed bf16 copy committed with the repository: its rows written into the built module
+        check_sums(directory)
+        state = expand(module, state, meta)
+    module.load_state_dict(state, strict=True)
     weight = next(base.parameters())  # a drafter decodes in the base's device and dtype (fp32 or bf16)
     return module.to(device=weight.device, dtype=weight.dtype).eval(), found, meta

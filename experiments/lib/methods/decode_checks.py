@@ -30,6 +30,7 @@ from experiments.lib.methods.registry import (
     check_methods,
     checkpoint_kinds,
     checkpoint_recipe,
+    shipped_directories,
 )
 from experiments.lib.store.checkpoint import (
     CheckpointError,
@@ -404,6 +405,7 @@ def check_benchmark(cfg: DictConfig) -> tuple[list[tuple[int | None, bool]], lis
     check_family_decode(cfg)
     check_prompts(cfg.prompts)
     check_checkpoints(cfg, checkpoint_kinds(methods))
+    shipped_directories(cfg, methods)
     check_writable(cfg.out_dir, "out_dir")
     if cfg.budget == "auto":
         check_writable(cfg.budget_search.cache_dir, "budget_search.cache_dir")

@@ -26,8 +26,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from experiments.lib.data.pipeline import base_data_config, prepare_data, token_counts
 from experiments.lib.families.registry import FAMILIES, TREE_FAMILIES, call_with_settings, load_drafter
 from experiments.lib.families.registry import family as find_family
-from experiments.lib.store.checkpoint import is_hf_directory, load_lm, read_meta, tokenizer_mismatch
+from experiments.lib.store.checkpoint import CheckpointError, is_hf_directory, load_lm, read_meta, tokenizer_mismatch
 from experiments.lib.store.lm import build_lm
+from experiments.lib.store.shipped_drafters import SHIPPABLE
 from experiments.lib.training.artifacts import compose_recipe, ensure
 from medusa.trees import accuracies_from_metrics
 from verify.common.vocab import frequent_tokens
@@ -47,16 +48,36 @@ METHODS = ("draft_model", "prompt_lookup", *FAMILY_METHODS)  # the order of resu
 # hybrid_<family>_<mode> -> (family, mode): not in the default benchmark (each doubles its family's decoding time);
 # configs name the hybrids they compare
 HYBRID_METHODS: dict[str, tuple[str, str]] = {f"hybrid_{name}": fm for name, fm in FAMILY_METHODS.items()}
-ALL_METHODS = (*METHODS, *HYBRID_METHODS)
+# shipped_<method>: a family's or hybrid's method drafting with the trained drafter committed under
+# shipped_drafters/<family> (experiments/lib/store/shipped_drafters.py), beside the one the config trains or names
+SHIPPED = "shipped_"
+SHIPPED_METHODS: dict[str, tuple[str, str]] = {
+    SHIPPED + name: fm for name, fm in {**FAMILY_METHODS, **HYBRID_METHODS}.items() if fm[0] in SHIPPABLE
+}
+ALL_METHODS = (*METHODS, *HYBRID_METHODS, *SHIPPED_METHODS)
 
 
 def family_mode(name: str) -> tuple[str | None, str]:
-    """(family, mode) of a family's or a hybrid's method; (None, "chain") for draft_model and prompt_lookup."""
-    return FAMILY_METHODS.get(name) or HYBRID_METHODS.get(name) or (None, "chain")
+    """(family, mode) of a family's, a hybrid's or a shipped method; (None, "chain") for draft_model and
+    prompt_lookup."""
+    return FAMILY_METHODS.get(name) or HYBRID_METHODS.get(name) or SHIPPED_METHODS.get(name) or (None, "chain")
+
+
+def shipped_directories(cfg: DictConfig, names: list[str]) -> dict[str, Path]:
+    """family -> the shipped drafter its shipped_* methods read, each checked present and whole (its header read,
+    no weights): a missing one fails before any work."""
+    families = sorted({SHIPPED_METHODS[n][0] for n in names if n in SHIPPED_METHODS})
+    directories = {f: Path(cfg.shipped_drafters) / f for f in families}
+    for directory in directories.values():
+        read_meta(directory)
+    return directories
 
 
 def method_kind(name: str) -> str | None:
-    """The checkpoint kind method `name` reads (a drafter family), None for prompt lookup (no weights)."""
+    """The checkpoint kind method `name` reads (a drafter family), None for prompt lookup (no weights) and for a
+    shipped method (its drafter is the shipped one, not a configured checkpoint)."""
+    if name in SHIPPED_METHODS:
+        return None
     return "draft" if name == "draft_model" else family_mode(name)[0]
 
 
@@ -183,6 +204,9 @@ def make_methods(
     # seconds on a large tokenizer) is read only by the drafters that have an output layer.
     vocab = drafter_vocab(cfg, base_meta, base.num_tokens) if set(names) - {"prompt_lookup"} else None
     check_untrained_drafters(cfg, base)
+    shipped = shipped_directories(cfg, names)
+    for directory in shipped.values():  # another base's shipped drafter: refused before any artifact trains
+        check_base(directory, read_meta(directory), base_meta)
     methods: dict[str, Callable[..., Any]] = {}
     loaded: dict[str, dict] = {}
     trained: dict[str, tuple] = {}  # family -> (module, family, accuracies): chain and tree share one checkpoint
@@ -196,13 +220,16 @@ def make_methods(
             methods[name] = lambda compile=False: PromptLookupDrafter(vocab_size=base.num_tokens, **cfg.prompt_lookup)
         else:
             family, mode = family_mode(name)
-            if family not in trained:
-                directory = checkpoint_for(cfg, family, base_ckpt, base_meta)
+            source = SHIPPED + family if name in SHIPPED_METHODS else family  # one load per checkpoint
+            if source not in trained:
+                directory = (
+                    shipped[family] if name in SHIPPED_METHODS else checkpoint_for(cfg, family, base_ckpt, base_meta)
+                )
                 module, package, meta = load_drafter(directory, base, base_meta)
                 own = checkpoint_vocab(meta, vocab, family)
-                trained[family] = module, package, head_accuracies(family, module, meta), own
-                loaded[family] = loaded_record(directory, meta)
-            module, package, accuracies, own = trained[family]
+                trained[source] = module, package, head_accuracies(family, module, meta), own
+                loaded[source] = loaded_record(directory, meta)
+            module, package, accuracies, own = trained[source]
             decode = {**OmegaConf.to_container(cfg[family].decode, resolve=True), "mode": mode, **accuracies}
             if mode == "chain" and "tree" in decode:  # a static tree configures the tree method only
                 decode["tree"] = None
@@ -210,12 +237,22 @@ def make_methods(
             methods[name] = lambda m=module, p=package, d=decode, c=compiles, v=own, compile=False, **over: (
                 p.make_drafter(m, base, **{**d, **over}, vocab=v, **({"compile": compile} if c else {}))
             )
-            if name in HYBRID_METHODS:  # lookup's settings and the learned side's cap (budget=auto: its chain's gamma)
+            # a hybrid: lookup's settings, and the learned side's cap (budget=auto: its chain's gamma)
+            if name.removeprefix(SHIPPED) in HYBRID_METHODS:
                 methods[name] = lambda learned=methods[name], compile=False, learned_gamma=None, **over: HybridDrafter(
                     learned(compile=compile, **over),
                     **{**cfg.hybrid, **({} if learned_gamma is None else {"learned_gamma": learned_gamma})},
                 )
     return methods, loaded
+
+
+def check_base(directory: Path, meta: dict, base_meta: dict) -> None:
+    """A one-line CheckpointError for a shipped drafter trained on another base than the one decoding."""
+    if meta.get("base_fingerprint") != base_meta["fingerprint"]:
+        raise CheckpointError(
+            f"shipped drafter {directory} was trained on base {meta.get('base_fingerprint')}, not on this base "
+            f"({base_meta['fingerprint']}): decode it on the base it shipped for, or leave out the shipped_* methods"
+        )
 
 
 def loaded_record(directory: str, meta: dict) -> dict[str, Any]:
@@ -238,7 +275,8 @@ def recorded_config(cfg: DictConfig, loaded: dict[str, dict]) -> dict[str, Any]:
     trained: that is what ran, whatever defaults the composed config holds."""
     config = OmegaConf.to_container(cfg, resolve=True)
     for kind, record in loaded.items():
-        config[kind]["module"], config[kind]["loss"] = record["module"], record["loss"]
+        if kind in config:  # shipped drafters (shipped_<family>) keep their recipe in results.json's loaded record
+            config[kind]["module"], config[kind]["loss"] = record["module"], record["loss"]
     return config
 
 
