@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all test-serving lint format clean
+.PHONY: setup demo test test-all test-serving lint format clean drafters
 
 # --no-compile: pip byte-compiles every installed file (torch alone: 21 s against 5.5 s here); Python compiles the
 # modules a run imports on first import (compiling them in make setup instead measured no faster make test).
@@ -23,6 +23,15 @@ setup: $(STAMP)
 
 demo: setup
 	$(PY) -m experiments.benchmark experiment=demo
+
+# The shipped drafters (results/drafters), reproduced: the SmolLM2 reference from the shipped answers (features,
+# every family's training, the benchmark: about 95 minutes on 2 cores, resumable), then its EAGLE-3 prophet, Medusa
+# and sequential heads trimmed and shipped (experiments/ship_drafters.py). Then commit results/drafters.
+REFERENCE := outputs/smollm2_reference
+drafters: setup
+	WINDOWS=8032 OUT=$(REFERENCE) PY=$(PY) bash experiments/smollm2_reference.sh
+	$(PY) -m experiments.ship_drafters $(foreach f,prophet medusa sequential,$(f)=$(REFERENCE)/$(f)/checkpoint) \
+		--command "make drafters (WINDOWS=8032 bash experiments/smollm2_reference.sh)"
 
 # One pytest-xdist worker per core (at most 4), each test file on one worker so that a module's fixtures are
 # built once: 1.6x faster than one process on 2 cores (tests/conftest.py gives each worker its share of threads).
