@@ -94,18 +94,38 @@ class EagleLayer(nn.Module):
     def forward(self, x: Tensor, attn_bias: Tensor | None = None, pos: Tensor | None = None) -> Tensor:
         """Training: inputs x (b, n, width) -> outputs (b, n, d). attn_bias (1 or b, 1, n, n) additive, None for
         causal; pos (n,) or (b, n) rotary positions, None for 0..n-1 (the prophet's unroll passes both)."""
+        return self.forward_keys(x, attn_bias, pos)[0]
+
+    def forward_keys(
+        self,
+        x: Tensor,
+        attn_bias: Tensor | None = None,
+        pos: Tensor | None = None,
+        context: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """`forward`, whose queries may also read `context`: the rotated keys and values (b, m, g, dh) x 2 of
+        entries an earlier call computed (attn_bias then (1 or b, 1, n, m + n)); returns the outputs and this call's
+        own keys and values, context first (b, m + n, g, dh) x 2, to pass on. The anchored training-time test
+        (prophet.model.Prophet.unroll_anchored) computes each drafted step's entries once this way."""
+        if context is not None and attn_bias is None:
+            raise ValueError("forward_keys with a context needs attn_bias: causal alignment over it is undefined")
         b, n, _ = x.shape
         pos = torch.arange(n, device=x.device) if pos is None else pos
         cos, sin = self._rotary(pos.expand(b, n))
+        kept = []
 
         def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # (b, n, h, dh), (b, n, g, dh) x 2
+            if context is not None:
+                k, v = torch.cat((context[0], k), dim=1), torch.cat((context[1], v), dim=1)
+            kept.extend((k, v))
             q, k, v = (rearrange(t, "b n h d -> b h n d") for t in (q, k, v))
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_bias, is_causal=attn_bias is None, enable_gqa=self.heads != self.kv_heads
             )
             return rearrange(out, "b h n d -> b n (h d)")
 
-        return self._block(x, cos, sin, attend)
+        out = self._block(x, cos, sin, attend)
+        return out, (kept[0], kept[1])
 
     def new_cache(self, batch: int, capacity: int, *, device: torch.device | None = None) -> StaticCache:
         """One layer's keys and values, for the kv heads only."""

@@ -292,6 +292,37 @@ class Prophet(nn.Module):
                 inputs.append(self._join(shifted, emb))
         return preds
 
+    def unroll_anchored(
+        self, features: Tensor, next_tokens: Tensor, steps: int, anchors: Tensor, layers: Tensor | None = None
+    ) -> list[Tensor]:
+        """`unroll` with steps 2..`steps` only on the chains that start at `anchors` (A,) (sorted indices, each at
+        most T - 1 - steps): step 1 (B, T, d_base) as `unroll`'s, step j (B, A, d_base) at indices anchors + j - 1,
+        equal to `unroll`'s step j there.
+
+        An EAGLE layer's step 1 keeps its keys and values; step j computes only its A new entries, each reading the
+        true entries up to its anchor and its own chain's earlier entries (as drafting does on a cache), so an
+        extra step costs about A / T of the first instead of a forward over every step so far."""
+        if self.arch not in ARCHS:
+            raise ValueError(f"anchors: the anchored training-time test needs arch=eagle or eagle3, not {self.arch}")
+        check_int("steps", steps)
+        t, a = features.shape[1], anchors.shape[0]
+        if a == 0 or int(anchors.max()) > t - 1 - steps or int(anchors.min()) < 0:
+            raise ValueError(f"anchors must be {a} indices in [0, {t - 1 - steps}] for steps={steps} over T={t}")
+        emb = self.head.embed(next_tokens)
+        out, context = self.decoder.forward_keys(self._join(self.seed(features, layers), emb))
+        preds = [self.out(out)]
+        seen = torch.arange(t, device=features.device)[None] <= anchors[:, None]  # (A, T): the true prefix
+        own = torch.eye(a, dtype=torch.bool, device=features.device)  # a chain entry sees its own chain's
+        for j in range(2, steps + 1):
+            index = anchors + j - 1  # (A,) where step j's entries sit
+            previous = preds[-1] if j > 2 else preds[0][:, anchors]  # (B, A, d): step j - 1's, at index - 1
+            visible = torch.cat((seen, *[own] * (j - 1)), dim=1)  # (A, T + (j - 1) A)
+            bias = torch.zeros(visible.shape, device=features.device).masked_fill(~visible, float("-inf"))
+            x = self._join(previous, emb[:, index])
+            out, context = self.decoder.forward_keys(x, rearrange(bias, "q k -> 1 1 q k"), index, context)
+            preds.append(self.out(out))
+        return preds
+
     def new_cache(self, batch: int, capacity: int) -> StaticCache:
         """An empty decoding cache for `batch` rows (grows past `capacity` when needed)."""
         if self.arch in ARCHS:

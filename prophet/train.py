@@ -53,21 +53,25 @@ def loss(
     unroll: int = 1,
     decay: float = 0.8,
     target: str = "kl",
+    anchors: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """batch (B, T) -> (weighted loss, metrics per step). `vocab` (sorted ids (N,)): logits over the subset only."""
+    """batch (B, T) -> (weighted loss, metrics per step). `vocab` (sorted ids (N,)): logits over the subset only.
+    `anchors`: steps 2..unroll only on the chains starting at that many random indices (the same for every window
+    of the batch; an EAGLE layer only), each step's terms means over them; None: over every index."""
     check_loss_settings(feature_weight=feature_weight, ce_weight=ce_weight, decay=decay, target=target)
     _check_batch(module, base, batch, steps=unroll, name="unroll")
     _, weight, bias = module.output_layer(vocab)  # the frozen output layer (its subset rows)
     index = subset_index(vocab, module.vocab_size, batch.hidden.device)
     total, parts = batch.hidden.new_zeros(()), {}
-    for j, pred in enumerate(module.unroll(batch.hidden, batch.tokens[:, 1:], unroll, layers=batch.layers), start=1):
-        pred, truth, top_ids, top_logp, mask = _valid(pred, batch, j)
+    for j, (pred, truth, top_ids, top_logp, true_ids, mask) in enumerate(
+        _unrolled(module, batch, unroll, anchors), start=1
+    ):
         feature, ce, agree = position_loss(
             module.readout(pred),  # EAGLE-3: its final norm, what both the output layer and f_{t+1} compare with
             truth,
             top_ids,
             top_logp,
-            batch.tokens[:, j + 1 :],
+            true_ids,
             (weight, bias),
             index=index,
             vocab=vocab,
@@ -79,6 +83,30 @@ def loss(
     parts["loss"] = total
     values = torch.stack([v.detach().float() for v in parts.values()]).tolist()  # one host sync
     return total, dict(zip(parts, values))
+
+
+def _unrolled(module: Prophet, batch: FeatureBatch, unroll: int, anchors: int | None):
+    """Per step j: (predictions, their target features, the base's top-k ids and log-probabilities, the corpus
+    tokens, the answer mask or None), (B, n, ...) each: every valid index, or with `anchors` the sampled chains."""
+    if anchors is None or unroll == 1:
+        preds = module.unroll(batch.hidden, batch.tokens[:, 1:], unroll, layers=batch.layers)
+        for j, pred in enumerate(preds, start=1):
+            pred, truth, top_ids, top_logp, mask = _valid(pred, batch, j)
+            yield pred, truth, top_ids, top_logp, batch.tokens[:, j + 1 :], mask
+        return
+    if isinstance(anchors, bool) or not isinstance(anchors, int) or anchors < 1:
+        raise ValueError(f"anchors={anchors!r}: must be an integer >= 1, or null for every index")
+    t = batch.hidden.shape[1]
+    room = t - unroll  # indices 0 .. t - 1 - unroll start a whole chain
+    starts = torch.randperm(room, device=batch.hidden.device)[: min(anchors, room)].sort().values  # (A,)
+    preds = module.unroll_anchored(batch.hidden, batch.tokens[:, 1:], unroll, starts, layers=batch.layers)
+    pred, truth, top_ids, top_logp, mask = _valid(preds[0], batch, 1)
+    yield pred, truth, top_ids, top_logp, batch.tokens[:, 2:], mask
+    for j, pred in enumerate(preds[1:], start=2):
+        at = starts + j - 1  # (A,) the predictions' indices: each predicts the base's feature at at + 1
+        mask = None if batch.mask is None else batch.mask[:, at + 1]
+        teacher = batch.hidden[:, at + 1], batch.top_ids[:, at + 1], batch.top_logp[:, at + 1]
+        yield pred, *teacher, batch.tokens[:, at + 2], mask
 
 
 def check_loss_settings(*, target: str, **weights: float) -> None:
