@@ -69,10 +69,12 @@ class FixedChain:
 @pytest.mark.parametrize("gamma", [1, 3, 6])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("min_match", [1, 2])
-def test_greedy_hybrid_equals_plain(lm, learned, gamma, batch, min_match):
+@pytest.mark.parametrize("branches", [False, True])
+def test_greedy_hybrid_equals_plain(lm, learned, gamma, batch, min_match, branches):
     prompts = PROMPTS[:batch] if batch > 1 else PROMPTS[1:2]
     want = plain_generate(Target(lm), prompts, max_new_tokens=24).tokens
-    drafter = HybridDrafter(LEARNED[learned](lm), min_match=min_match, learned_gamma=2 if gamma > 2 else None)
+    cap = 2 if gamma > 2 else None
+    drafter = HybridDrafter(LEARNED[learned](lm), min_match=min_match, learned_gamma=cap, branches=branches)
     got = speculative_generate(Target(lm), drafter, prompts, max_new_tokens=24, spec=SpecConfig(gamma=gamma))
     assert got.tokens == want
     assert drafter.learned_rows > 0  # the learned side drafted (and lookup followed its verdicts)
@@ -108,6 +110,27 @@ def test_rows_that_differ_get_one_merged_draft(tree):
     assert not torch.equal(draft.q[1, :2], one_hot[1, :2])  # the learned nodes keep their q
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_branches_put_the_copy_beside_the_learned_draft(tree):
+    """A copying row: the copy first (a chain from the pending token), then the learned nodes shifted past it; the
+    other row: the learned nodes, then pad children of the pending token. Even when every row copies, the learned
+    drafter drafts."""
+    learned = FixedChain(tree=tree)
+    drafter = HybridDrafter(learned, min_match=2, learned_gamma=2, branches=True)
+    drafter.begin([[1, 2, 3, 1, 2], [10, 11, 12]], None, torch.tensor([3, 13]))
+    draft = drafter.propose(3, SamplingConfig(temperature=1.0), None)
+    assert learned.calls == [2]
+    assert draft.tokens.tolist() == [[1, 2, 3, 40, 41], [40, 41, 40, 40, 40]]
+    own = [-1, 0]  # the learned two nodes' parents, a star's as a chain's
+    assert draft.parents.tolist() == [[-1, 0, 1, own[0], 3 + own[1]], [*own, -1, -1, -1]]
+    one_hot = torch.nn.functional.one_hot(draft.tokens, 97).float()
+    assert torch.equal(draft.q[0, :3], one_hot[0, :3]) and torch.equal(draft.q[1, 2:], one_hot[1, 2:])
+    assert not torch.equal(draft.q[0, 3:], one_hot[0, 3:]) and not torch.equal(draft.q[1, :2], one_hot[1, :2])
+    both = HybridDrafter(FixedChain(), min_match=2, branches=True)
+    both.begin([[1, 2, 3, 1, 2]], None, torch.tensor([3]))
+    assert both.propose(2, SamplingConfig(), None).parents.tolist() == [[-1, 0, -1, 2]]
+
+
 def test_merge_keeps_a_longer_learned_tree_and_pads_the_copy():
     learned = Draft(tokens=torch.tensor([[20, 21, 22, 23, 24]] * 2), parents=torch.tensor([-1, -1, 0, 0, 1]))
     merged = merge_rows(learned, torch.tensor([[5, 6], [7, 8]]), torch.tensor([True, False]), 97)
@@ -123,6 +146,7 @@ def test_merge_keeps_a_longer_learned_tree_and_pads_the_copy():
         (dict(min_match=4, max_ngram=3), "min_match=4: must be at most max_ngram=3"),
         (dict(max_ngram=True), "max_ngram=True: must be an integer >= 1"),
         (dict(learned_gamma=0), "learned_gamma=0: must be an integer >= 1, or null"),
+        (dict(branches=1), "branches=1: must be true or false"),
     ],
 )
 def test_bad_settings_are_one_line_errors(kwargs, match):
@@ -130,13 +154,15 @@ def test_bad_settings_are_one_line_errors(kwargs, match):
         HybridDrafter(NeverCalled(), **kwargs)
 
 
+@pytest.mark.parametrize("branches", [False, True])
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_hybrid_sampling_reproduces_the_target_distribution(mode):
-    """20,000 rows of one prompt whose suffix recurs: rows copy or draft by what they sampled, in the same batch."""
+def test_hybrid_sampling_reproduces_the_target_distribution(mode, branches):
+    """20,000 rows of one prompt whose suffix recurs: rows copy or draft by what they sampled, in the same batch;
+    with branches the copy is a deterministic sibling tried before the learned draft's sampled ones."""
     if mode == "chain":
-        drafter = HybridDrafter(DraftModelDrafter(sharp_lm(1)), min_match=2)
+        drafter = HybridDrafter(DraftModelDrafter(sharp_lm(1)), min_match=2, branches=branches)
     else:
-        drafter = HybridDrafter(medusa_tree_on(sharp_lm(0), candidates="sampled"), min_match=2)
+        drafter = HybridDrafter(medusa_tree_on(sharp_lm(0), candidates="sampled"), min_match=2, branches=branches)
     (stat, critical), stats = run_lossless(drafter, SamplingConfig(temperature=1.0))
     assert 0 < stats.alpha < 1
     assert drafter.copied_rows > 500 and drafter.learned_rows > 500, (drafter.copied_rows, drafter.learned_rows)

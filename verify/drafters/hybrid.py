@@ -49,11 +49,23 @@ def check_hybrid(*, max_ngram: int, min_match: int, learned_gamma: int | None) -
 
 
 class HybridDrafter:
-    def __init__(self, learned: Drafter, *, max_ngram: int = 3, min_match: int = 2, learned_gamma: int | None = None):
+    def __init__(
+        self,
+        learned: Drafter,
+        *,
+        max_ngram: int = 3,
+        min_match: int = 2,
+        learned_gamma: int | None = None,
+        branches: bool = False,
+    ):
         """`learned`: the drafter of rows lookup does not serve; `min_match`: the shortest repeated suffix that
         makes a row copy; `learned_gamma`: the learned chain's (or tree's depth) cap below the loop's gamma,
-        None for none (the loop's gamma is then both sides' budget)."""
+        None for none (the loop's gamma is then both sides' budget); `branches`: a copying row verifies the copy
+        and the learned draft side by side, as two branches of one tree (`add_branch`), instead of the copy alone."""
         check_hybrid(max_ngram=max_ngram, min_match=min_match, learned_gamma=learned_gamma)
+        if not isinstance(branches, bool):
+            raise ValueError(f"hybrid branches={branches!r}: must be true or false")
+        self.branches = branches
         self.learned = learned
         self.lookup = PromptLookupDrafter(vocab_size=learned.vocab_size, max_ngram=max_ngram, min_ngram=min_match)
         self.vocab_size = learned.vocab_size
@@ -79,11 +91,13 @@ class HybridDrafter:
         n_copy = int(copy.sum())  # the cycle's one host read
         self.copied_rows += n_copy
         self.learned_rows += b - n_copy
-        if n_copy == b:
+        if n_copy == b and not self.branches:
             return Draft(tokens=copied)
         learned = self.learned.propose(min(gamma, self.learned_gamma or gamma), sampling, generator)
         if n_copy == 0:
             return learned
+        if self.branches:
+            return add_branch(learned, copied, copy, self.vocab_size)
         return merge_rows(learned, copied, copy, self.vocab_size)
 
     def commit(self, verdict: Verdict) -> None:
@@ -121,6 +135,31 @@ def merge_rows(learned: Draft, copied: Tensor, copy: Tensor, vocab_size: int) ->
         one_hot = F.one_hot(tokens, vocab_size).to(learned.q.dtype)  # (b, k, V)
         q = torch.cat((learned.q, one_hot[:, learned.length :]), dim=1)
         q = torch.where(copy[:, None, None], one_hot, q)
+    return Draft(tokens=tokens, q=q, parents=parents)
+
+
+def add_branch(learned: Draft, copied: Tensor, copy: Tensor, vocab_size: int) -> Draft:
+    """One tree of the learned draft (a chain or a tree of n nodes) and, in the rows where `copy` (b,), the copied
+    chain (b, m) as one more branch from the pending token; n + m nodes each.
+
+    A copying row lists the copy first (nodes 0..m-1, each the child of the one before), then the learned nodes:
+    when both begin with the same token, the greedy walk, which follows the first matching sibling, follows the
+    copy. The other rows list the learned nodes first, then m pad nodes: children of the pending token carrying
+    the row's first token, tried after every real sibling. Copied and pad nodes are deterministic (q one-hot);
+    the learned nodes keep their q, drawn without knowing the copy, so the multi-candidate rule stays lossless."""
+    b, n, m, device = copied.shape[0], learned.length, copied.shape[1], copied.device
+    tree = torch.arange(-1, n - 1, device=device) if learned.parents is None else learned.parents.to(device)
+    tree = tree.expand(b, -1)  # (b, n)
+    chain = torch.arange(-1, m - 1, device=device).expand(b, -1)  # (b, m)
+    first = torch.cat((chain, torch.where(tree >= 0, tree + m, tree)), dim=1)  # the copy, then the learned nodes
+    last = torch.cat((tree, torch.full_like(chain, -1)), dim=1)  # the learned nodes, then pad children of the root
+    parents = torch.where(copy[:, None], first, last)
+    pad = learned.tokens[:, :1].expand(-1, m)
+    tokens = torch.where(copy[:, None], torch.cat((copied, learned.tokens), 1), torch.cat((learned.tokens, pad), 1))
+    q = None
+    if learned.q is not None:
+        extra = F.one_hot(torch.where(copy[:, None], copied, pad), vocab_size).to(learned.q.dtype)  # (b, m, V)
+        q = torch.where(copy[:, None, None], torch.cat((extra, learned.q), dim=1), torch.cat((learned.q, extra), dim=1))
     return Draft(tokens=tokens, q=q, parents=parents)
 
 

@@ -175,11 +175,15 @@ def check_prompt_lookup(node: Any) -> dict:
 
 
 def check_hybrid_config(node: Any) -> dict:
-    """hybrid's {max_ngram, min_match, learned_gamma}, as the hybrid drafter takes them."""
-    keys = {"max_ngram", "min_match", "learned_gamma"}
+    """hybrid's {max_ngram, min_match, learned_gamma, branches}, as the hybrid drafter takes them."""
+    keys = {"max_ngram", "min_match", "learned_gamma", "branches"}
     if not isinstance(node, DictConfig) or not set(node) <= keys:
-        raise ValueError(f"hybrid={node!r}: must be {{max_ngram: N, min_match: M, learned_gamma: G or null}}")
-    check_hybrid(**{"max_ngram": 3, "min_match": 2, "learned_gamma": None, **node})
+        raise ValueError(
+            f"hybrid={node!r}: must be {{max_ngram: N, min_match: M, learned_gamma: G or null, branches: bool}}"
+        )
+    given = {k: node[k] for k in node if k != "branches"}
+    check_hybrid(**{"max_ngram": 3, "min_match": 2, "learned_gamma": None, **given})
+    check_bool("hybrid.branches", node.get("branches", False))
     return dict(node)
 
 
