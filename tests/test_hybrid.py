@@ -66,19 +66,21 @@ class FixedChain:
 
 
 @pytest.mark.parametrize("learned", list(LEARNED))
-@pytest.mark.parametrize("gamma", [1, 3, 6])
+@pytest.mark.parametrize("gamma", [1, 4])
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("min_match", [1, 2])
 @pytest.mark.parametrize("branches", [False, True])
-def test_greedy_hybrid_equals_plain(lm, learned, gamma, batch, min_match, branches):
+def test_greedy_hybrid_equals_plain(lm, learned, gamma, batch, branches):
+    """Batches of 4 copy on any repeated last token (min_match 1: rows choose differently nearly every cycle); a
+    batch of 1 on a repeated pair. The learned side capped below the loop's gamma of 4."""
     prompts = PROMPTS[:batch] if batch > 1 else PROMPTS[1:2]
     want = plain_generate(Target(lm), prompts, max_new_tokens=24).tokens
     cap = 2 if gamma > 2 else None
+    min_match = 1 if batch > 1 else 2
     drafter = HybridDrafter(LEARNED[learned](lm), min_match=min_match, learned_gamma=cap, branches=branches)
     got = speculative_generate(Target(lm), drafter, prompts, max_new_tokens=24, spec=SpecConfig(gamma=gamma))
     assert got.tokens == want
     assert drafter.learned_rows > 0  # the learned side drafted (and lookup followed its verdicts)
-    if min_match == 1:  # a repeated last token is common in 24 tokens of a 97-token vocabulary
+    if batch > 1:  # a repeated last token is common in 24 tokens of a 97-token vocabulary
         assert drafter.copied_rows > 0
 
 
@@ -154,8 +156,16 @@ def test_bad_settings_are_one_line_errors(kwargs, match):
         HybridDrafter(NeverCalled(), **kwargs)
 
 
-@pytest.mark.parametrize("branches", [False, True])
-@pytest.mark.parametrize("mode", ["chain", "tree"])
+# Two of the four in the slow tier (6 s each): the fast tier keeps a merged chain and a branched sampled tree
+@pytest.mark.parametrize(
+    "mode, branches",
+    [
+        ("chain", False),
+        ("tree", True),
+        pytest.param("tree", False, marks=pytest.mark.slow),
+        pytest.param("chain", True, marks=pytest.mark.slow),
+    ],
+)
 def test_hybrid_sampling_reproduces_the_target_distribution(mode, branches):
     """20,000 rows of one prompt whose suffix recurs: rows copy or draft by what they sampled, in the same batch;
     with branches the copy is a deterministic sibling tried before the learned draft's sampled ones."""
