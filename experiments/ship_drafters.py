@@ -6,14 +6,15 @@ the shipped_<method> methods (experiments/lib/store/shipped_drafters.py).
 
 Each <family>=<checkpoint> is written to results/drafters/<family>/ (`--out DIR` elsewhere): the weights, the meta with
 the command that trained it (`--command`) and its minutes, and SHA256SUMS. Each copy is then loaded on the base it was
-trained on and checked to hold its source's weights in bf16 wherever the drafter reads them. Every checkpoint is
-checked before any is written, and the copies together must stay within 40 MB.
+trained on and checked to hold its source's weights in bf16 wherever the drafter reads them, before any replaces what
+was shipped; every checkpoint is checked before any is written, and the copies together must stay within 40 MB.
 Then commit results/drafters.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,10 +25,12 @@ from experiments.lib.store.checkpoint import CheckpointError, load_lm, read_meta
 from experiments.lib.store.shipped_drafters import (
     LIMIT_BYTES,
     SHIPPABLE,
+    check_shippable,
+    copy_bytes,
     shipped_size,
-    tensor_bytes,
+    stage,
+    swap_in,
     trimmed_copy,
-    write,
 )
 
 
@@ -68,24 +71,37 @@ def main(argv: list[str] | None = None) -> int:
     try:
         pairs = parse_pairs(args.pairs)
         metas = {family: read_meta(directory) for family, directory in pairs.items()}  # all checked before any ships
-        bases = {m["base_checkpoint"] for m in metas.values()}
+        for family, directory in pairs.items():
+            if check_shippable(metas[family], directory) != family:
+                found = metas[family]["model_config"]["package"]
+                raise ValueError(f"{directory} holds a {found} drafter, not {family}")
+        bases = {m.get("base_checkpoint") for m in metas.values()}
         if len(bases) != 1:
-            raise ValueError(f"the checkpoints were trained on different bases: {sorted(bases)}")
+            raise ValueError(f"the checkpoints were trained on different bases: {sorted(map(str, bases))}")
         base, _, base_meta = load_lm(bases.pop())
         copies = {}
         for family, directory in pairs.items():
             minutes = round(metas[family].get("elapsed_s", 0.0) / 60, 1)
             copies[family] = trimmed_copy(directory, vocab_size=base.num_tokens, command=args.command, minutes=minutes)
         kept = sum(shipped_size(d) for d in args.out.glob("*") if d.is_dir() and d.name not in copies)
-        total = kept + sum(tensor_bytes(state) for state, _ in copies.values())
+        total = kept + sum(copy_bytes(state, meta) for state, meta in copies.values())
         if total > LIMIT_BYTES:  # before anything is written
             limit = LIMIT_BYTES / 2**20
             raise ValueError(f"{args.out} would hold {total / 2**20:.1f} MiB of drafters: at most {limit:.0f}")
-        for family, (state, meta) in copies.items():
-            out = write(args.out / family, state, meta)
-            check_copy(pairs[family], out, base, base_meta)  # loads on its base: sums, fingerprint, shapes, values
-            size = shipped_size(out)
-            print(f"{out}: {family}, {meta['shipped']['minutes']} min of training, {size / 2**20:.1f} MiB")
+        staged = {}
+        try:
+            for family, copy in copies.items():
+                staged[family] = stage(args.out / family, *copy)
+            for family, tmp in staged.items():  # every copy checked before any replaces what was shipped
+                check_copy(pairs[family], tmp, base, base_meta)  # loads on its base: sums, fingerprint, values
+        except BaseException:
+            for tmp in staged.values():
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for family, tmp in staged.items():
+            out = swap_in(tmp, args.out / family)
+            minutes, size = copies[family][1]["shipped"]["minutes"], shipped_size(out)
+            print(f"{out}: {family}, {minutes} min of training, {size / 2**20:.1f} MiB")
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

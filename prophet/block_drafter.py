@@ -134,8 +134,8 @@ class BlockProphetDrafter(PositionDrafter):
         """One forward: the accepted path's true pairs (a + 1 per row, padded), then the K - 1 slots after each
         row's last accepted entry; the cache keeps the a + 1 entries."""
         features, tokens = path_features(self.prophet, verdict), verdict.tokens[:, : verdict.path.shape[1]]
-        if self.compile:  # one compiled program: the widest path a block allows (K drafts and the pending token)
-            features, tokens = pad_block(features, tokens, self.prophet.block + 1)
+        if self.compile:  # one compiled program: the widest path a block allows (K drafts and the pending token);
+            features, tokens = pad_block(features, tokens, self.prophet.block + 1)  # a hybrid's longer copy: its own
         width, slots = tokens.shape[1], self.prophet.block - 1
         b = tokens.shape[0]
         x = torch.cat((self.prophet.fused(features, tokens), self.prophet.slot_inputs(b)), dim=1)

@@ -113,7 +113,8 @@ class ProphetDrafter:
             self.drafted = 0
         width = verdict.path.shape[1]  # rows accept different counts: feed the padded block, keep a + 1
         features, tokens = self._seed_features(verdict), verdict.tokens[:, :width]
-        if self.compile:  # one compiled program (see propose)
+        if self.compile:  # one compiled program (see propose); a wider path (a hybrid's copy) widens it once
+            self.commit_width = max(self.commit_width, width)
             features, tokens = pad_block(features, tokens, self.commit_width)
             width = self.commit_width
         out = self._step(features, tokens, self.cache)  # (b, w, d)
@@ -280,9 +281,10 @@ def check_target_layers(prophet: Prophet, layers: Tensor | None) -> Tensor | Non
 
 def pad_block(features: Tensor, tokens: Tensor, width: int) -> tuple[Tensor, Tensor]:
     """Pad a commit's block (b, w, d), (b, w) to `width` entries by repeating its last one: entries past a
-    row's accepted path are dropped by the commit anyway, so their content only has to be finite."""
+    row's accepted path are dropped by the commit anyway, so their content only has to be finite. A block already
+    as wide or wider is returned as it is."""
     extra = width - tokens.shape[1]
-    if extra == 0:
+    if extra <= 0:
         return features, tokens
     features = torch.cat((features, features[:, -1:].expand(-1, extra, -1)), dim=1)
     return features, torch.cat((tokens, tokens[:, -1:].expand(-1, extra)), dim=1)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from prophet.eagle import ARCHS
 from prophet.model import Prophet, check_same_base
 from verify.training.distill import (
     agreement,
@@ -88,14 +89,17 @@ def loss(
 def _unrolled(module: Prophet, batch: FeatureBatch, unroll: int, anchors: int | None):
     """Per step j: (predictions, their target features, the base's top-k ids and log-probabilities, the corpus
     tokens, the answer mask or None), (B, n, ...) each: every valid index, or with `anchors` the sampled chains."""
+    if anchors is not None:  # checked whatever unroll is: a setting that does nothing is still a wrong one
+        if isinstance(anchors, bool) or not isinstance(anchors, int) or anchors < 1:
+            raise ValueError(f"anchors={anchors!r}: must be an integer >= 1, or null for every index")
+        if module.arch not in ARCHS:
+            raise ValueError(f"anchors: the anchored training-time test needs arch=eagle or eagle3, not {module.arch}")
     if anchors is None or unroll == 1:
         preds = module.unroll(batch.hidden, batch.tokens[:, 1:], unroll, layers=batch.layers)
         for j, pred in enumerate(preds, start=1):
             pred, truth, top_ids, top_logp, mask = _valid(pred, batch, j)
             yield pred, truth, top_ids, top_logp, batch.tokens[:, j + 1 :], mask
         return
-    if isinstance(anchors, bool) or not isinstance(anchors, int) or anchors < 1:
-        raise ValueError(f"anchors={anchors!r}: must be an integer >= 1, or null for every index")
     t = batch.hidden.shape[1]
     room = t - unroll  # indices 0 .. t - 1 - unroll start a whole chain
     starts = torch.randperm(room, device=batch.hidden.device)[: min(anchors, room)].sort().values  # (A,)

@@ -91,10 +91,11 @@ def test_an_anchored_loss_trains_every_step(base):
         ("xtransformers", 4, "anchored training-time test needs arch=eagle or eagle3"),
     ],
 )
-def test_bad_anchor_settings_are_one_line_errors(base, arch, anchors, match):
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_bad_anchor_settings_are_one_line_errors(base, arch, anchors, match, unroll):
     prophet = prophet_on(base, arch) if arch != "xtransformers" else Prophet.from_base(base, dim=16, heads=2)
     with pytest.raises(ValueError, match=match):
-        prophet_train.loss(prophet, base, batch_for(base, prophet), unroll=2, anchors=anchors)
+        prophet_train.loss(prophet, base, batch_for(base, prophet), unroll=unroll, anchors=anchors)
 
 
 def test_anchors_beyond_the_window_are_refused(base):

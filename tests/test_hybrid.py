@@ -5,9 +5,11 @@ lossless at T=1 (chi-square, both sides exercised in one batch), the merge of tw
 import pytest
 import torch
 
+from prophet.drafter import ProphetDrafter
+from prophet.model import Prophet
 from tests.conftest import make_lm
+from tests.test_lossless import eagle_prophet, sharp_lm
 from tests.test_lossless import run as run_lossless
-from tests.test_lossless import sharp_lm
 from tests.test_tree import medusa_tree_on, prophet_tree_on
 from verify.backends.target import Target
 from verify.drafters.draft_model import DraftModelDrafter
@@ -21,8 +23,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Rows that repeat themselves (lookup copies) beside rows that do not (the learned drafter drafts)
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4], [9, 9, 9]]
+
+
+def prophet_chain_on(base, seed: int = 0) -> ProphetDrafter:
+    torch.manual_seed(seed)
+    return ProphetDrafter(Prophet.from_base(base, dim=16, depth=1, heads=2), mode="chain")
+
+
 LEARNED = {
-    "draft_model": lambda lm: DraftModelDrafter(make_lm(dim=16, depth=1, seed=1)),
+    "prophet_chain": prophet_chain_on,
     "medusa_tree": lambda lm: medusa_tree_on(lm, candidates="ranked"),
     "prophet_tree": lambda lm: prophet_tree_on(lm, candidates="ranked"),
 }
@@ -170,10 +179,30 @@ def test_hybrid_sampling_reproduces_the_target_distribution(mode, branches):
     """20,000 rows of one prompt whose suffix recurs: rows copy or draft by what they sampled, in the same batch;
     with branches the copy is a deterministic sibling tried before the learned draft's sampled ones."""
     if mode == "chain":
-        drafter = HybridDrafter(DraftModelDrafter(sharp_lm(1)), min_match=2, branches=branches)
+        drafter = HybridDrafter(ProphetDrafter(eagle_prophet(2), mode="chain"), min_match=2, branches=branches)
     else:
         drafter = HybridDrafter(medusa_tree_on(sharp_lm(0), candidates="sampled"), min_match=2, branches=branches)
     (stat, critical), stats = run_lossless(drafter, SamplingConfig(temperature=1.0))
     assert 0 < stats.alpha < 1
     assert drafter.copied_rows > 500 and drafter.learned_rows > 500, (drafter.copied_rows, drafter.learned_rows)
     assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}: the output is not the target's distribution"
+
+
+def test_a_drafter_that_keeps_its_own_draft_is_refused(lm):
+    """A draft model's commit keeps its own drafted entries up to the accepted count: after a copy they would be
+    another text's. One line, before any decoding."""
+    with pytest.raises(ValueError, match="DraftModelDrafter keeps its own drafted tokens in its cache"):
+        HybridDrafter(DraftModelDrafter(make_lm(dim=16, depth=1, seed=1)))
+
+
+def test_a_compiled_prophet_commits_a_copy_wider_than_its_own_drafts(lm):
+    """A compiled prophet pads every commit to the widest block it drafted; a copied chain (gamma 4) is wider than
+    its own drafts (learned_gamma 2) and than anything it drafted before the first cycle: the block widens."""
+    drafter = prophet_chain_on(lm)
+    drafter.compile = True  # the padding compile=true does; its steps run eagerly here (no torch.compile)
+    drafter._step = lambda f, t, c, **a: drafter.prophet.step(f, t, c, compile=False, **a)
+    hybrid = HybridDrafter(drafter, min_match=1, learned_gamma=2)
+    prompt = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+    want = plain_generate(Target(lm), prompt, max_new_tokens=20).tokens
+    got = speculative_generate(Target(lm), hybrid, prompt, max_new_tokens=20, spec=SpecConfig(gamma=4))
+    assert got.tokens == want and hybrid.copied_rows > 0 and drafter.commit_width == 5

@@ -174,3 +174,26 @@ def test_a_shipped_eagle3_prophet_exports_to_vllms_format(tmp_path, monkeypatch)
     assert meta["base_checkpoint"] == "base"
     out = export_mod.export(cfg(checkpoint="shipped/prophet", out="e3"))
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_a_failed_check_leaves_every_shipped_copy_as_it_was(made, tmp_path, monkeypatch, capsys):
+    """Two families shipped; shipping both again with the second's check failing replaces neither."""
+    out = tmp_path / "d"
+    assert ship(made, out, f"sequential={made['sequential']}", f"medusa={made['medusa']}") == 0
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+    def failing(source, copy, base, base_meta):
+        if "medusa" in str(copy):
+            raise CheckpointError(f"{copy}: projections.0.weight differs")
+
+    monkeypatch.setattr(cli, "check_copy", failing)
+    assert ship(made, out, f"sequential={made['sequential']}", f"medusa={made['medusa']}") == 2
+    assert "projections.0.weight differs" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before  # no staged copy left
+
+
+def test_a_base_checkpoint_is_not_a_drafter_to_ship(made, tmp_path, capsys):
+    assert ship(made, tmp_path / "d", f"sequential={made['base']}") == 2
+    err = capsys.readouterr().err
+    assert "checkpoint cannot ship: only drafters of the families" in err and err.count("\n") == 1
+    assert not (tmp_path / "d").exists()

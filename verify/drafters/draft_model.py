@@ -26,6 +26,10 @@ from verify.loop.sampling import SamplingConfig, draft_from_logits
 
 
 class DraftModelDrafter:
+    # Its commit keeps its own drafted tokens' cache entries up to the accepted count: it assumes the accepted tokens
+    # are its own draft's (verify/drafters/hybrid.py refuses it as a hybrid's learned side for that reason)
+    rolls_own_draft = True
+
     def __init__(
         self,
         model: nn.Module,

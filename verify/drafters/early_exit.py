@@ -79,6 +79,8 @@ class EarlyExitDrafter:
         )  # the target's own fused weights (built once per base)
         self.layer = check_layers([layer], self.engine.decoder.depth, name="layer")[0]
         self.head, self.share_cache = head, share_cache
+        # on its own cache it rolls back as the draft model does, keeping its own drafted entries (DraftModelDrafter)
+        self.rolls_own_draft = not share_cache
         self.vocab = check_vocab(vocab, base.num_tokens)  # (N,) or None = all V
         self.vocab_size: int = base.num_tokens
         # A compiled or graphed draft step runs on the cache's whole buffers: one program per width (1; 2 with an

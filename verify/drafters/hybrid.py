@@ -12,9 +12,10 @@ reads the context only, never a token being drafted, so every drafted token stil
 was drawn from (lookup's one-hot, the learned drafter's q): speculative sampling stays lossless and greedy
 acceptance exact, in chains and trees.
 
-Both drafters see every prefill and every verdict, whichever of them drafted: each learned drafter rolls its state
+Both drafters see every prefill and every verdict, whichever of them drafted: the learned drafter rolls its state
 from the verdict alone (one that did not propose this cycle has no drafted entries to drop), and lookup appends
-the accepted tokens to its context.
+the accepted tokens to its context. A drafter whose commit keeps its own drafted tokens' cache entries (a draft
+model, an early exit on its own cache: `rolls_own_draft`) would be left a wrong context after a copy, and is refused.
 
 The choice costs one host read a cycle (how many rows copy). When every row copies, the learned drafter does not
 run at all: that is the saving on copied stretches. When rows chose differently, `merge_rows` makes one draft of
@@ -63,6 +64,12 @@ class HybridDrafter:
         None for none (the loop's gamma is then both sides' budget); `branches`: a copying row verifies the copy
         and the learned draft side by side, as two branches of one tree (`add_branch`), instead of the copy alone."""
         check_hybrid(max_ngram=max_ngram, min_match=min_match, learned_gamma=learned_gamma)
+        if getattr(learned, "rolls_own_draft", False):
+            raise ValueError(
+                f"{type(learned).__name__} keeps its own drafted tokens in its cache on commit, so a copied draft "
+                "would leave it a wrong context: a hybrid's learned side must roll its state from the verdict alone "
+                "(Medusa, sequential heads, a prophet, an early exit on the target's cache)"
+            )
         if not isinstance(branches, bool):
             raise ValueError(f"hybrid branches={branches!r}: must be true or false")
         self.branches = branches
@@ -70,6 +77,9 @@ class HybridDrafter:
         self.lookup = PromptLookupDrafter(vocab_size=learned.vocab_size, max_ngram=max_ngram, min_ngram=min_match)
         self.vocab_size = learned.vocab_size
         self.learned_gamma = learned_gamma
+        # budget=auto (experiments/lib/methods/calibrate.py): lookup drafts for free, and a capped learned side costs
+        # the same whatever the loop's gamma
+        self.flat_draft_cost = learned_gamma is not None or getattr(learned, "flat_draft_cost", False)
         # blocks of the target the learned drafter reads (verify/loop/drafter.py): the loop asks the target for them
         self.target_layers = getattr(learned, "target_layers", ())
         self.copied_rows = 0  # row-cycles drafted by lookup, and by the learned drafter: the split, for reports

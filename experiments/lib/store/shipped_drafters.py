@@ -47,10 +47,15 @@ SUMS_FILE = "SHA256SUMS"
 LIMIT_BYTES = 40 * 2**20  # every shipped drafter together
 
 
-def ship(checkpoint: str | Path, out: str | Path, *, vocab_size: int, command: str, minutes: float) -> Path:
-    """Write the trimmed bf16 copy of drafter `checkpoint` to `out` (replaced whole, never half-written); returns
-    `out`. `vocab_size` is the base's vocabulary (the first axis of the tensors trimmed)."""
-    return write(Path(out), *trimmed_copy(checkpoint, vocab_size=vocab_size, command=command, minutes=minutes))
+def check_shippable(meta: dict[str, Any], checkpoint: str | Path) -> str:
+    """The family of a shippable drafter checkpoint's meta; a one-line CheckpointError for any other."""
+    family = (meta.get("model_config") or {}).get("package")
+    if meta.get("kind") != "drafter" or family not in SHIPPABLE:
+        raise CheckpointError(
+            f"{checkpoint}: a {family or meta.get('kind')!r} checkpoint cannot ship: only drafters of the families "
+            f"{', '.join(SHIPPABLE)} (their vocabulary-sized tensors are output layers)"
+        )
+    return family
 
 
 def trimmed_copy(
@@ -59,12 +64,7 @@ def trimmed_copy(
     """(state, meta) of the shipped copy of drafter `checkpoint`, in memory: what `write` puts on disk."""
     ckpt = load_checkpoint(checkpoint)
     meta = ckpt.meta
-    family = (meta.get("model_config") or {}).get("package")
-    if meta.get("kind") != "drafter" or family not in SHIPPABLE:
-        raise CheckpointError(
-            f"{checkpoint}: a {family or meta.get('kind')!r} checkpoint cannot ship: only drafters of the families "
-            f"{', '.join(SHIPPABLE)} (their vocabulary-sized tensors are output layers)"
-        )
+    check_shippable(meta, checkpoint)
     ids = meta.get("train_vocab_ids")  # None: trained on the full vocabulary, every row drafts and ships
     rows = None if ids is None else torch.tensor(ids, dtype=torch.long)
     big = (k for k, v in ckpt.state_dict.items() if v.ndim >= 1 and v.shape[0] == vocab_size)
@@ -98,14 +98,14 @@ def portable(path: str | None) -> str | None:
     return str(resolved.relative_to(root)) if resolved.is_relative_to(root) else path
 
 
-def tensor_bytes(state: dict[str, torch.Tensor]) -> int:
-    """Bytes the weights take on disk (their data; the header adds little)."""
-    return sum(v.numel() * v.element_size() for v in state.values())
+def copy_bytes(state: dict[str, torch.Tensor], meta: dict[str, Any]) -> int:
+    """Bytes a copy takes on disk: its weights, its meta, and a little for the header and the sums."""
+    return sum(v.numel() * v.element_size() for v in state.values()) + len(json.dumps(meta, indent=2)) + 4096
 
 
-def write(out: Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
-    """The three files into a temporary sibling, then swapped in: `out` is the old copy or the new, never a mix."""
-    tmp, old = out.with_name(f".{out.name}.tmp"), out.with_name(f".{out.name}.old")
+def stage(out: Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+    """The three files, written into a temporary sibling of `out` (returned); `swap_in` puts it in place."""
+    tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(state, str(tmp / MODEL_FILE))
@@ -113,6 +113,12 @@ def write(out: Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> Pa
     sums = "".join(f"{file_sha256(tmp / name)}  {name}\n" for name in (MODEL_FILE, META_FILE))
     (tmp / SUMS_FILE).write_text(sums)
     fsync_directory(tmp)
+    return tmp
+
+
+def swap_in(tmp: Path, out: Path) -> Path:
+    """A staged copy renamed to `out`, the old one set aside and removed: `out` is the old copy or the new."""
+    old = out.with_name(f".{out.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if out.exists():
         out.rename(old)
@@ -160,10 +166,10 @@ def expand(module: torch.nn.Module, state: dict[str, torch.Tensor], meta: dict[s
         target = own[key]
         if key in trimmed:
             full = target.detach().clone()
-            full[rows] = value.to(full.dtype)
+            full[rows.to(full.device)] = value.to(full.device, full.dtype)
             whole[key] = full
         else:
-            whole[key] = value.to(target.dtype)
+            whole[key] = value.to(target.device, target.dtype)
     return whole
 
 
