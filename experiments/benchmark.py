@@ -295,6 +295,7 @@ def method_row(e: dict, common: dict, best: dict, rule: str, plain: dict, cfg: D
         "alpha": best["alpha"],
         "efficiency": common["speedup"] / best["tau"],
         "acceptance_by_position": best["acceptance_by_position"],
+        "copied_share": best["copied_share"],  # a hybrid's share of row-cycles drafted by copying; None otherwise
         "draft_share": best["time_draft"] / best["time_total"],
         "target_share": best["time_target"] / best["time_total"],
         "draft_seconds_per_step": best["draft_seconds_per_step"],

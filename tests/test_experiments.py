@@ -868,6 +868,7 @@ def test_benchmark_hybrids_are_exact_and_draft_at_their_chains_gamma(
     for t in (0.0, 1.0):
         chain, hybrid, tree = (rows[m, t] for m in ("medusa_chain", "hybrid_medusa_chain", "hybrid_sequential_tree"))
         assert hybrid["budget"]["learned_gamma"] == chain["gamma"] and 1 <= hybrid["gamma"] <= 3
+        assert 0 <= hybrid["copied_share"] <= 1 and 0 <= tree["copied_share"] <= 1 and chain["copied_share"] is None
         assert tree["budget"]["tree_nodes"] in (2, 4)
     assert all(rows[m, 0.0]["exact"] for m in ("hybrid_medusa_chain", "hybrid_sequential_tree"))
 

@@ -89,6 +89,7 @@ def test_greedy_hybrid_equals_plain(lm, learned, gamma, batch, branches):
     got = speculative_generate(Target(lm), drafter, prompts, max_new_tokens=24, spec=SpecConfig(gamma=gamma))
     assert got.tokens == want
     assert drafter.learned_rows > 0  # the learned side drafted (and lookup followed its verdicts)
+    assert (got.stats.copied, got.stats.chosen) == (drafter.copied_rows, drafter.copied_rows + drafter.learned_rows)
     if batch > 1:  # a repeated last token is common in 24 tokens of a 97-token vocabulary
         assert drafter.copied_rows > 0
 

@@ -60,7 +60,9 @@ class Drafter(Protocol):
     every verdict (commit). It is not a protocol member, so drafters without it need no change.
 
     Likewise optional: `attach(target)`, called by the loop once per call before the prefill, for a drafter
-    that drafts with the target's own first blocks on the target's cache (verify/drafters/early_exit.py)."""
+    that drafts with the target's own first blocks on the target's cache (verify/drafters/early_exit.py); and
+    `copied_rows` / `learned_rows`, read once at the end of a call: how many row-cycles a drafter that chooses
+    per row (verify/drafters/hybrid.py) copied and drafted, recorded in DecodeStats."""
 
     vocab_size: int
 

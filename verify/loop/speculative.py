@@ -223,6 +223,8 @@ def speculative_generate(
             with stats.timed("draft"):
                 drafter.commit(Verdict(accepted, step, pending, verified, active, path))
             gamma = _next_gamma(gamma, accepted, depth, active, spec)
+    stats.copied = getattr(drafter, "copied_rows", 0)  # a hybrid's choices (verify/loop/drafter.py)
+    stats.chosen = stats.copied + getattr(drafter, "learned_rows", 0)
     return Generation(tokens=rows_to_lists(out, stats.tokens), stats=stats)
 
 

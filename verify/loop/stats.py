@@ -38,6 +38,10 @@ class DecodeStats:
     time_target: float = 0.0
     time_total: float = 0.0
     device: torch.device = torch.device("cpu")
+    # a drafter that chooses per row and cycle between copying and drafting (verify/drafters/hybrid.py): how many
+    # row-cycles it copied, of how many it chose for (0 of 0 for every other drafter)
+    copied: int = 0
+    chosen: int = 0
 
     @classmethod
     def zeros(cls, batch: int, device: torch.device) -> DecodeStats:
@@ -76,6 +80,8 @@ class DecodeStats:
             time_target=sum(p.time_target for p in parts),
             time_total=sum(p.time_total for p in parts),
             device=parts[0].device,
+            copied=sum(p.copied for p in parts),
+            chosen=sum(p.chosen for p in parts),
         )
 
     @contextmanager
@@ -144,6 +150,7 @@ class DecodeStats:
             "time_target": self.time_target,
             "time_other": self.time_other,
             "time_total": self.time_total,
+            "copied_share": self.copied / self.chosen if self.chosen else None,  # a hybrid's share of copied cycles
         }
 
 
