@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from experiments.lib.common.errors import fsync_directory
+from experiments.lib.common.errors import atomic_path, fsync_directory, write_atomic
 from experiments.lib.store.checkpoint import (
     FORMAT,
     META_FILE,
@@ -108,10 +108,10 @@ def stage(out: Path, state: dict[str, torch.Tensor], meta: dict[str, Any]) -> Pa
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(state, str(tmp / MODEL_FILE))
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    sums = "".join(f"{file_sha256(tmp / name)}  {name}\n" for name in (MODEL_FILE, META_FILE))
-    (tmp / SUMS_FILE).write_text(sums)
+    with atomic_path(tmp / MODEL_FILE) as path:  # each file fsync'd: the directory's rename never precedes its data
+        save_file(state, str(path))
+    write_atomic(tmp / META_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    write_atomic(tmp / SUMS_FILE, "".join(f"{file_sha256(tmp / name)}  {name}\n" for name in (MODEL_FILE, META_FILE)))
     fsync_directory(tmp)
     return tmp
 
