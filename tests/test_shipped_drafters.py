@@ -21,6 +21,7 @@ from verify.loop.plain import plain_generate
 from verify.loop.speculative import SpecConfig, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parent.parent
 VOCAB_IDS = [0, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53]  # the drafted subset of the base's 64
 
 
@@ -197,3 +198,30 @@ def test_a_base_checkpoint_is_not_a_drafter_to_ship(made, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "checkpoint cannot ship: only drafters of the families" in err and err.count("\n") == 1
     assert not (tmp_path / "d").exists()
+
+
+SHIPPED = ROOT / "results" / "drafters"
+
+
+@pytest.mark.parametrize("name", ["sequential", "prophet"])
+def test_the_committed_drafters_load_on_smollm2_and_draft_what_it_writes(smol, smol_bf16, name):
+    """The drafters committed under results/drafters: their sha256 hold, they load on SmolLM2 (bf16, as decoding
+    runs), their greedy chains equal plain decoding and accept what a trained drafter does (tau well above 1),
+    and the sequential heads' hybrid too."""
+    from verify.backends.choose import make_target
+    from verify.drafters.hybrid import HybridDrafter
+
+    directory = SHIPPED / name
+    _, _, meta, prompts = smol
+    module, package, shipped_meta = load_drafter(directory, smol_bf16, meta)
+    assert shipped_meta["shipped"]["minutes"] > 5 and shipped_meta["base_fingerprint"] == meta["fingerprint"]
+    vocab = torch.tensor(shipped_meta["train_vocab_ids"])
+    target = make_target(smol_bf16)
+    want = plain_generate(target, prompts, max_new_tokens=32).tokens
+    learned = package.make_drafter(module, smol_bf16, mode="chain", vocab=vocab)
+    drafters = [learned] + ([HybridDrafter(package.make_drafter(module, smol_bf16, mode="chain", vocab=vocab))]
+                            if name == "sequential" else [])  # fmt: skip
+    for drafter in drafters:
+        got = speculative_generate(target, drafter, prompts, max_new_tokens=32, spec=SpecConfig(gamma=3))
+        assert got.tokens == want
+        assert got.stats.tau > 1.3, (type(drafter).__name__, got.stats.tau)
