@@ -32,7 +32,16 @@ from torch import Tensor, nn
 from medusa.heads import MedusaHeads
 from medusa.trees import RANKS
 from verify.common.vocab import full_ids
-from verify.training.distill import chain_tau, check_mask, check_target, distill_loss, masked_mean, subset_index
+from verify.training.distill import (
+    accepted_mass,
+    answers_only,
+    chain_tau,
+    check_mask,
+    check_target,
+    distill_loss,
+    masked_mean,
+    subset_index,
+)
 from verify.training.features import FeatureBatch
 
 __all__ = ["build", "loss", "evaluate"]
@@ -145,14 +154,16 @@ def evaluate(
     """Per head k: `head{k}_agree`, how often its top-1 is the base's own top-1 for that token given the
     true prefix (what greedy acceptance of head k's chain token needs); `head{k}_top1` / `head{k}_top5`
     against the corpus token; and for each rank r < 10 `head{k}_rank{r}`: how often the rank-r guess is
-    the base's top-1 (rank0 = agree). The rank rates are what a static tree is grown from
+    the base's top-1 (rank0 = agree); `head{k}_mass`, the probability that speculative sampling at T = 1 accepts
+    head k's sampled draft (verify.training.distill.accepted_mass); `chain_tau` and `chain_mass`, a chain of 3's
+    tau at T = 0 and its expectation at T = 1. The rank rates are what a static tree is grown from
     (medusa.trees.tree_from_accuracies); a vocabulary smaller than 10 has fewer ranks. With a batch mask, each
     is a rate over the positions whose token t + 1 + k is an answer token."""
     check_batch(module, batch)
     t = batch.hidden.shape[1]
     out = module(batch.hidden, vocab)  # (B, T, K, N)
     ranks = min(RANKS, out.shape[-1])
-    names, values, matches = [], [], []
+    names, values, matches, masses = [], [], [], []
     for k in range(1, module.num_heads + 1):
         logits = out[:, : t - k, k - 1]  # (B, T - k, N)
         top = full_ids(logits.topk(ranks, dim=-1).indices, vocab)  # (B, T - k, R) full-vocabulary ids
@@ -167,9 +178,13 @@ def evaluate(
         ]
         names += [f"head{k}_rank{r}" for r in range(ranks)]
         values += list(rank_rates(top, base_pick, mask))
-        matches.append(top[..., 0] == base_pick)  # the chain from t drafts head k's top-1 as token t + 1 + k
-    names.append("chain_tau")
-    values.append(chain_tau(matches, batch.mask_at(1)))
+        matches.append(answers_only(top[..., 0] == base_pick, mask))  # the chain from t drafts head k's top-1
+        mass = accepted_mass(logits, batch.top_ids[:, k:], batch.top_logp[:, k:], vocab)  # (B, T - k)
+        masses.append(answers_only(mass, mask))
+        names.append(f"head{k}_mass")
+        values.append(masked_mean(mass, mask))
+    names += ["chain_tau", "chain_mass"]
+    values += [chain_tau(matches, batch.mask_at(1)), chain_tau(masses, batch.mask_at(1))]
     return dict(zip(names, torch.stack(values).tolist()))  # one host sync
 
 

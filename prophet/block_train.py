@@ -36,7 +36,7 @@ from prophet.model import check_same_base
 from prophet.train import check_loss_settings, position_loss
 from verify.common.numerics import check_int
 from verify.common.vocab import full_ids, trim_linear
-from verify.training.distill import chain_tau, subset_index
+from verify.training.distill import accepted_mass, answers_only, chain_tau, masked_mean, subset_index
 from verify.training.features import FeatureBatch
 
 
@@ -99,7 +99,9 @@ def evaluate(
     """For each draft position j = 1..K, over every block start: `head{j}_agree`, how often its top-1 is the
     base's own top-1 for that token given the true prefix (what greedy acceptance needs), and `head{j}_rank{r}`
     for r < 10, how often its rank-r guess is (rank0 = agree), which a static tree grows from
-    (medusa.trees.tree_from_accuracies). Blocks run in chunks of T // (K - 1) starts, as in training. With a
+    (medusa.trees.tree_from_accuracies); `head{j}_mass`, the probability that speculative sampling at T = 1
+    accepts its sampled draft (verify.training.distill.accepted_mass); `chain_tau` / `chain_mass`, a chain of 3's
+    tau at T = 0 and its expectation at T = 1. Blocks run in chunks of T // (K - 1) starts, as in training. With a
     batch mask, each is a rate over the predictions whose token is an answer token."""
     t = _check_batch(module, base, batch)
     weight, bias = trim_linear(module.head.to_logits, vocab)
@@ -108,26 +110,32 @@ def evaluate(
     picks: dict[int, list[Tensor]] = {}
     masks: dict[int, list[Tensor]] = {}
     hits: dict[int, list[Tensor]] = {}  # per draft position, (B, n) top-1 matches by start, for the chain
+    masses: dict[int, list[Tensor]] = {}  # per draft position, (B, n) T = 1 acceptance probabilities by start
     every = torch.arange(t - module.block, device=batch.hidden.device)
     for chunk in every.split(max(1, t // (module.block - 1))):
         for j, (pred, u) in enumerate(_positions(module, batch, chunk), start=1):
             if j == 1 and chunk[0] > 0:
                 continue  # the context's predictions do not depend on the blocks: counted once
-            top = full_ids(F.linear(pred, weight, bias).topk(ranks, dim=-1).indices, vocab)  # (B, n, R)
-            hits.setdefault(j, []).append(top[..., 0] == batch.top_ids[:, u, 0])
+            logits = F.linear(pred, weight, bias)  # (B, n, N)
+            top = full_ids(logits.topk(ranks, dim=-1).indices, vocab)  # (B, n, R)
+            mask = None if batch.mask is None else batch.mask[:, u]  # (B, n): whether token u + 1 is an answer
+            hits.setdefault(j, []).append(answers_only(top[..., 0] == batch.top_ids[:, u, 0], mask))
+            mass = accepted_mass(logits, batch.top_ids[:, u], batch.top_logp[:, u], vocab)  # (B, n)
+            masses.setdefault(j, []).append(answers_only(mass, mask))
             tops.setdefault(j, []).append(top.flatten(0, 1))
             picks.setdefault(j, []).append(batch.top_ids[:, u, 0].flatten())
-            if batch.mask is not None:
-                masks.setdefault(j, []).append(batch.mask[:, u].flatten())
+            if mask is not None:
+                masks.setdefault(j, []).append(mask.flatten())
     names, values = [], []
     for j in sorted(tops):
         rates = rank_rates(torch.cat(tops[j]), torch.cat(picks[j]), torch.cat(masks[j]) if masks else None)  # (R,)
-        names += [f"head{j}_agree"] + [f"head{j}_rank{r}" for r in range(ranks)]
-        values += [rates[0], *rates]
+        mass = torch.cat([m.flatten() for m in masses[j]])
+        names += [f"head{j}_agree"] + [f"head{j}_rank{r}" for r in range(ranks)] + [f"head{j}_mass"]
+        values += [rates[0], *rates, masked_mean(mass, torch.cat(masks[j]) if masks else None)]
     # the chain from start s: the context's draft at index s (token s + 2), then slots 1, 2, ... of s's block
-    matches = [torch.cat(hits[j], dim=1) for j in sorted(hits)]
-    names.append("chain_tau")
-    values.append(chain_tau(matches, batch.mask_at(1)))
+    chains = [[torch.cat(d[j], dim=1) for j in sorted(d)] for d in (hits, masses)]
+    names += ["chain_tau", "chain_mass"]
+    values += [chain_tau(chain, batch.mask_at(1)) for chain in chains]
     return dict(zip(names, torch.stack(values).tolist()))  # one host sync
 
 

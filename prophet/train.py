@@ -26,7 +26,9 @@ from torch import Tensor, nn
 from prophet.eagle import ARCHS
 from prophet.model import Prophet, check_same_base
 from verify.training.distill import (
+    accepted_mass,
     agreement,
+    answers_only,
     chain_tau,
     check_target,
     distill_loss,
@@ -160,7 +162,9 @@ def position_loss(
 def evaluate(
     module: Prophet, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None, eval_steps: int = 5
 ) -> dict[str, float]:
-    """Agreement of the prophet's top-1 with the base's top-1 at steps 1..eval_steps (`step{j}_agree`).
+    """Agreement of the prophet's top-1 with the base's top-1 at steps 1..eval_steps (`step{j}_agree`), the T = 1
+    acceptance probability of its draft there (`step{j}_mass`, verify.training.distill.accepted_mass), and the
+    chain's tau at T = 0 (`chain_tau`) and its expectation at T = 1 (`chain_mass`).
 
     Step j reads the prophet's own predicted features for j - 1 steps after the true ones, exactly the
     attention a draft chain sees (teacher-forced tokens: a draft only matters after accepted ones).
@@ -168,15 +172,19 @@ def evaluate(
     whose token is an answer token."""
     _check_batch(module, base, batch, steps=eval_steps, name="eval_steps")
     _, weight, bias = module.output_layer(vocab)
-    out, matches = {}, []
+    out, matches, masses = {}, [], []
     for j, pred in enumerate(
         module.unroll(batch.hidden, batch.tokens[:, 1:], eval_steps, layers=batch.layers), start=1
     ):
-        pred, _, top_ids, _, mask = _valid(pred, batch, j)
+        pred, _, top_ids, top_logp, mask = _valid(pred, batch, j)
         logits = F.linear(module.readout(pred), weight, bias)
         out[f"step{j}_agree"] = agreement(logits, top_ids, vocab, mask)
-        matches.append(student_top1(logits, vocab) == top_ids[..., 0])  # index s: the chain started at s's step j
+        mass = accepted_mass(logits, top_ids, top_logp, vocab)  # (B, T - j): T = 1 acceptance of step j
+        out[f"step{j}_mass"] = masked_mean(mass, mask)
+        masses.append(answers_only(mass, mask))  # index s: the chain started at s's step j
+        matches.append(answers_only(student_top1(logits, vocab) == top_ids[..., 0], mask))
     out["chain_tau"] = chain_tau(matches, batch.mask_at(1))
+    out["chain_mass"] = chain_tau(masses, batch.mask_at(1))
     return dict(zip(out, torch.stack(list(out.values())).tolist()))
 
 

@@ -173,7 +173,11 @@ def test_a_mapped_cache_trains_the_same_drafter(drafters: dict, tiny_base: Path,
     loaded = drafters["prophet"]["result"]
     metrics = {k for k, v in loaded.items() if isinstance(v, float) and k not in ("elapsed_s", "positions_per_s")}
     metrics -= {k for k in metrics if k.endswith("_s") or "seconds" in k}
-    assert metrics and {k: result[k] for k in metrics} == {k: loaded[k] for k in metrics}
+    # the T = 1 acceptance figures sum a softmax over the vocabulary, whose float summation order follows the
+    # memory layout of the batch read: equal to float32 rounding; every other figure exactly
+    masses = {k for k in metrics if k.endswith("_mass")}
+    assert metrics and {k: result[k] for k in metrics - masses} == {k: loaded[k] for k in metrics - masses}
+    assert masses and all(result[k] == pytest.approx(loaded[k], rel=1e-6) for k in masses)
     assert result["feature_key"] == loaded["feature_key"]
 
 

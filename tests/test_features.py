@@ -26,7 +26,7 @@ from experiments.lib.training.mapped import MappedRows
 from prophet.model import base_features
 from verify.backends.target import Target
 from verify.loop.plain import plain_generate
-from verify.training.distill import agreement, distill_loss, subset_index
+from verify.training.distill import accepted_mass, agreement, distill_loss, subset_index
 
 V = 97
 
@@ -281,6 +281,28 @@ def test_tv_target_is_one_minus_the_acceptance_rate_of_speculative_sampling():
     assert distill_loss(student, top_ids=top.indices, top_logp=top.values, target="tv") >= tv - 1e-6
 
 
+def test_accepted_mass_is_the_acceptance_rate_of_speculative_sampling():
+    """sum min(p, q) over the teacher's top-k: with k = V exactly 1 - the total variation, the rate at which
+    speculative sampling accepts a draft drawn from q, which an empirical count of accepted draws reproduces; a
+    top-k teacher bounds it from below; a trimmed vocabulary counts only what its columns can propose."""
+    g = torch.Generator().manual_seed(3)
+    student, teacher = torch.randn(5, V, generator=g), (2 * torch.randn(5, V, generator=g)).log_softmax(-1)
+    p, q = teacher.exp(), student.softmax(-1)
+    full = teacher.topk(V, dim=-1)
+    exact = torch.minimum(p, q).sum(-1)  # (5,)
+    assert torch.allclose(accepted_mass(student, full.indices, full.values), exact, atol=1e-6)
+    assert torch.allclose(accepted_mass(teacher, full.indices, full.values), torch.ones(5), atol=1e-5)  # q = p
+    draws = torch.multinomial(q, 20_000, replacement=True, generator=g)  # (5, n) drafts from q
+    accept = torch.rand(draws.shape, generator=g) < (p.gather(-1, draws) / q.gather(-1, draws)).clamp(max=1)
+    assert torch.allclose(accept.float().mean(-1), exact, atol=0.015), (accept.float().mean(-1), exact)
+    top = teacher.topk(4, dim=-1)
+    assert (accepted_mass(student, top.indices, top.values) <= exact + 1e-6).all()
+    vocab = torch.tensor([0, 3, 7, 20, V - 1])  # a subset: the student's logits over these 5 columns only
+    sub = student[:, vocab]
+    expected = torch.minimum(p[:, vocab], sub.softmax(-1)).sum(-1)
+    assert torch.allclose(accepted_mass(sub, full.indices, full.values, vocab), expected, atol=1e-6)
+
+
 def test_tv_target_trains_a_student_to_be_accepted():
     """Gradient steps on the tv loss raise the acceptance rate sum min(p, q) of a random student to near the most a
     top-16 teacher lets it see."""
@@ -335,8 +357,9 @@ def test_draft_model_learns_the_base_and_only_itself():
     assert all(p.grad is None for p in base.parameters())
     assert all(p.grad is not None for p in draft.parameters() if p.requires_grad)
     after = draft_family.evaluate(draft, base, batch)
-    assert set(after) == {"agree", "top1", "chain_tau"}
+    assert set(after) == {"agree", "top1", "mass", "chain_tau", "chain_mass"}
     assert after["agree"] > 0.8 > before["agree"], (before, after)
+    assert after["mass"] > before["mass"] and 1 <= after["chain_mass"] <= 4  # T = 1 acceptance rises too
     assert after["chain_tau"] > 1 + after["agree"] > before["chain_tau"]  # chains of 3 drafts: runs past the first
     trimmed = draft_family.evaluate(draft, base, batch, vocab=torch.arange(0, V, 3))
     assert trimmed["agree"] < after["agree"]  # the subset cannot hold every greedy token

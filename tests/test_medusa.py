@@ -204,9 +204,9 @@ def test_evaluate_keys_and_ranges():
     heads = perturb(train.build(base, num_heads=2, num_layers=1), seed=0)
     metrics = train.evaluate(heads, base, random_batch(base))
     expected = {f"head{k}_{m}" for k in (1, 2) for m in ["agree", "top1", "top5", *[f"rank{r}" for r in range(10)]]}
-    assert set(metrics) == expected | {"chain_tau"}
-    chain = metrics.pop("chain_tau")
-    assert 1 <= chain <= 3  # a chain of the 2 heads' drafts accepts 0 to 2 of them, plus the verify pass's token
+    assert set(metrics) == expected | {"head1_mass", "head2_mass", "chain_tau", "chain_mass"}
+    for chain in (metrics.pop("chain_tau"), metrics.pop("chain_mass")):
+        assert 1 <= chain <= 3  # a chain of the 2 heads' drafts accepts 0 to 2 of them, plus the verify pass's token
     assert all(0 <= v <= 1 for v in metrics.values())
     for k in (1, 2):
         assert metrics[f"head{k}_top1"] <= metrics[f"head{k}_top5"]
@@ -215,7 +215,8 @@ def test_evaluate_keys_and_ranges():
     fresh = train.evaluate(train.build(base, num_heads=1, num_layers=1), base, random_batch(base))
     assert fresh["head1_rank0"] < 1  # a fresh head guesses t + 1 again, rarely the base's choice for t + 2
     tiny = make_base(num_tokens=6)
-    assert len(train.evaluate(train.build(tiny, num_heads=1, num_layers=1), tiny, random_batch(tiny))) == 3 + 6 + 1
+    got = len(train.evaluate(train.build(tiny, num_heads=1, num_layers=1), tiny, random_batch(tiny)))
+    assert got == 3 + 6 + 1 + 2  # agree top1 top5, 6 ranks, mass; chain_tau, chain_mass
     vocab = torch.arange(0, 97, 2)  # a trimmed vocabulary: the heads' top-1 is an id of the subset
     trimmed = train.evaluate(heads, base, random_batch(base), vocab=vocab)
     assert 0 <= trimmed["head1_agree"] <= 1 and trimmed["head1_agree"] != metrics["head1_agree"]

@@ -102,9 +102,10 @@ def test_loss_drops(unroll):
     assert losses[-1] < 0.7 * first.item(), (first.item(), losses[-1])
     before = train.evaluate(train.build(base, dim=32, depth=1, heads=2), base, data, eval_steps=3)
     after = train.evaluate(prophet, base, data, eval_steps=3)
-    assert list(after) == ["step1_agree", "step2_agree", "step3_agree", "chain_tau"]
+    assert list(after) == [f"step{j}_{m}" for j in (1, 2, 3) for m in ("agree", "mass")] + ["chain_tau", "chain_mass"]
     assert after["step1_agree"] > before["step1_agree"] + 0.2
     assert after["chain_tau"] > before["chain_tau"] and 1 <= before["chain_tau"] <= after["chain_tau"] <= 4
+    assert after["step1_mass"] > before["step1_mass"] and 1 <= after["chain_mass"] <= 4  # T = 1 acceptance too
 
 
 # ---------------------------------------------------------------- forwards

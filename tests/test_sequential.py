@@ -160,8 +160,9 @@ def test_evaluate_keys_ranges_and_alignment():
     batch = random_batch(base)
     metrics = train.evaluate(heads, base, batch)
     expected = {f"head{k}_{m}" for k in (1, 2) for m in ["agree", "top1", "top5", *[f"rank{r}" for r in range(10)]]}
-    assert set(metrics) == expected | {"chain_tau"}
+    assert set(metrics) == expected | {"head1_mass", "head2_mass", "chain_tau", "chain_mass"}
     chain = metrics.pop("chain_tau")
+    assert 1 <= metrics.pop("chain_mass") <= 3
     assert all(0 <= v <= 1 for v in metrics.values())
     # the chain from t: head 1's draft of token t + 2, then head 2's of t + 3, each the base's top-1 there or not
     t = batch.hidden.shape[1]

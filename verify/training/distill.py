@@ -106,6 +106,22 @@ def agreement(logits: Tensor, top_ids: Tensor, vocab: Tensor | None = None, mask
     return masked_mean(student_top1(logits, vocab) == top_ids[..., 0], mask)
 
 
+def accepted_mass(logits: Tensor, top_ids: Tensor, top_logp: Tensor, vocab: Tensor | None = None) -> Tensor:
+    """(...) sum over the teacher's top-k of min(p, q): the probability that speculative sampling at T = 1 accepts a
+    draft token drawn from the student's q, a lower bound since the teacher's mass outside its top-k counts as no
+    overlap. logits (..., V') over `vocab` (sorted subset ids, None: all V); top_ids / top_logp (..., k) the
+    teacher's, log-probabilities over the full vocabulary. Teacher tokens outside the subset add nothing: the
+    drafter can never propose them."""
+    q = logits.float().softmax(dim=-1)  # (..., V')
+    ids, inside = top_ids, torch.ones_like(top_ids, dtype=torch.bool)
+    if vocab is not None:  # full ids -> subset columns, by binary search in the sorted subset
+        vocab = vocab.to(top_ids.device)
+        ids = torch.searchsorted(vocab, top_ids).clamp(max=vocab.numel() - 1)  # (..., k)
+        inside = vocab[ids] == top_ids
+    q_top = torch.where(inside, q.gather(-1, ids), 0.0)  # (..., k)
+    return torch.minimum(top_logp.float().exp(), q_top).sum(dim=-1)
+
+
 CHAIN = 3  # drafts of the chain whose acceptance validation measures (`chain_tau`)
 
 
@@ -114,12 +130,20 @@ def chain_tau(matches: list[Tensor], mask: Tensor | None = None, *, depth: int =
     says whether draft j + 1 of the chain started at position s is the base's own top-1 there (the drafts before it
     taken as accepted, which greedy text makes true). A chain accepts its leading run of matches and the verify
     pass adds one token, so tau = 1 + the mean of that run over starts s (mask (B, >= L): the starts whose first
-    draft is an answer token). What a drafter is worth at T = 0, in one forward, where per-draft agreement rates
-    would count a draft after a rejected one."""
+    draft is an answer token; a family zeroes the drafts past the answer with `answers_only`). What a drafter is
+    worth at T = 0, in one forward, where per-draft agreement rates would count a draft after a rejected one.
+    Given the acceptance probabilities at T = 1 instead (float, from `accepted_mass`), the same product is the
+    expected run of a sampled chain along the data's text (`chain_mass`)."""
     chain = matches[:depth]
     length = min(m.shape[1] for m in chain)
     run = torch.stack([m[:, :length] for m in chain], dim=-1).float().cumprod(dim=-1).sum(dim=-1)  # (B, L)
     return 1 + masked_mean(run, None if mask is None else mask[:, :length])
+
+
+def answers_only(values: Tensor, mask: Tensor | None) -> Tensor:
+    """`values` (...) (a chain's matches or acceptance probabilities) zeroed where `mask` (...) is False: a chain that
+    reaches a position whose token is not an answer token (past the answer's end) stops there, as decoding does."""
+    return values if mask is None else values * mask
 
 
 def masked_mean(values: Tensor, mask: Tensor | None) -> Tensor:

@@ -30,7 +30,9 @@ from verify.common.vocab import subset_linear, trim_linear
 from verify.drafters.early_exit import check_lean_base
 from verify.training.distill import (
     CHAIN,
+    accepted_mass,
     agreement,
+    answers_only,
     chain_tau,
     check_target,
     distill_loss,
@@ -150,11 +152,15 @@ def evaluate(
     module: ExitHead, base: nn.Module, batch: FeatureBatch, *, vocab: Tensor | None = None
 ) -> dict[str, float]:
     """`agree`: how often the head's top-1 is the base's own top-1 after the same prefix (what accepts a
-    greedy draft token); `top1`: how often it is the corpus token. With a batch mask, rates over the answer
-    positions."""
-    top = student_top1(module(_state(module, batch), vocab), vocab)  # (B, T) full-vocabulary ids
+    greedy draft token); `top1`: how often it is the corpus token; `mass`: the probability that speculative
+    sampling at T = 1 accepts its sampled draft (verify.training.distill.accepted_mass); `chain_tau` / `chain_mass`:
+    a chain of 3's tau at T = 0 and its expectation at T = 1. With a batch mask, rates over the answer positions."""
+    logits = module(_state(module, batch), vocab)  # (B, T, N)
+    top = student_top1(logits, vocab)  # (B, T) full-vocabulary ids
     hits = (top == batch.top_ids[..., 0], top == batch.tokens[:, 1:])  # (B, T) each
+    mass = accepted_mass(logits, batch.top_ids, batch.top_logp, vocab)  # (B, T): T = 1 acceptance of each draft
     # the chain from position s drafts s, s + 1, ... in turn, each after the true (greedy: accepted) tokens
-    chain = chain_tau([hits[0][:, j:] for j in range(CHAIN)], batch.mask)
-    values = torch.stack([masked_mean(hit, batch.mask) for hit in hits] + [chain])
-    return dict(zip(("agree", "top1", "chain_tau"), values.tolist()))
+    runs = [answers_only(m, batch.mask) for m in (hits[0], mass)]  # a chain stops past the answer's end
+    chains = [chain_tau([run[:, j:] for j in range(CHAIN)], batch.mask) for run in runs]
+    values = torch.stack([masked_mean(m, batch.mask) for m in (*hits, mass)] + chains)
+    return dict(zip(("agree", "top1", "mass", "chain_tau", "chain_mass"), values.tolist()))
