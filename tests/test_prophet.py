@@ -486,7 +486,8 @@ def test_config_drives_the_four_functions():
     assert torch.isfinite(loss) and set(metrics) == {
         f"step{j}_{m}" for j in steps for m in ("feature", "ce", "agree")
     } | {"loss"}
-    assert set(train.evaluate(module, base, data)) == {f"step{j}_agree" for j in range(1, 6)} | {"chain_tau"}
+    per_step = {f"step{j}_{m}" for j in range(1, 6) for m in ("agree", "mass")}
+    assert set(train.evaluate(module, base, data)) == per_step | {"chain_tau", "chain_mass"}
     drafter = make_drafter(module, base, **cfg["decode"])
     out = speculative_generate(Target(base), drafter, PROMPTS, max_new_tokens=8, spec=SpecConfig(gamma=5))
     assert out.tokens == plain_generate(Target(base), PROMPTS, max_new_tokens=8).tokens
