@@ -165,5 +165,5 @@ def test_stale_directories_are_removed_restored_or_named(tmp_path: Path, caplog:
         write(tmp_path / "new")
     assert is_export(tmp_path / "new")  # the earlier export is back where it was
     assert json.loads((tmp_path / "new" / "config.json").read_text())[MARK] == {"exported": True}
-    assert hidden(tmp_path) == [f".new.{alive}.0123abcd.tmp", f".new.{dead}.89abcdef.tmp"]
+    assert hidden(tmp_path) == sorted([f".new.{alive}.0123abcd.tmp", f".new.{dead}.89abcdef.tmp"])  # by name, not pid
     assert f".new.{dead}.89abcdef.tmp: named like an export's own directory" in caplog.text
