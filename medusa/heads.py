@@ -14,6 +14,8 @@ Initialisation, and why:
   ablation that reads every head through the frozen base projection instead; the base owns that layer,
   so it is held in a plain tuple, outside this module's parameters and state_dict: a checkpoint of the
   heads never contains (or overwrites) base weights.
+These two are Medusa-1's init (`init="medusa1"`). `init="random"` is its ablation: PyTorch's default init for
+the blocks and the projections, a head that starts from noise (docs/ablations.md measures both at equal minutes).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from einops import rearrange, repeat
 from torch import Tensor, nn
 
 from verify.common.vocab import check_vocab, subset_linear, trim_linear
+
+
+INITS = ("medusa1", "random")  # Medusa-1's init (zero blocks, the base's output layer copied), or PyTorch's
 
 
 def check_head_sizes(*, num_heads: int, num_layers: int) -> None:
@@ -85,11 +90,23 @@ def copy_linear(layer: nn.Linear) -> nn.Linear:
 class MedusaHeads(nn.Module):
     """hidden (B, T, d) -> logits (B, T, K, V); [:, t, k - 1] is head k's guess for token t + 1 + k."""
 
-    def __init__(self, *, projection: nn.Linear, num_heads: int, num_layers: int, share_base_projection: bool = False):
+    def __init__(
+        self,
+        *,
+        projection: nn.Linear,
+        num_heads: int,
+        num_layers: int,
+        share_base_projection: bool = False,
+        init: str = "medusa1",
+    ):
         super().__init__()
         check_head_sizes(num_heads=num_heads, num_layers=num_layers)
         if not isinstance(share_base_projection, bool):
             raise ValueError(f"share_base_projection={share_base_projection!r}: must be true or false")
+        if init not in INITS:
+            raise ValueError(f"init={init!r}: must be one of {', '.join(INITS)}")
+        if init == "random" and share_base_projection:
+            raise ValueError("init='random' with share_base_projection=true: a shared base projection is not re-drawn")
         if not isinstance(projection, nn.Linear):
             raise ValueError(f"projection is a {type(projection).__name__}: need the base's output nn.Linear(dim, V)")
         self.dim, self.vocab_size = projection.in_features, projection.out_features
@@ -106,10 +123,14 @@ class MedusaHeads(nn.Module):
         else:
             self.projections = nn.ModuleList(copy_linear(projection) for _ in range(num_heads))
             self._base_projection = ()
+        if init == "random":  # the ablation: every layer redrawn as nn.Linear draws it
+            for layer in self.modules():
+                if isinstance(layer, nn.Linear):
+                    layer.reset_parameters()
 
     @classmethod
     def from_base(
-        cls, base: nn.Module, *, num_heads: int, num_layers: int, share_base_projection: bool = False
+        cls, base: nn.Module, *, num_heads: int, num_layers: int, share_base_projection: bool = False, init="medusa1"
     ) -> MedusaHeads:
         """Heads for an x-transformers TransformerWrapper: its `to_logits` is the projection to copy or share."""
         return cls(
@@ -117,6 +138,7 @@ class MedusaHeads(nn.Module):
             num_heads=num_heads,
             num_layers=num_layers,
             share_base_projection=share_base_projection,
+            init=init,
         )
 
     def forward(self, hidden: Tensor, vocab: Tensor | None = None) -> Tensor:

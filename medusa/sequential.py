@@ -18,6 +18,12 @@ its own module (no `[block] * n` ties).
 The embedding is the frozen base's own, borrowed through prophet.model.FrozenHead: a plain object, not a
 submodule, read with detached weights, so it is never a parameter, never in the state_dict and never
 receives a gradient.
+
+Hydra++'s recipe, both off by default (the ablation in docs/ablations.md measures them at equal minutes):
+- `prefix`: one attention layer over the base's hidden states under the heads (medusa/prefix.py), starting as
+  the identity; the heads read its output h'_t where they read h_t. `context` applies it to whole windows.
+- `dropout`: in training, dropout on each head's input [h; e_1 .. e_k] and before its projection (inactive
+  in eval mode, so drafting is unchanged by it).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from medusa.heads import FrozenHead, ResBlock, check_head_sizes, copy_linear
+from medusa.prefix import context, identity_layer, prefix_shape
 from verify.common.vocab import check_vocab, subset_linear, trim_linear
 
 
@@ -37,9 +44,22 @@ class SequentialHeads(nn.Module):
     """hidden (..., d) and tokens (..., K) -> logits (..., K, N); [..., k - 1, :] is head k's guess for
     token t + 1 + k, having read tokens[..., :k] = x_{t+1} .. x_{t+k}."""
 
-    def __init__(self, *, embedding: nn.Embedding, projection: nn.Linear, num_heads: int, num_layers: int = 1):
+    def __init__(
+        self,
+        *,
+        embedding: nn.Embedding,
+        projection: nn.Linear,
+        num_heads: int,
+        num_layers: int = 1,
+        prefix: dict | None = None,
+        dropout: float = 0.0,
+    ):
+        """`prefix`: the prefix layer's shape (medusa.prefix.prefix_shape), None for none; `dropout`: the training
+        dropout rate on each head's input and before its projection, in [0, 1)."""
         super().__init__()
         check_head_sizes(num_heads=num_heads, num_layers=num_layers)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+            raise ValueError(f"dropout={dropout!r}: must be a number in [0, 1)")
         if not isinstance(embedding, nn.Embedding):
             raise ValueError(f"embedding is a {type(embedding).__name__}: need the base's token nn.Embedding(V, e)")
         if not isinstance(projection, nn.Linear):
@@ -60,6 +80,9 @@ class SequentialHeads(nn.Module):
             for _ in range(num_heads)
         )
         self.projections = nn.ModuleList(copy_linear(projection) for _ in range(num_heads))
+        self.drop = nn.Dropout(dropout)  # the identity in eval mode: drafting never drops
+        # Built last, and only when asked for: the other weights draw the same random numbers as without it.
+        self.prefix = None if prefix is None else identity_layer(prefix, device=w.device, dtype=w.dtype)
 
     def _identity_mix(self, k: int, *, device, dtype) -> nn.Linear:
         """Linear(d + k e -> d) with weight [I, 0, .., 0] and bias 0: it passes h through and ignores the tokens."""
@@ -71,9 +94,25 @@ class SequentialHeads(nn.Module):
         return mix
 
     @classmethod
-    def from_base(cls, base: nn.Module, *, num_heads: int, num_layers: int = 1) -> SequentialHeads:
-        """Heads for an x-transformers TransformerWrapper: its token embedding is borrowed, its `to_logits` copied."""
-        return cls(embedding=base.token_emb.emb, projection=base.to_logits, num_heads=num_heads, num_layers=num_layers)
+    def from_base(
+        cls, base: nn.Module, *, num_heads: int, num_layers: int = 1, prefix: bool = False, dropout: float = 0.0
+    ) -> SequentialHeads:
+        """Heads for an x-transformers TransformerWrapper or an HFBase: its token embedding is borrowed, its
+        `to_logits` copied; `prefix` adds Hydra++'s prefix layer, shaped as one of the base's layers."""
+        if not isinstance(prefix, bool):
+            raise ValueError(f"prefix={prefix!r}: must be true or false")
+        return cls(
+            embedding=base.token_emb.emb,
+            projection=base.to_logits,
+            num_heads=num_heads,
+            num_layers=num_layers,
+            prefix=prefix_shape(base) if prefix else None,
+            dropout=dropout,
+        )
+
+    def context(self, hidden: Tensor) -> Tensor:
+        """What the heads read for whole windows: hidden (B, T, d) -> the prefix layer's output, or hidden itself."""
+        return hidden if self.prefix is None else context(self.prefix, hidden)
 
     def features(self, k: int, hidden: Tensor, tokens: Tensor) -> Tensor:
         """Head k's features before its projection: hidden (..., d), tokens (..., k) ids -> (..., d)."""
@@ -83,7 +122,7 @@ class SequentialHeads(nn.Module):
             )
         emb = self.base.embed(tokens).to(hidden.dtype)  # (..., k, e), detached: no gradient reaches the base
         x = torch.cat((hidden, rearrange(emb, "... k e -> ... (k e)")), dim=-1)  # (..., d + k e)
-        return self.blocks[k - 1](self.mix[k - 1](x))
+        return self.drop(self.blocks[k - 1](self.mix[k - 1](self.drop(x))))
 
     def head_logits(self, k: int, hidden: Tensor, tokens: Tensor, vocab: Tensor | None = None) -> Tensor:
         """Head k (1-based) alone: hidden (..., d), tokens (..., k) -> logits (..., N) over the sorted ids
@@ -117,7 +156,10 @@ class SequentialHeads(nn.Module):
         return DecodeHeads(self, proj_w, proj_b)
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, num_layers={self.num_layers}, emb_dim={self.emb_dim}"
+        return (
+            f"num_heads={self.num_heads}, num_layers={self.num_layers}, emb_dim={self.emb_dim}, "
+            f"prefix={self.prefix is not None}, dropout={self.drop.p}"
+        )
 
 
 @dataclass(eq=False)

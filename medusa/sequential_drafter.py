@@ -26,7 +26,9 @@ keeps the ranked guesses at T > 0.
 ids, which is also what the next head's embedding reads.
 
 The constructor (validation, the default tree, the depth limits) and the hidden-state bookkeeping are
-MedusaDrafter's, inherited; only proposing and the pending token are new.
+MedusaDrafter's, inherited; only proposing and the pending token are new. Heads with Hydra++'s prefix layer
+read its output instead of the target's hidden state: medusa.prefix.PrefixCache runs the layer over the
+prefill at `begin` and over the accepted path at `commit`, and its output is `self.hidden`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from einops import rearrange, repeat
 from torch import Tensor
 
 from medusa.drafter import MedusaDrafter
+from medusa.prefix import PrefixCache
 from medusa.sequential import SequentialHeads
 from medusa.trees import node_table
 from verify.backends.target import TargetOutput
@@ -117,12 +120,16 @@ class SequentialDrafter(MedusaDrafter):
             accuracies=accuracies,
             candidates=candidates,
         )  # self.stacked: DecodeHeads
+        heads.eval()  # drafting is inference: a head's training dropout must not act here
+        self.prefix = None if heads.prefix is None else PrefixCache(heads.prefix)
         if mode == "chain":  # the chain is the tree of top-1 guesses, drafted the same way
             self.paths = [(0,) * d for d in range(1, heads.num_heads + 1)]
         self._levels: dict[int, tuple[Tensor, list[Level]]] = {}
 
     def begin(self, prompts: list[list[int]], prefill: TargetOutput, pending: Tensor) -> None:
         super().begin(prompts, prefill, pending)  # self.hidden (b, d)
+        if self.prefix is not None:  # the heads read the prefix layer's output at the last prompt position
+            self.hidden = self.prefix.begin(prompts, prefill)
         self.pending = pending  # (b,): every head reads it first
 
     @torch.inference_mode()
@@ -154,6 +161,8 @@ class SequentialDrafter(MedusaDrafter):
 
     def commit(self, verdict: Verdict) -> None:
         super().commit(verdict)  # self.hidden: the target's state at the last accepted node
+        if self.prefix is not None:  # or the prefix layer's output there, having read the accepted path
+            self.hidden = self.prefix.commit(verdict)
         self.pending = verdict.pending
 
     def _table(self, depth: int, device: torch.device) -> tuple[Tensor, list[Level]]:

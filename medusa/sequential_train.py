@@ -36,9 +36,12 @@ from verify.training.features import FeatureBatch
 __all__ = ["build", "loss", "evaluate"]
 
 
-def build(base: nn.Module, *, num_heads: int = 4, num_layers: int = 1) -> SequentialHeads:
-    """Fresh heads on `base` (each equal to a fresh Medusa head: the base's projection of h)."""
-    return SequentialHeads.from_base(base, num_heads=num_heads, num_layers=num_layers)
+def build(
+    base: nn.Module, *, num_heads: int = 4, num_layers: int = 1, prefix: bool = False, dropout: float = 0.0
+) -> SequentialHeads:
+    """Fresh heads on `base` (each equal to a fresh Medusa head: the base's projection of h); `prefix` and
+    `dropout` are Hydra++'s prefix layer and training dropout (medusa.sequential)."""
+    return SequentialHeads.from_base(base, num_heads=num_heads, num_layers=num_layers, prefix=prefix, dropout=dropout)
 
 
 def following_tokens(tokens: Tensor, num_heads: int) -> Tensor:
@@ -64,7 +67,7 @@ def loss(
     Metrics: each L_k (`head{k}_loss`), `loss`, `positions` (as medusa.train.loss)."""
     row, pos = sample_positions(module, batch, weight=weight, target=target, positions=positions)  # (n,), (n,)
     reads = following_tokens(batch.tokens, module.num_heads)[row, pos]  # (n, K) true x_{t+1} .. x_{t+K}
-    logits = module(batch.hidden[row, pos], reads, vocab)  # (n, K, N)
+    logits = module(module.context(batch.hidden)[row, pos], reads, vocab)  # (n, K, N)
     return heads_loss(logits, batch, row, pos, vocab=vocab, vocab_size=module.vocab_size, weight=weight, target=target)
 
 
@@ -77,7 +80,7 @@ class _TeacherForced:
         self.reads = following_tokens(tokens, heads.num_heads)  # (B, T, K)
 
     def __call__(self, hidden: Tensor, vocab: Tensor | None) -> Tensor:
-        return self.heads(hidden, self.reads, vocab)
+        return self.heads(self.heads.context(hidden), self.reads, vocab)
 
 
 @torch.no_grad()

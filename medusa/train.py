@@ -48,11 +48,17 @@ __all__ = ["build", "loss", "evaluate"]
 
 
 def build(
-    base: nn.Module, *, num_heads: int = 4, num_layers: int = 1, share_base_projection: bool = False
+    base: nn.Module,
+    *,
+    num_heads: int = 4,
+    num_layers: int = 1,
+    share_base_projection: bool = False,
+    init: str = "medusa1",
 ) -> MedusaHeads:
-    """Fresh heads on `base` (block weights zero, projections copied from the base's output layer)."""
+    """Fresh heads on `base` (Medusa-1's init: block weights zero, projections copied from the base's output
+    layer; init="random": PyTorch's default init, the ablation)."""
     return MedusaHeads.from_base(
-        base, num_heads=num_heads, num_layers=num_layers, share_base_projection=share_base_projection
+        base, num_heads=num_heads, num_layers=num_layers, share_base_projection=share_base_projection, init=init
     )
 
 

@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PARSER = OverridesParser.create()
 LM = dict(num_tokens=64, dim=32, depth=1, heads=4, max_seq_len=32)
 MODULES = {  # each family's module config as its conf/drafter/*.yaml has it
-    "medusa": {"num_heads": 4, "num_layers": 1, "share_base_projection": False},
-    "sequential": {"num_heads": 4, "num_layers": 1},
+    "medusa": {"num_heads": 4, "num_layers": 1, "share_base_projection": False, "init": "medusa1"},
+    "sequential": {"num_heads": 4, "num_layers": 1, "prefix": False, "dropout": 0.0},
     "prophet": {"dim": 128, "depth": 1, "heads": 4, "attn_dim_head": None, "ff_mult": 4, "fuse_layers": None},
     "prophet_block": {
         "block": 4,

@@ -83,6 +83,23 @@ def test_heads_and_blocks_are_separate_modules():
     assert all(torch.all(b.linear.weight == 0) and torch.all(b.linear.bias == 0) for b in blocks)
 
 
+def test_random_init_is_the_ablation_of_medusa1s_init():
+    base = make_base()
+    batch = random_batch(base)
+    torch.manual_seed(0)
+    heads = train.build(base, num_heads=2, num_layers=1, init="random")
+    assert all(not torch.equal(p.weight, base.to_logits.weight) for p in heads.projections)
+    assert all(block.linear.weight.abs().sum() > 0 for head in heads.blocks for block in head)
+    assert not torch.allclose(heads(batch.hidden)[:, :, 0], base.to_logits(batch.hidden))
+    total, _ = train.loss(heads, base, batch)
+    total.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in heads.parameters())
+    for kwargs, match in ((dict(init="zero"), "init='zero'"), (dict(init="random", share_base_projection=True), "shared")):
+        with pytest.raises(ValueError, match=match) as error:
+            train.build(base, num_heads=2, **kwargs)
+        assert "\n" not in str(error.value)
+
+
 @pytest.mark.parametrize("share", [False, True])
 def test_fresh_heads_predict_exactly_the_base_projection(share):
     base = make_base()

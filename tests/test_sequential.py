@@ -461,3 +461,122 @@ def test_chains_and_trees_at_t1_sample_with_q(family):
         torch.testing.assert_close(draft.q.sum(-1), torch.ones(2, 3))
         assert not draft.q[..., 1::2].any()  # nothing outside the subset
         assert (draft.q.gather(2, draft.tokens[..., None]) > 0).all() and (draft.tokens % 2 == 0).all()
+
+
+# ------------------------------------------------------------------------------------------- Hydra++
+
+
+def prefix_heads(base, seed=None, dropout=0.0):
+    """Heads with Hydra++'s prefix layer; with a seed, random (the prefix layer too, so it is not the identity)."""
+    heads = train.build(base, num_heads=3, num_layers=1, prefix=True, dropout=dropout)
+    if seed is not None:
+        perturb(heads, seed=seed)
+        with torch.no_grad():
+            for mix in heads.mix:
+                mix.weight[:, heads.dim :] *= 8
+    return heads
+
+
+def test_a_fresh_prefix_layer_is_the_identity_and_trains():
+    base = make_base()
+    batch = random_batch(base)
+    heads, plain_heads = prefix_heads(base), train.build(base, num_heads=3, num_layers=1)
+    assert torch.equal(heads.context(batch.hidden), batch.hidden)
+    tokens = train.following_tokens(batch.tokens, 3)
+    assert torch.equal(heads(heads.context(batch.hidden), tokens), plain_heads(batch.hidden, tokens))
+    torch.manual_seed(0)
+    total, _ = train.loss(heads, base, batch)
+    total.backward()
+    # zero output projections: they get gradients first (q, k, v and the MLP's inputs only once they move)
+    assert heads.prefix.o_proj.weight.grad.abs().sum() > 0 and heads.prefix.down_proj.weight.grad.abs().sum() > 0
+    assert {key.split(".")[0] for key in heads.state_dict()} == {"mix", "blocks", "projections", "prefix"}
+    rebuilt = train.build(base, num_heads=3, num_layers=1, prefix=True)
+    perturb(heads, seed=3)
+    rebuilt.load_state_dict(heads.state_dict(), strict=True)
+    assert torch.equal(rebuilt.context(batch.hidden), heads.context(batch.hidden))
+    assert not torch.allclose(heads.context(batch.hidden), batch.hidden)
+
+
+def test_the_prefix_layer_is_causal():
+    base = make_base()
+    heads = prefix_heads(base, seed=0)
+    hidden = random_batch(base).hidden
+    changed = hidden.clone()
+    changed[:, 10] += 1.0
+    out, new = heads.context(hidden), heads.context(changed)
+    assert torch.equal(out[:, :10], new[:, :10]) and (new[:, 10:] - out[:, 10:]).abs().amax(-1).min() > 1e-5
+
+
+class PrefixSpy(StateSpy):
+    """Before every proposal: the drafter's state is the prefix layer's output over a from-scratch base
+    forward of the true context, at its last position (so its cache holds exactly the accepted positions).
+    StateSpy's own check reads the base's state, which the heads no longer read: replaced here."""
+
+    def propose(self, gamma, sampling, generator):
+        for i, ctx in enumerate(self.ctx):
+            if self.emitted[i] < self.n:
+                _, hidden = self.base(torch.tensor([ctx[:-1]]), return_logits_and_embeddings=True)
+                want = self.inner.heads.context(hidden)[0, -1]
+                assert torch.allclose(self.inner.hidden[i], want, atol=1e-4), f"stale prefix state in row {i}"
+                self.checked += 1
+        draft = self.inner.propose(gamma, sampling, generator)
+        self.drafts.append(draft.tokens)
+        return draft
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("gamma", [1, 2, 4])
+def test_prefix_heads_decode_exactly_and_their_cache_holds_the_accepted_positions(trained, mode, gamma):
+    base, trained_heads, prompts, batch, _ = trained
+    heads = prefix_heads(base)
+    heads.load_state_dict(trained_heads.state_dict(), strict=False)  # the trained heads, over a prefix layer
+    g = torch.Generator().manual_seed(gamma)
+    with torch.no_grad():  # a prefix layer that is not the identity, small enough that drafts still get accepted
+        for p in heads.prefix.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    ragged = [prompts[0], prompts[1][2:], batch.tokens[2, :11].tolist()]
+    spy = PrefixSpy(make_drafter(heads, base, mode=mode), base, 30)
+    out = spec(base, spy, ragged, 30, gamma)
+    assert out.tokens == plain(base, ragged, 30)
+    assert not torch.allclose(heads.context(batch.hidden), batch.hidden, atol=1e-3)
+    # rows accept different counts (rollback of the prefix cache's padded block exercised)
+    assert spy.checked > 10 and out.stats.tau > 1 + 0.3 * min(gamma, 3), out.stats.tau
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_prefix_heads_sample_losslessly(mode):
+    heads = perturb(train.build(sharp_lm(0), num_heads=2, num_layers=1, prefix=True), seed=0, scale=0.3)
+    drafter = SequentialDrafter(heads, mode=mode, tree=LOSSLESS_TREE if mode == "tree" else None)
+    (stat, critical), stats = run_lossless(drafter, SamplingConfig(temperature=1.0))
+    assert 0.2 < stats.alpha < 1
+    assert stat < critical, f"chi2 {stat:.1f} >= critical {critical:.1f}: prefix heads ({mode}) are not lossless"
+
+
+def test_dropout_acts_in_training_only():
+    base = make_base()
+    batch = random_batch(base)
+    heads = prefix_heads(base, seed=0, dropout=0.5)
+    same = prefix_heads(base, seed=0)  # the same weights (the same draws), no dropout
+    tokens = train.following_tokens(batch.tokens, 3)
+    heads.train()
+    assert not torch.equal(heads(batch.hidden, tokens), heads(batch.hidden, tokens))
+    drafter = make_drafter(heads, base, mode="chain")
+    assert not heads.training  # drafting puts the heads in eval mode
+    assert torch.equal(heads(batch.hidden, tokens), same(batch.hidden, tokens))
+    prompts = PROMPTS[:2]
+    assert spec(base, drafter, prompts, 16, 3).tokens == spec(base, make_drafter(same, base, mode="chain"), prompts, 16, 3).tokens
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(dropout=1.0), "dropout=1.0"),
+        (dict(dropout=-0.1), "dropout=-0.1"),
+        (dict(dropout=True), "dropout=True"),
+        (dict(prefix="yes"), "prefix='yes'"),
+    ],
+)
+def test_hydra_settings_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match) as error:
+        train.build(make_base(), num_heads=2, **kwargs)
+    assert "\n" not in str(error.value)
