@@ -116,7 +116,7 @@ def accepted_mass(logits: Tensor, top_ids: Tensor, top_logp: Tensor, vocab: Tens
     ids, inside = top_ids, torch.ones_like(top_ids, dtype=torch.bool)
     if vocab is not None:  # full ids -> subset columns, by binary search in the sorted subset
         vocab = vocab.to(top_ids.device)
-        ids = torch.searchsorted(vocab, top_ids).clamp(max=vocab.numel() - 1)  # (..., k)
+        ids = torch.searchsorted(vocab, top_ids.contiguous()).clamp(max=vocab.numel() - 1)  # (..., k)
         inside = vocab[ids] == top_ids
     q_top = torch.where(inside, q.gather(-1, ids), 0.0)  # (..., k)
     return torch.minimum(top_logp.float().exp(), q_top).sum(dim=-1)
