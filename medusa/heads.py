@@ -29,7 +29,6 @@ from torch import Tensor, nn
 
 from verify.common.vocab import check_vocab, subset_linear, trim_linear
 
-
 INITS = ("medusa1", "random")  # Medusa-1's init (zero blocks, the base's output layer copied), or PyTorch's
 
 

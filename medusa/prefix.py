@@ -5,16 +5,14 @@ one more decoder layer under the heads: it attends causally over h_0 .. h_t and 
 h'_t instead, so a head can also read what the base computed at earlier positions (a name three tokens back,
 the list being enumerated) that h_t alone may no longer carry.
 
-The layer is prophet.eagle.EagleLayer with arch "eagle": a Llama layer without an input norm,
-h = x + attn(x), out = h + mlp(norm(h)), at the base's width (a Llama base's own shape; another base's: 4 heads,
-a 4x feed-forward). Its output projections start at zero, so a fresh layer is the identity and a fresh set of
-heads with a prefix layer drafts exactly as one without (Hydra's layer ends in a final norm instead, which is
-not the identity; starting from the identity keeps Medusa's init for the heads above it).
+The layer comes built (experiments/lib/families/sequential.py makes it an EAGLE-1 layer of the base's shape whose
+output projections start at zero, so a fresh layer is the identity; Hydra's own layer ends in a final norm instead,
+which is not). Here it is only run, through the interface that layer has: `layer(x)` causal over whole windows,
+`layer.new_cache(b, capacity)` and `layer.decode(x, cache)` appending to its own StaticCache.
 
-Decoding keeps the layer's keys and values for every accepted position in its own StaticCache (`PrefixCache`):
-the prefill's positions at `begin`, and at `commit` the accepted path's, read from the verification forward.
-Drafted tokens never enter it (the heads read their embeddings, not their hidden states), so a rejected draft
-leaves nothing to roll back.
+Decoding keeps the layer's keys and values for every accepted position (`PrefixCache`): the prefill's positions at
+`begin`, and at `commit` the accepted path's, read from the verification forward. Drafted tokens never enter it
+(the heads read their embeddings, not their hidden states), so a rejected draft leaves nothing to roll back.
 """
 
 from __future__ import annotations
@@ -23,38 +21,25 @@ import torch
 from einops import repeat
 from torch import Tensor, nn
 
-from prophet.eagle import EagleLayer, layer_shape
 from verify.backends.cache import StaticCache
 from verify.backends.target import TargetOutput, left_to_right
 from verify.loop.drafter import Verdict
 
-PREFIX_HEADS = 4  # attention heads of a non-Llama base's prefix layer (a Llama base's layer has the base's own)
+
+def layer_dtype(layer: nn.Module) -> torch.dtype:
+    return next(layer.parameters()).dtype
 
 
-def prefix_shape(base: nn.Module) -> dict:
-    """The prefix layer's shape for `base`: a Hugging Face Llama's own layer shape, else 4 heads and a 4x MLP."""
-    return layer_shape(base, heads=PREFIX_HEADS, attn_dim_head=None, ff_mult=4)
-
-
-def identity_layer(shape: dict, *, device=None, dtype=None) -> EagleLayer:
-    """An EAGLE-1 layer of `shape` whose attention and MLP output projections are zero: out == x at first."""
-    layer = EagleLayer(arch="eagle", **shape, device=device).to(dtype=dtype)
-    with torch.no_grad():
-        layer.o_proj.weight.zero_()
-        layer.down_proj.weight.zero_()
-    return layer
-
-
-def context(layer: EagleLayer, hidden: Tensor) -> Tensor:
+def context(layer: nn.Module, hidden: Tensor) -> Tensor:
     """Training and evaluation: hidden (B, T, d) -> (B, T, d), position t attending causally over 0..t."""
-    return layer(hidden.to(layer.o_proj.weight.dtype)).to(hidden.dtype)
+    return layer(hidden.to(layer_dtype(layer))).to(hidden.dtype)
 
 
 class PrefixCache:
     """The prefix layer's state while decoding: its keys and values for every accepted position of each row,
     and its output at the last one (`hidden` (b, d), what the heads read)."""
 
-    def __init__(self, layer: EagleLayer):
+    def __init__(self, layer: nn.Module):
         self.layer = layer
         self.cache: StaticCache | None = None
         self.hidden: Tensor | None = None
@@ -66,7 +51,7 @@ class PrefixCache:
         hidden = left_to_right(prefill.hidden, lengths)  # (b, W, d), rows from index 0
         b, width = hidden.shape[:2]
         self.cache = self.layer.new_cache(b, max(64, 2 * width))  # grows by doubling when an answer outruns it
-        out = self.layer.decode(hidden.to(self.layer.o_proj.weight.dtype), self.cache)  # (b, W, d)
+        out = self.layer.decode(hidden.to(layer_dtype(self.layer)), self.cache)  # (b, W, d)
         self.cache.commit(torch.arange(width, device=hidden.device) < lengths[:, None])  # drop the padding entries
         self.hidden = out[torch.arange(b, device=hidden.device), lengths - 1]
         return self.hidden
@@ -77,7 +62,7 @@ class PrefixCache:
         output at the last accepted one. Rows accept different counts: the padded block is fed and a + 1 kept."""
         hidden = verdict.target.hidden  # (b, k + 1, d) the verification forward's final hidden states
         path = hidden.gather(1, repeat(verdict.path, "b n -> b n d", d=hidden.shape[-1]))  # (b, D + 1, d)
-        out = self.layer.decode(path.to(self.layer.o_proj.weight.dtype), self.cache)
+        out = self.layer.decode(path.to(layer_dtype(self.layer)), self.cache)
         width = path.shape[1]
         self.cache.commit(torch.arange(width, device=out.device) < (verdict.accepted + 1)[:, None], prefix=True)
         self.hidden = out[torch.arange(out.shape[0], device=out.device), verdict.accepted]

@@ -20,8 +20,9 @@ submodule, read with detached weights, so it is never a parameter, never in the 
 receives a gradient.
 
 Hydra++'s recipe, both off by default (the ablation in docs/ablations.md measures them at equal minutes):
-- `prefix`: one attention layer over the base's hidden states under the heads (medusa/prefix.py), starting as
-  the identity; the heads read its output h'_t where they read h_t. `context` applies it to whole windows.
+- `prefix`: one attention layer over the base's hidden states under the heads (medusa/prefix.py; built by
+  experiments/lib/families/sequential.py, starting as the identity); the heads read its output h'_t where they
+  read h_t. `context` applies it to whole windows.
 - `dropout`: in training, dropout on each head's input [h; e_1 .. e_k] and before its projection (inactive
   in eval mode, so drafting is unchanged by it).
 """
@@ -36,7 +37,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from medusa.heads import FrozenHead, ResBlock, check_head_sizes, copy_linear
-from medusa.prefix import context, identity_layer, prefix_shape
+from medusa.prefix import context
 from verify.common.vocab import check_vocab, subset_linear, trim_linear
 
 
@@ -51,15 +52,17 @@ class SequentialHeads(nn.Module):
         projection: nn.Linear,
         num_heads: int,
         num_layers: int = 1,
-        prefix: dict | None = None,
+        prefix: nn.Module | None = None,
         dropout: float = 0.0,
     ):
-        """`prefix`: the prefix layer's shape (medusa.prefix.prefix_shape), None for none; `dropout`: the training
-        dropout rate on each head's input and before its projection, in [0, 1)."""
+        """`prefix`: the prefix layer, built (medusa/prefix.py says what it must offer), None for none; `dropout`: the
+        training dropout rate on each head's input and before its projection, in [0, 1)."""
         super().__init__()
         check_head_sizes(num_heads=num_heads, num_layers=num_layers)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ValueError(f"dropout={dropout!r}: must be a number in [0, 1)")
+        if prefix is not None and not isinstance(prefix, nn.Module):
+            raise ValueError(f"prefix is a {type(prefix).__name__}: need a built layer (an nn.Module) or None")
         if not isinstance(embedding, nn.Embedding):
             raise ValueError(f"embedding is a {type(embedding).__name__}: need the base's token nn.Embedding(V, e)")
         if not isinstance(projection, nn.Linear):
@@ -81,8 +84,7 @@ class SequentialHeads(nn.Module):
         )
         self.projections = nn.ModuleList(copy_linear(projection) for _ in range(num_heads))
         self.drop = nn.Dropout(dropout)  # the identity in eval mode: drafting never drops
-        # Built last, and only when asked for: the other weights draw the same random numbers as without it.
-        self.prefix = None if prefix is None else identity_layer(prefix, device=w.device, dtype=w.dtype)
+        self.prefix = prefix
 
     def _identity_mix(self, k: int, *, device, dtype) -> nn.Linear:
         """Linear(d + k e -> d) with weight [I, 0, .., 0] and bias 0: it passes h through and ignores the tokens."""
@@ -95,18 +97,16 @@ class SequentialHeads(nn.Module):
 
     @classmethod
     def from_base(
-        cls, base: nn.Module, *, num_heads: int, num_layers: int = 1, prefix: bool = False, dropout: float = 0.0
+        cls, base: nn.Module, *, num_heads: int, num_layers: int = 1, prefix: nn.Module | None = None, dropout=0.0
     ) -> SequentialHeads:
         """Heads for an x-transformers TransformerWrapper or an HFBase: its token embedding is borrowed, its
-        `to_logits` copied; `prefix` adds Hydra++'s prefix layer, shaped as one of the base's layers."""
-        if not isinstance(prefix, bool):
-            raise ValueError(f"prefix={prefix!r}: must be true or false")
+        `to_logits` copied; `prefix` a built prefix layer (Hydra++'s), None for none."""
         return cls(
             embedding=base.token_emb.emb,
             projection=base.to_logits,
             num_heads=num_heads,
             num_layers=num_layers,
-            prefix=prefix_shape(base) if prefix else None,
+            prefix=prefix,
             dropout=dropout,
         )
 

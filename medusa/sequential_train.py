@@ -37,10 +37,11 @@ __all__ = ["build", "loss", "evaluate"]
 
 
 def build(
-    base: nn.Module, *, num_heads: int = 4, num_layers: int = 1, prefix: bool = False, dropout: float = 0.0
+    base: nn.Module, *, num_heads: int = 4, num_layers: int = 1, prefix: nn.Module | None = None, dropout: float = 0.0
 ) -> SequentialHeads:
-    """Fresh heads on `base` (each equal to a fresh Medusa head: the base's projection of h); `prefix` and
-    `dropout` are Hydra++'s prefix layer and training dropout (medusa.sequential)."""
+    """Fresh heads on `base` (each equal to a fresh Medusa head: the base's projection of h); `prefix` (a built
+    layer) and `dropout` are Hydra++'s prefix layer and training dropout (medusa.sequential). The registry builds
+    the family through experiments/lib/families/sequential.py, which makes the prefix layer from `prefix: true`."""
     return SequentialHeads.from_base(base, num_heads=num_heads, num_layers=num_layers, prefix=prefix, dropout=dropout)
 
 

@@ -94,7 +94,10 @@ def test_random_init_is_the_ablation_of_medusa1s_init():
     total, _ = train.loss(heads, base, batch)
     total.backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in heads.parameters())
-    for kwargs, match in ((dict(init="zero"), "init='zero'"), (dict(init="random", share_base_projection=True), "shared")):
+    for kwargs, match in (
+        (dict(init="zero"), "init='zero'"),
+        (dict(init="random", share_base_projection=True), "shared"),
+    ):
         with pytest.raises(ValueError, match=match) as error:
             train.build(base, num_heads=2, **kwargs)
         assert "\n" not in str(error.value)

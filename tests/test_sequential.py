@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from experiments.lib.families.sequential import build as family_build
 from medusa import sequential_train as train
 from medusa.heads import ResBlock
 from medusa.sequential import SequentialHeads
@@ -467,8 +468,9 @@ def test_chains_and_trees_at_t1_sample_with_q(family):
 
 
 def prefix_heads(base, seed=None, dropout=0.0):
-    """Heads with Hydra++'s prefix layer; with a seed, random (the prefix layer too, so it is not the identity)."""
-    heads = train.build(base, num_heads=3, num_layers=1, prefix=True, dropout=dropout)
+    """Heads with Hydra++'s prefix layer, built as the registry builds the family; with a seed, random (the prefix
+    layer too, so it is not the identity)."""
+    heads = family_build(base, num_heads=3, num_layers=1, prefix=True, dropout=dropout)
     if seed is not None:
         perturb(heads, seed=seed)
         with torch.no_grad():
@@ -490,7 +492,7 @@ def test_a_fresh_prefix_layer_is_the_identity_and_trains():
     # zero output projections: they get gradients first (q, k, v and the MLP's inputs only once they move)
     assert heads.prefix.o_proj.weight.grad.abs().sum() > 0 and heads.prefix.down_proj.weight.grad.abs().sum() > 0
     assert {key.split(".")[0] for key in heads.state_dict()} == {"mix", "blocks", "projections", "prefix"}
-    rebuilt = train.build(base, num_heads=3, num_layers=1, prefix=True)
+    rebuilt = family_build(base, num_heads=3, num_layers=1, prefix=True)
     perturb(heads, seed=3)
     rebuilt.load_state_dict(heads.state_dict(), strict=True)
     assert torch.equal(rebuilt.context(batch.hidden), heads.context(batch.hidden))
@@ -545,7 +547,7 @@ def test_prefix_heads_decode_exactly_and_their_cache_holds_the_accepted_position
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_prefix_heads_sample_losslessly(mode):
-    heads = perturb(train.build(sharp_lm(0), num_heads=2, num_layers=1, prefix=True), seed=0, scale=0.3)
+    heads = perturb(family_build(sharp_lm(0), num_heads=2, num_layers=1, prefix=True), seed=0, scale=0.3)
     drafter = SequentialDrafter(heads, mode=mode, tree=LOSSLESS_TREE if mode == "tree" else None)
     (stat, critical), stats = run_lossless(drafter, SamplingConfig(temperature=1.0))
     assert 0.2 < stats.alpha < 1
@@ -564,7 +566,10 @@ def test_dropout_acts_in_training_only():
     assert not heads.training  # drafting puts the heads in eval mode
     assert torch.equal(heads(batch.hidden, tokens), same(batch.hidden, tokens))
     prompts = PROMPTS[:2]
-    assert spec(base, drafter, prompts, 16, 3).tokens == spec(base, make_drafter(same, base, mode="chain"), prompts, 16, 3).tokens
+    assert (
+        spec(base, drafter, prompts, 16, 3).tokens
+        == spec(base, make_drafter(same, base, mode="chain"), prompts, 16, 3).tokens
+    )
 
 
 @pytest.mark.parametrize(
@@ -578,5 +583,5 @@ def test_dropout_acts_in_training_only():
 )
 def test_hydra_settings_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match) as error:
-        train.build(make_base(), num_heads=2, **kwargs)
+        family_build(make_base(), num_heads=2, **kwargs)
     assert "\n" not in str(error.value)

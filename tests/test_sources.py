@@ -130,7 +130,7 @@ def test_each_family_is_keyed_by_its_own_code_and_the_shared_loop() -> None:
         "medusa": {"medusa/train.py", "medusa/heads.py"},
         "prophet": {"prophet/train.py", "prophet/eagle.py"},
         "prophet_block": {"prophet/block_train.py", "prophet/block.py"},
-        "sequential": {"medusa/sequential_train.py", "medusa/sequential.py"},
+        "sequential": {"medusa/sequential_train.py", "medusa/sequential.py", "experiments/lib/families/sequential.py"},
         "early_exit": {"experiments/lib/families/early_exit.py"},
     }
     for kind, files in code.items():

@@ -28,6 +28,7 @@ from torch import nn
 
 from experiments.lib.families import draft as draft_family
 from experiments.lib.families import early_exit as exit_family
+from experiments.lib.families import sequential as sequential_family
 from experiments.lib.formats.common import detect
 from experiments.lib.formats.registry import read
 from experiments.lib.store.checkpoint import CheckpointError, load_checkpoint
@@ -81,7 +82,7 @@ FAMILIES: dict[str, Family] = {
         compiles=True,
     ),
     "sequential": Family(
-        sequential_train.build,
+        sequential_family.build,  # sequential_train.build, and Hydra++'s prefix layer built from prophet/'s layer
         sequential_train.loss,
         sequential_train.evaluate,
         sequential_drafter.make_drafter,
