@@ -27,6 +27,7 @@ from verify.loop.drafter import Verdict
 
 
 def layer_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype the layer computes in (bf16 when loaded on a bf16 base): its inputs are cast to it."""
     return next(layer.parameters()).dtype
 
 
