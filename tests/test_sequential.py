@@ -46,8 +46,11 @@ def heads_on(base, num_heads=3, num_layers=1, seed=None):
     token columns of their input mix scaled up (the base's embeddings are ~4x smaller than its hidden states,
     so perturbation alone leaves most guesses the same whatever the path)."""
     heads = SequentialHeads.from_base(base, num_heads=num_heads, num_layers=num_layers)
-    if seed is None:
-        return heads
+    return heads if seed is None else randomise(heads, seed)
+
+
+def randomise(heads, seed):
+    """Perturbed heads whose token columns of the input mix are scaled up, so their guesses depend on the path."""
     perturb(heads, seed=seed)
     with torch.no_grad():
         for mix in heads.mix:
@@ -471,12 +474,7 @@ def prefix_heads(base, seed=None, dropout=0.0):
     """Heads with Hydra++'s prefix layer, built as the registry builds the family; with a seed, random (the prefix
     layer too, so it is not the identity)."""
     heads = family_build(base, num_heads=3, num_layers=1, prefix=True, dropout=dropout)
-    if seed is not None:
-        perturb(heads, seed=seed)
-        with torch.no_grad():
-            for mix in heads.mix:
-                mix.weight[:, heads.dim :] *= 8
-    return heads
+    return heads if seed is None else randomise(heads, seed)
 
 
 def test_a_fresh_prefix_layer_is_the_identity_and_trains():
